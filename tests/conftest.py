@@ -1,0 +1,57 @@
+# Put the repo root on sys.path so tests can `import model`, `from weights.prepare import ...`.
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+# --- tiny random Hugging Face checkpoints (used by tests/test_model.py) -------------------------
+
+import pytest
+
+HF_FAMILIES = {  # model_type -> (config class, model class) names in transformers
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tmp_path_factory):
+    """Factory: tiny_hf_model(family, seed=0, max_shard_size=None, **config) -> folder holding a
+    random transformers model saved with save_pretrained (config.json + *.safetensors).
+
+    Weights are re-drawn larger than HF's init (std 0.02 would make attention nearly uniform, so
+    RoPE or mask bugs would hardly show in the logits); norm weights and biases are randomised
+    too, since HF initialises them to 1 and 0 and a loader that skipped them would go unseen.
+    Identical requests share one folder."""
+    import torch
+    import transformers
+
+    made = {}
+
+    def make(family="llama", seed=0, max_shard_size=None, **config):
+        key = (family, seed, max_shard_size, repr(sorted(config.items())))
+        if key in made:
+            return made[key]
+        cfg_cls, model_cls = (getattr(transformers, n) for n in HF_FAMILIES[family])
+        torch.manual_seed(seed)
+        model = model_cls(cfg_cls(**{**TINY, **config})).float().eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
+                elif name.endswith("bias"):
+                    p.normal_(0.0, 0.5)
+                else:
+                    p.normal_(0.0, 0.15)
+        folder = tmp_path_factory.mktemp(f"{family}-")
+        kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+        model.save_pretrained(folder, **kw)
+        made[key] = folder
+        return folder
+
+    return make

