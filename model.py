@@ -106,7 +106,8 @@ class ModelConfig:
         import hashlib
 
         keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "intermediate_size", "rope_theta")
+                "num_key_value_heads", "head_dim", "intermediate_size", "rope_theta", "rope_scaling",
+                "tie_word_embeddings", "attention_bias", "qk_norm")
         s = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
         return hashlib.sha256(s.encode()).hexdigest()[:16]
 

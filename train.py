@@ -237,7 +237,9 @@ def get_args(argv=None):
     a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
     a("--cache-kv", action=argparse.BooleanOptionalAction, default=None,
       help="keep every sample's prompt KV and targets in memory across epochs (default: on CUDA)")
+    a("--max-minutes", type=float, default=None, help="stop training after this long (checkpoint + adapter saved, noted in its metadata)")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a("--dtype", default=None, choices=["float32", "bfloat16"], help="base model dtype (default: bfloat16 on CUDA, float32 on CPU); the module trains in float32")
     a("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -293,7 +295,7 @@ def main(argv=None):
     if args.model is None:
         from weights.prepare import DEFAULT_DIR, ensure_default
         args.model = str(ensure_default(DEFAULT_DIR))
-    model = load_model(args.model, dev)
+    model = load_model(args.model, dev, getattr(torch, args.dtype) if args.dtype else None)
     tok = Tokenizer(args.model, model.config)
     cfg = model.config
 
@@ -348,7 +350,13 @@ def main(argv=None):
         do_eval()  # step 0 = the untrained module (random P, LoRA B = 0): the honest reference
     bar = tqdm(total=total, initial=step, desc="training", disable=rank > 0)
     n_seen = 0
+    stopped_early = False
     while step < total:
+        if args.max_minutes and time.perf_counter() - t0 > 60 * args.max_minutes:
+            stopped_early = True
+            print0(f"--max-minutes {args.max_minutes} reached at step {step}/{total}: saving what we have")
+            do_eval()
+            break
         epoch, k = divmod(step, steps_per_epoch)
         order = list(range(len(train_rows)))
         random.Random(args.seed + epoch).shuffle(order)  # the same order on every rank and on resume
@@ -379,10 +387,12 @@ def main(argv=None):
     bar.close()
 
     if rank == 0:
+        if stopped_early:
+            save_checkpoint(ckpt, module, opt, step, log)
         module.info = dict(train_data=dict(sources=list(data.SOURCES), n_train=len(train_rows), n_heldout=len(held_rows),
                                            min_tokens=args.min_tokens, max_tokens=args.max_tokens,
                                            max_new_tokens=args.max_new_tokens),
-                           steps=step, batch=args.batch, lr=args.lr, epochs=args.epochs,
+                           steps=step, planned_steps=total, stopped_early=stopped_early, batch=args.batch, lr=args.lr, epochs=args.epochs,
                            heldout=log[-1] if log else None, untrained=log[0] if log else None)
         dest = Path(args.adapter_out) if args.adapter_out else out / "adapter.safetensors"
         module.save(dest)

@@ -289,6 +289,21 @@ def test_chunk_on_top_of_cache_matches_full_forward(tiny, split):
     assert max_diff(torch.cat([first, second], 1), ref) <= ATOL
 
 
+def test_attention_mask_is_bottom_right_and_never_empty():
+    """The chunk's Tq queries sit at the last Tq of Tk slots; a query may see the slots up to its
+    own, minus invalid ones, but always its own slot: a padding query with no key at all would
+    give NaN on some SDPA kernels (torch 2.13's CPU kernels return 0, so only this direct check
+    catches a missing guard), and a NaN value in the cache poisons every later query (0 * NaN)."""
+    key_valid = torch.tensor([[False, False, True, True, True, True]])[:, None]  # (1, 1, 6)
+    m = M.attention_mask(3, 6, key_valid, "cpu")
+    assert m.shape == (1, 1, 3, 6)
+    expected = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(m[0, 0], expected)
+    pad = M.attention_mask(6, 6, key_valid, "cpu")[0, 0]
+    assert pad.any(-1).all() and torch.equal(pad[:2], torch.eye(6, dtype=torch.bool)[:2])
+    assert torch.equal(M.attention_mask(4, 4, None, "cpu")[0, 0], torch.ones(4, 4, dtype=torch.bool).tril())
+
+
 def test_positions_shift_leaves_logits_but_not_keys(tiny):
     """RoPE is relative: shifting every position by a constant keeps the logits, while the cached
     keys (rotated) change. So positions, not slots, carry the order of tokens."""

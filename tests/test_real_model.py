@@ -1,0 +1,71 @@
+"""End-to-end on the real default checkpoint (weights/SmolLM2-135M-Instruct, made by
+python weights/prepare.py, which the README's test command runs first). Skipped without it."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import generate
+from model import Tokenizer, load_model
+
+FOLDER = Path(__file__).resolve().parents[1] / "weights" / "SmolLM2-135M-Instruct"
+ADAPTER = FOLDER.parent / "SmolLM2-135M-Instruct.lookahead.safetensors"  # shipped in the repo
+pytestmark = pytest.mark.skipif(not (FOLDER / "model.safetensors").exists(), reason="run python weights/prepare.py")
+
+FILLER = ("The committee met again in the spring to review the harbour accounts, the state of the roads "
+          "and the many letters received from the northern districts about the price of grain. ")
+
+
+@pytest.fixture(scope="module")
+def needle_file(tmp_path_factory):
+    """A ~1K-token haystack with one planted fact in the middle and the question at the end."""
+    parts = [FILLER] * 30
+    parts.insert(15, "The special magic number for the blue lighthouse is: 7381924. ")
+    text = "".join(parts) + "\nWhat is the special magic number for the blue lighthouse? Answer with the number only."
+    path = tmp_path_factory.mktemp("needle") / "needle.txt"
+    path.write_text(text)
+    return path
+
+
+def run_generate(capsys, *argv):
+    generate.main(["--model", str(FOLDER), "--json", "--max-new-tokens", "24", *argv])
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_needle_answered_with_full_cache(needle_file, capsys):
+    out = run_generate(capsys, "--prompt", str(needle_file), "--method", "full")
+    assert 900 <= out["prompt_tokens"] <= 1300
+    assert "7381924" in out["text"]
+    assert out["kept_tokens"] == out["prompt_tokens"] and out["kv_bytes_kept"] == out["kv_bytes_full"]
+
+
+def test_streaming_keeps_at_most_the_budget(needle_file, capsys):
+    out = run_generate(capsys, "--prompt", str(needle_file), "--method", "streaming", "--budget", "128")
+    assert out["kept_tokens"] <= 128
+    # 4 sinks + 124 recent of ~1K tokens: the cache is the budget's share of the full one
+    assert out["kv_bytes_kept"] == pytest.approx(out["kv_bytes_full"] * 128 / out["prompt_tokens"], rel=1e-6)
+
+
+@pytest.mark.skipif(not ADAPTER.exists(), reason="no shipped adapter yet")
+def test_shipped_adapter_loads_and_answers_the_needle(needle_file, capsys):
+    out = run_generate(capsys, "--prompt", str(needle_file), "--method", "lookahead", "--budget", "128")
+    assert out["kept_tokens"] == 128
+    assert "7381924" in out["text"]
+
+
+def test_logits_match_transformers():
+    transformers = pytest.importorskip("transformers")
+    tok = Tokenizer(FOLDER)
+    ids = torch.tensor([tok.encode(tok.chat(FILLER * 8 + "Summarise the text."))])  # ~300 tokens
+    ours = load_model(FOLDER)
+    with torch.no_grad():
+        a = ours(ids, positions=torch.arange(ids.shape[1])[None])
+    del ours
+    hf = transformers.LlamaForCausalLM.from_pretrained(FOLDER, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        b = hf(ids).logits
+    rel = ((a - b).abs().max() / b.abs().max()).item()
+    assert rel < 1e-3, rel
+    assert torch.equal(a[0, -1].argmax(), b[0, -1].argmax())
