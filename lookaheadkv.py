@@ -81,7 +81,8 @@ def group_attention(q, k, key_valid=None, causal=True):
         mask = torch.arange(Tk, device=q.device)[None, :] <= q_slot  # bottom-right aligned
     if key_valid is not None:
         mask = mask & key_valid[:, :, None, :]  # (B, 1|H_kv, G*Tq, Tk)
-    return logits.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    # a left-padding query sees no real key: its all -inf row would be NaN, make it 0 instead
+    return logits.masked_fill(~mask, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
 
 
 class WindowHook(Hook):
@@ -261,6 +262,8 @@ def select(scores, budget, key_valid=None, protect=None):
 
 def pyramid_budgets(budget, window, n_layers, beta):
     """PyramidKV: budgets fall linearly from the first layer to the last, mean over layers = C."""
+    if n_layers == 1:
+        return [budget]
     avail = budget - window
     lo = avail // beta
     hi = 2 * avail - lo
@@ -337,10 +340,12 @@ def compress(model, ids, ec, pad_mask=None, module=None, response=None):
         if pad_mask is not None:
             pad_mask = torch.cat([pad_mask, pad_mask.new_ones(B, M)], dim=1)
         hook = LookaheadHook(module, S)
+    # the scoring hook sees the last prefill chunk only: it must hold the window / the M rows
+    chunk = max(ec.chunk_size, ec.window if windowed else 0, module.n_tokens + 1 if method == "lookahead" else 0)
     cache = KVCache(L)
     sync(dev)
     t0 = time.perf_counter()
-    logits = prefill(model, x, positions, cache, pad_mask, hook, ec.chunk_size, logits_at=S - 1)[:, -1]
+    logits = prefill(model, x, positions, cache, pad_mask, hook, chunk, logits_at=S - 1)[:, -1]
     sync(dev)
     t1 = time.perf_counter()
     stats = dict(prefill_ms=(t1 - t0) * 1e3, score_ms=0.0, keep_frac=None)

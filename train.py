@@ -124,7 +124,7 @@ class GroundTruthHook(Hook):
         self.gt.attn(layer, q, k, key_valid)
         if self.window:
             S = self.S
-            self.snapkv.attn(layer, q[:, :, S - self.window:S], k[:, :, :S], None)
+            self.snapkv.attn(layer, q[:, :, max(S - self.window, 0):S], k[:, :, :S], None)
             self.h2o.attn(layer, q[:, :, :S], k[:, :, :S], None)
 
 
@@ -371,6 +371,8 @@ def main(argv=None):
             loss_sum += loss.item()
         if ddp:  # average the gradients of all ranks (the module runs as a hook, so we reduce by hand)
             for p in module.parameters():
+                if p.grad is None:  # e.g. the last layer's v/o/MLP LoRA: nothing after it reads them
+                    continue
                 dist.all_reduce(p.grad)  # a sum (gloo has no average)
                 p.grad /= world
         torch.nn.utils.clip_grad_norm_(module.parameters(), args.clip)

@@ -1,0 +1,696 @@
+"""Tests of lookaheadkv.py: every scorer through compress (shapes, budgets, decode), select's
+rules, the exactness of the lookahead pass (two passes == one masked pass == a by-hand masked
+LoRA), H2O and GQA attention against explicit full attention matrices, decoding on an evicted
+cache against a full forward with the evicted keys masked out, chunked prefill, left padding,
+and the adapter file format.
+
+Everything runs on CPU in float32 on tiny random models (weights re-drawn N(0, 0.15) so that
+attention is far from uniform and a wrong index or position changes the numbers)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import lookaheadkv as lk
+import model as M
+from lookaheadkv import EvictConfig, H2OHook, LookaheadHook, LookaheadModule, WindowHook, compress, decode, select
+from model import Hook, KVCache, ModelConfig, Transformer
+
+V = 128
+TINY = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, name="tiny")
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _no_grad_one_thread():
+    # one thread: these tensors are tiny, and on a shared 2-core machine a second OpenMP thread
+    # spin-waiting on a busy core makes the file ~100x slower (12 s instead of 0.1 s per test)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        yield
+    torch.set_num_threads(n)
+
+
+def tiny_model(seed=0, **kw):
+    cfg = ModelConfig(**{**TINY, **kw})
+    torch.manual_seed(seed)
+    model = Transformer(cfg).float().eval().requires_grad_(False)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.uniform_(0.5, 1.5)
+        else:
+            p.normal_(0.0, 0.15)
+    return model
+
+
+def rand_ids(B, T, seed=0, low=1):
+    return torch.randint(low, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def pos(start, n, B=1):
+    return torch.arange(start, start + n)[None].expand(B, n)
+
+
+def random_module(cfg, M_=8, targets=("q_proj", "k_proj"), seed=1, randomise_B=True):
+    """A LookaheadModule whose embeddings look like tokens and whose LoRA B is nonzero (an
+    untrained module has B = 0, which would hide any bug in where the delta is applied)."""
+    torch.manual_seed(seed)
+    mod = LookaheadModule(cfg, n_tokens=M_, targets=targets, embed_std=0.15)
+    if randomise_B:
+        for name, p in mod.named_parameters():
+            if name.endswith("_B"):
+                p.normal_(0.0, 0.1)
+    return mod.eval().requires_grad_(False)
+
+
+def kept_slots(full_k, kept_k):
+    """Recover which prompt slots a compressed cache kept: each kept key (B, H_kv, C, D) must be an
+    exact copy of one key of the full cache (B, H_kv, S, D) of the same row and KV head.
+    Returns (B, H_kv, C) slot indices."""
+    d = torch.cdist(kept_k.double(), full_k.double())  # (B, H_kv, C, S)
+    dist, idx = d.min(dim=-1)
+    assert dist.max().item() < 1e-4, "a kept key is not a key of the prompt"
+    return idx
+
+
+def explicit_probs(q, k, causal=True, key_valid=None):
+    """Reference attention with K copied for GQA (HF's repeat_kv): (B, H, Tq, Tk)."""
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    kr = k.repeat_interleave(H // k.shape[1], dim=1)
+    logits = (q.double() @ kr.double().transpose(-1, -2)) / math.sqrt(D)
+    allowed = torch.ones(Tq, Tk, dtype=torch.bool)
+    if causal:
+        allowed = torch.arange(Tk)[None, :] <= torch.arange(Tk - Tq, Tk)[:, None]
+    allowed = allowed[None, None]
+    if key_valid is not None:  # (B, 1|H_kv, Tk): one row per KV head -> one per query head
+        if key_valid.shape[1] > 1:
+            key_valid = key_valid.repeat_interleave(H // key_valid.shape[1], dim=1)
+        allowed = allowed & key_valid[:, :, None, :]
+    return logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+
+
+class Capture(Hook):
+    """Records each layer's post-RoPE queries and keys."""
+
+    def __init__(self):
+        self.q, self.k = {}, {}
+
+    def attn(self, layer, q, k, key_valid):
+        self.q[layer], self.k[layer] = q.clone(), k.clone()
+
+
+# -----------------------------------------------------------------------------
+# 1. every method through compress: budgets, kept slots, decode
+
+
+def method_kwargs(method, cfg, seed=0):
+    kw = {}
+    if method == "lookahead":
+        kw["module"] = LookaheadModule(cfg, n_tokens=8)  # untrained: B = 0
+    if method == "oracle":
+        kw["response"] = rand_ids(1, 6, seed=seed + 7)
+    return kw
+
+
+@pytest.mark.parametrize("method", lk.METHODS)
+def test_every_method_keeps_min_S_C_per_head_and_decodes(method):
+    model = tiny_model(num_hidden_layers=3)
+    cfg = model.config
+    S, C, W = 48, 24, 8
+    ids = rand_ids(1, S)
+    ec = EvictConfig(method, budget=C, window=W, laq_tokens=4)
+    full, full_logits, full_pos, _ = compress(model, ids, EvictConfig("full"))
+    torch.manual_seed(0)
+    cache, logits, next_pos, stats = compress(model, ids, ec, **method_kwargs(method, cfg))
+    assert next_pos.tolist() == [S]
+    assert torch.allclose(logits, full_logits, atol=ATOL)  # eviction happens after the first token's logits
+    if method == "full":
+        budgets = [S] * 3
+        assert stats["keep_frac"] is None
+    elif method == "pyramidkv":
+        budgets = lk.pyramid_budgets(C, W, 3, ec.pyramid_beta)
+        assert budgets == [40, 24, 8] and sum(budgets) / 3 == C  # falling with depth, mean C
+    else:
+        budgets = [C] * 3
+    for l in range(3):
+        assert cache.k[l].shape == (1, cfg.num_key_value_heads, budgets[l], cfg.head_dim)
+        assert cache.v[l].shape == cache.k[l].shape
+        idx = kept_slots(full.k[l], cache.k[l])  # (1, H_kv, C_l)
+        for h in range(cfg.num_key_value_heads):
+            slots = idx[0, h].tolist()
+            assert len(set(slots)) == budgets[l], "a slot kept twice"
+            assert slots == sorted(slots)  # slot order is kept
+            if method in ("snapkv", "pyramidkv", "h2o", "laq"):
+                assert set(range(S - W, S)) <= set(slots)  # the window is protected
+            if method == "streaming":
+                assert slots == list(range(4)) + list(range(S - (C - 4), S))
+        # values travel with their keys
+        assert torch.equal(cache.v[l], full.v[l].gather(2, idx[..., None].expand(-1, -1, -1, cfg.head_dim)))
+    if method != "full":
+        # keep_frac: per prompt token, the fraction of (layer, KV head) pairs that kept it
+        assert stats["keep_frac"].shape == (S,)
+        assert stats["keep_frac"].sum().item() == pytest.approx(sum(budgets) / 3)
+    toks = list(decode(model, cache, logits, next_pos, 3))
+    assert len(toks) == 3 and all(t.shape == (1,) and 0 <= t.item() < V for t in toks)
+    assert toks[0].item() == full_logits.argmax(-1).item()
+    for l in range(3):  # two tokens were fed after the first one
+        assert cache.k[l].shape[2] == budgets[l] + 2
+
+
+@pytest.mark.parametrize("method", lk.METHODS)
+@pytest.mark.parametrize("S", [24, 16])  # == C and < C: nothing to evict
+def test_no_eviction_when_prompt_fits(method, S):
+    model = tiny_model()
+    ids = rand_ids(1, S, seed=3)
+    _, full_logits, _, _ = compress(model, ids, EvictConfig("full"))
+    cache, logits, next_pos, stats = compress(model, ids, EvictConfig(method, budget=24, window=8),
+                                              **method_kwargs(method, model.config))
+    assert len(cache) == S and all(k.shape[2] == S for k in cache.k)
+    assert stats["keep_frac"] is None and next_pos.tolist() == [S]
+    assert torch.allclose(logits, full_logits, atol=ATOL)
+    toks = list(decode(model, cache, logits, next_pos, 3))
+    assert len(toks) == 3 and len(cache) == S + 2
+
+
+# -----------------------------------------------------------------------------
+# 2. select and the budget errors
+
+
+def test_select_keeps_top_scores_in_slot_order():
+    s = torch.tensor([[[0.1, 0.9, 0.3, 0.8, 0.05, 0.7], [0.6, 0.1, 0.2, 0.3, 0.9, 0.0]]])  # (1, 2, 6)
+    idx = select(s, 3)
+    assert idx.tolist() == [[[1, 3, 5], [0, 3, 4]]]
+    assert select(s, 10).tolist() == [[list(range(6))] * 2]  # budget > S keeps everything
+
+
+def test_select_protected_tokens_count_inside_budget():
+    s = torch.tensor([[[0.1, 0.9, 0.3, 0.8, 0.05, 0.7]]])
+    protect = torch.tensor([[[True, False, False, False, True, False]]])  # low scores, kept anyway
+    assert select(s, 3, protect=protect).tolist() == [[[0, 1, 4]]]  # 2 protected + best other one
+    assert select(s, 2, protect=protect).tolist() == [[[0, 4]]]
+
+
+def test_select_never_prefers_padding():
+    s = torch.tensor([[[5.0, 4.0, 0.1, 0.2, 0.3]], [[0.5, 0.1, 0.2, 0.3, 0.4]]])  # (2, 1, 5)
+    valid = torch.tensor([[True, True, True, True, True], [False, False, True, True, True]])[:, None]
+    assert select(s, 2, key_valid=valid).tolist() == [[[0, 1]], [[3, 4]]]  # row 1: padding has the top score
+    assert select(s, 3, key_valid=valid)[1].tolist() == [[2, 3, 4]]
+    # only when the budget exceeds the real tokens does padding fill the remaining slots
+    assert select(s, 4, key_valid=valid)[1, 0, -3:].tolist() == [2, 3, 4]
+    # protect does not override padding (streaming protects position 0, which padding also has)
+    protect = torch.tensor([[True, False, False, False, False]])[None].expand(2, 1, 5)
+    assert select(s, 2, key_valid=valid, protect=protect)[1].tolist() == [[3, 4]]
+
+
+@pytest.mark.parametrize("method,kw,msg", [
+    ("snapkv", dict(budget=8, window=8), "budget 8 is too small for snapkv"),
+    ("pyramidkv", dict(budget=4, window=8), "too small for pyramidkv"),
+    ("h2o", dict(budget=8, window=8), "too small for h2o"),
+    ("laq", dict(budget=8, window=8), "too small for laq"),
+    ("streaming", dict(budget=4, n_sink=4), "too small for streaming"),
+])
+def test_budget_below_protected_tokens_is_refused(method, kw, msg):
+    model = tiny_model()
+    with pytest.raises(SystemExit, match=msg):
+        compress(model, rand_ids(1, 40), EvictConfig(method, **kw))
+    # one slot more than the protected tokens is fine
+    b = kw.get("window", kw.get("n_sink")) + 1
+    cache, *_ = compress(model, rand_ids(1, 40), EvictConfig(method, **{**kw, "budget": b}))
+    assert cache.k[-1].shape[2] <= b
+
+
+def test_missing_inputs_are_refused():
+    model = tiny_model()
+    ids = rand_ids(1, 40)
+    with pytest.raises(SystemExit, match="needs an adapter"):
+        compress(model, ids, EvictConfig("lookahead", budget=16))
+    with pytest.raises(SystemExit, match="full-cache answer"):
+        compress(model, ids, EvictConfig("oracle", budget=16))
+    with pytest.raises(ValueError, match="unknown method"):
+        compress(model, ids, EvictConfig("nope", budget=16))
+
+
+# -----------------------------------------------------------------------------
+# 3, 4. the lookahead pass: two passes == one masked pass == a masked LoRA by hand
+
+
+class MaskedLoRAByHand(Hook):
+    """The paper's equation written out: Q = [X; P] Wq + [0; P] dWq with the delta computed on
+    EVERY row and multiplied by a row mask [0..0, 1..1]; scores from explicit attention with K
+    copied per query head (no group_attention)."""
+
+    def __init__(self, module, S, M_):
+        self.module, self.S, self.M = module, S, M_
+        self.scores = {}
+
+    def lora(self, layer, name, x):
+        d = self.module.delta(layer, name, x)
+        if d is None:
+            return None
+        mask = torch.cat([torch.zeros(self.S), torch.ones(self.M)])[None, :, None]
+        return d * mask
+
+    def attn(self, layer, q, k, key_valid):
+        p = explicit_probs(q, k)[:, :, -self.M:, : self.S]  # (B, H, M, S)
+        B, H = p.shape[:2]
+        Hkv = k.shape[1]
+        self.scores[layer] = p.mean(2).view(B, Hkv, H // Hkv, self.S).mean(2).float()  # mean over M, then group
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "k_proj"), LookaheadModule.TARGETS])
+def test_two_pass_equals_one_masked_pass(targets):
+    model = tiny_model(num_hidden_layers=3)
+    cfg = model.config
+    S, M_, C = 40, 8, 16
+    mod = random_module(cfg, M_, targets)
+    ids = rand_ids(1, S, seed=5)
+    P = mod.embeddings[None]
+    # (a) two passes: the prompt alone, then the M rows on its cache with the LoRA
+    cache = KVCache(cfg.num_hidden_layers)
+    logits_a = model(ids, positions=pos(0, S), cache=cache, logits_at=-1)[:, -1]
+    ha = LookaheadHook(mod, S)
+    model(inputs_embeds=P, positions=pos(S, M_), cache=cache, hook=ha, logits_at=-1)
+    # (b) one pass over [prompt; P]: the hook adds the LoRA to the last M rows only
+    x = torch.cat([model.model.embed_tokens(ids), P], dim=1)
+    hb = LookaheadHook(mod, S)
+    out_b = model(inputs_embeds=x, positions=pos(0, S + M_), hook=hb)
+    # (c) by hand: full-length delta times a row mask, explicit attention
+    hc = MaskedLoRAByHand(mod, S, M_)
+    out_c = model(inputs_embeds=x, positions=pos(0, S + M_), hook=hc)
+    plain = model(inputs_embeds=x, positions=pos(0, S + M_))
+    for l in range(cfg.num_hidden_layers):
+        assert ha.scores[l].shape == (1, cfg.num_key_value_heads, S)
+        assert torch.allclose(ha.scores[l], hb.scores[l], atol=ATOL)
+        assert torch.allclose(hc.scores[l], hb.scores[l], atol=ATOL)
+        pa, pb = (lk.pool_scores(h.scores[l], "avg", 5) for h in (ha, hb))
+        assert torch.equal(select(pa, C), select(pb, C))
+    assert torch.allclose(out_b, out_c, atol=1e-4)  # the whole forward, lookahead rows included
+    # the prompt rows never see the LoRA: their logits are the base model's
+    assert torch.allclose(out_b[:, :S], plain[:, :S], atol=ATOL)
+    assert torch.allclose(logits_a, plain[:, S - 1], atol=ATOL)
+    # and the LoRA does act on the lookahead rows (else this test would prove nothing)
+    assert (out_b[:, S:] - plain[:, S:]).abs().max() > 1e-2
+
+    # the same through compress: one_pass=True vs the two-pass reference
+    res = {}
+    for one_pass in (True, False):
+        res[one_pass] = compress(model, ids, EvictConfig("lookahead", budget=C, one_pass=one_pass), module=mod)
+    (c1, l1, p1, s1), (c2, l2, p2, s2) = res[True], res[False]
+    assert torch.allclose(l1, l2, atol=ATOL) and torch.equal(p1, p2)
+    assert torch.equal(s1["keep_frac"], s2["keep_frac"])
+    for l in range(cfg.num_hidden_layers):
+        assert c1.k[l].shape[2] == C  # the lookahead rows are gone from the cache
+        assert torch.allclose(c1.k[l], c2.k[l], atol=ATOL) and torch.allclose(c1.v[l], c2.v[l], atol=ATOL)
+        # and the kept set is the top-C of the pooled two-pass scores
+        assert torch.equal(kept_slots(cache.k[l][:, :, :S], c1.k[l]), select(lk.pool_scores(ha.scores[l], "avg", 5), C))
+
+
+def test_lora_delta_is_alpha_over_r_B_A_x():
+    cfg = ModelConfig(**TINY)
+    mod = random_module(cfg, 8, ("k_proj", "down_proj"))
+    mod.alpha = 16.0
+    x = torch.randn(2, 5, cfg.hidden_size)
+    A, B = mod.lora[1]["k_proj_A"], mod.lora[1]["k_proj_B"]
+    assert A.shape == (8, cfg.hidden_size) and B.shape == (cfg.num_key_value_heads * cfg.head_dim, 8)
+    ref = torch.einsum("btc,rc,or->bto", x, A, B) * 16.0 / 8
+    assert torch.allclose(mod.delta(1, "k_proj", x), ref, atol=1e-6)
+    xi = torch.randn(1, 3, cfg.intermediate_size)
+    assert mod.delta(0, "down_proj", xi).shape == (1, 3, cfg.hidden_size)
+    assert mod.delta(0, "q_proj", x) is None  # not a target
+    with pytest.raises(ValueError, match="unknown LoRA targets"):
+        LookaheadModule(cfg, targets=("qkv",))
+    fresh = LookaheadModule(cfg, n_tokens=8)  # LoRA starts at B = 0, A != 0
+    assert all((p == 0).all() == n.endswith("_B") for n, p in fresh.lora.named_parameters())
+
+
+def test_zero_lora_gives_the_base_models_attention():
+    """With B = 0 the lookahead rows are plain embeddings run through the frozen model."""
+    model = tiny_model()
+    cfg = model.config
+    S, M_ = 30, 8
+    mod = random_module(cfg, M_, LookaheadModule.TARGETS, randomise_B=False)
+    assert all(p.abs().max() == 0 for n, p in mod.named_parameters() if n.endswith("_B"))
+    x = torch.cat([model.model.embed_tokens(rand_ids(1, S, seed=2)), mod.embeddings[None]], dim=1)
+    hl, hw = LookaheadHook(mod, S), WindowHook(M_, S)
+    model(inputs_embeds=x, positions=pos(0, S + M_), hook=hl)
+    model(inputs_embeds=x, positions=pos(0, S + M_), hook=hw)
+    for l in range(cfg.num_hidden_layers):
+        assert torch.allclose(hl.scores[l], hw.scores[l], atol=1e-6)
+    # control: a nonzero B changes them
+    mod2 = random_module(cfg, M_, LookaheadModule.TARGETS)
+    h2 = LookaheadHook(mod2, S)
+    model(inputs_embeds=torch.cat([x[:, :S], mod2.embeddings[None]], 1), positions=pos(0, S + M_), hook=h2)
+    assert (h2.scores[1] - hw.scores[1]).abs().max() > 1e-3
+
+
+def test_lookahead_scores_are_mean_attention_of_the_M_rows():
+    """WindowHook == explicit softmax rows of the last M queries over the S prompt keys, mean over
+    those queries and the GQA group; per_query_head keeps the query heads apart (training)."""
+    model = tiny_model()
+    cfg = model.config
+    S, n = 25, 6
+    ids = rand_ids(1, S + n, seed=9)
+    cap, h, hq = Capture(), WindowHook(n, S), WindowHook(n, S, per_query_head=True)
+
+    class Both(Hook):
+        def attn(self, layer, q, k, kv):
+            for x in (cap, h, hq):
+                x.attn(layer, q, k, kv)
+
+    model(ids, positions=pos(0, S + n), hook=Both())
+    G = cfg.num_attention_heads // cfg.num_key_value_heads
+    for l in range(cfg.num_hidden_layers):
+        p = explicit_probs(cap.q[l], cap.k[l])[:, :, -n:, :S].mean(2)  # (1, H, S)
+        assert torch.allclose(hq.scores[l], p.float(), atol=1e-6)
+        assert torch.allclose(h.scores[l], p.view(1, -1, G, S).mean(2).float(), atol=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# 5. attention recall
+
+
+def test_attention_recall_known_value_and_oracle_bound():
+    true = {0: torch.tensor([[[0.5, 0.3, 0.2, 0.0]]]), 1: torch.tensor([[[2.0, 0.0, 0.0, 2.0]]])}
+    pred = {0: torch.tensor([[[0.9, 0.0, 0.8, 0.1]]]), 1: torch.tensor([[[0.9, 0.0, 0.8, 0.1]]])}  # keeps {0, 2}
+    assert lk.attention_recall(pred, true, 2) == pytest.approx((0.7 + 0.5) / 2)
+    protect = torch.tensor([[[False, False, False, True]]])  # slot 3 forced in: keeps {0, 3}
+    assert lk.attention_recall(pred, true, 2, protect=protect) == pytest.approx((0.5 + 1.0) / 2)
+
+    model = tiny_model()
+    cfg = model.config
+    S, C = 40, 12
+    ids = rand_ids(1, S, seed=4)
+    cache = KVCache(cfg.num_hidden_layers)
+    hw, h2o = WindowHook(8, S), H2OHook()
+
+    class Both(Hook):
+        def attn(self, layer, q, k, kv):
+            hw.attn(layer, q, k, kv)
+            h2o.attn(layer, q, k, kv)
+
+    model(ids, positions=pos(0, S), cache=cache, hook=Both())
+    true = lk.oracle_scores(model, cache, rand_ids(1, 10, seed=8), torch.tensor([S]))
+    assert len(cache) == S  # the response is not left in the cache
+    g = torch.Generator().manual_seed(0)
+    others = dict(snapkv=hw.scores, h2o=h2o.scores(None, 2),
+                  random={l: torch.rand(1, 2, S, generator=g) for l in range(cfg.num_hidden_layers)})
+    best = lk.attention_recall(true, true, C)
+    for name, s in others.items():
+        r = lk.attention_recall(s, true, C)
+        assert 0.0 < r <= best + 1e-7, name
+    assert best < 1.0
+    assert lk.attention_recall(true, true, S) == pytest.approx(1.0)
+    assert lk.attention_recall(others["random"], true, S + 5) == pytest.approx(1.0)
+
+
+# -----------------------------------------------------------------------------
+# 6. decoding after eviction == a full forward with the evicted keys masked out
+
+
+def test_decode_after_eviction_equals_masked_full_forward(monkeypatch):
+    """After snapkv eviction, decode 3 tokens on the compact cache. Reference: ONE forward over
+    prompt + the 2 fed tokens with no cache at all, in which the queries of the generated tokens
+    may attend, per (layer, KV head), only to the prompt keys that head kept (+ all generated
+    keys); prompt queries keep their normal causal attention, since the prompt's KV was computed
+    before eviction. The restriction is applied by wrapping model.attention_mask (the function
+    Attention uses for its boolean mask; a per-KV-head mask is repeated over the query heads by
+    Attention itself); a Hook tells the wrapper which layer is running, and a pad_mask of all
+    True forces the masked path. Positions, the gather and the per-head masks all have to be
+    right for the logits to agree."""
+    model = tiny_model(num_hidden_layers=3)
+    cfg = model.config
+    L, Hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
+    S, C = 32, 12
+    ids = rand_ids(1, S, seed=11)
+    full, _, _, _ = compress(model, ids, EvictConfig("full"))
+    cache, logits0, next_pos, _ = compress(model, ids, EvictConfig("snapkv", budget=C, window=4))
+    kept = [kept_slots(full.k[l], cache.k[l])[0] for l in range(L)]  # (H_kv, C) per layer
+    assert any(set(kept[l][0].tolist()) != set(kept[l][1].tolist()) for l in range(L)), "heads kept the same"
+    # decode by hand, keeping the logits
+    step_logits, toks = [logits0], [logits0.argmax(-1)]
+    for t in range(2):
+        lg = model(toks[-1][:, None], positions=(next_pos + t)[:, None], cache=cache)[:, -1]
+        step_logits.append(lg)
+        toks.append(lg.argmax(-1))
+    # lk.decode yields the same tokens on a fresh compressed cache
+    cache2, lg0, np2, _ = compress(model, ids, EvictConfig("snapkv", budget=C, window=4))
+    assert [t.item() for t in decode(model, cache2, lg0, np2, 3)] == [t.item() for t in toks]
+
+    # reference
+    seq = torch.cat([ids, toks[0][:, None], toks[1][:, None]], dim=1)  # (1, S + 2)
+    T = S + 2
+    allowed = []
+    for l in range(L):
+        a = torch.ones(1, Hkv, T, T, dtype=torch.bool)
+        for h in range(Hkv):
+            row = torch.zeros(T, dtype=torch.bool)
+            row[kept[l][h]] = True
+            row[S:] = True
+            a[0, h, S:] = row  # generated queries only
+        allowed.append(a)
+
+    class Layer(Hook):
+        layer = None
+
+        def attn(self, layer, q, k, kv):
+            self.layer = layer
+
+    tracker = Layer()
+    orig = M.attention_mask
+
+    def restricted(Tq, Tk, key_valid, device, restrict=True):
+        m = orig(Tq, Tk, key_valid, device)
+        return m & allowed[tracker.layer] if restrict else m
+
+    monkeypatch.setattr(M, "attention_mask", restricted)
+    ref = model(seq, positions=pos(0, T), pad_mask=torch.ones(1, T, dtype=torch.bool), hook=tracker)
+    for t in range(3):
+        assert torch.allclose(step_logits[t], ref[:, S - 1 + t], atol=1e-4), t
+    # control: without the restriction the reference is the full-cache model, which differs
+    monkeypatch.setattr(M, "attention_mask", lambda *a: restricted(*a, restrict=False))
+    unrestricted = model(seq, positions=pos(0, T), pad_mask=torch.ones(1, T, dtype=torch.bool), hook=tracker)
+    assert (unrestricted[:, S:] - ref[:, S:]).abs().max() > 1e-2
+
+
+# -----------------------------------------------------------------------------
+# 7. H2O against the explicit S x S attention matrix
+
+
+def h2o_reference(cap, G, S):
+    """Column sums of the causal softmax over all S queries, per query head, averaged over the
+    GQA group, divided by the number of queries that see each key (S - j)."""
+    out = {}
+    for l in cap.q:
+        A = explicit_probs(cap.q[l], cap.k[l])  # (B, H, S, S)
+        col = A.sum(2)  # (B, H, S)
+        B, H, _ = col.shape
+        out[l] = (col.view(B, H // G, G, S).mean(2) / (S - torch.arange(S))).float()
+    return out
+
+
+def test_h2o_equals_explicit_attention_matrix_and_chunking():
+    model = tiny_model(num_hidden_layers=3)
+    cfg = model.config
+    G = cfg.num_attention_heads // cfg.num_key_value_heads
+    S = 37
+    ids = rand_ids(1, S, seed=12)
+    cap = Capture()
+    model(ids, positions=pos(0, S), hook=cap)
+    ref = h2o_reference(cap, G, S)
+    x = model.model.embed_tokens(ids)
+    for rows, chunk in [(256, 4096), (5, 4096), (256, 8), (3, 10)]:  # query sub-chunks, prefill chunks
+        h = H2OHook(rows=rows)
+        lk.prefill(model, x, pos(0, S), KVCache(cfg.num_hidden_layers), hook=h, chunk_size=chunk)
+        got = h.scores(None, G)
+        for l in range(cfg.num_hidden_layers):
+            assert torch.allclose(got[l], ref[l], atol=1e-6), (rows, chunk, l)
+    # a late key is not favoured by position alone: the last key's score is its one query's weight
+    assert torch.allclose(ref[0][..., -1], explicit_probs(cap.q[0], cap.k[0])[:, :, -1, -1].view(1, 2, G).mean(-1).float())
+    # compress: chunked h2o keeps the same cache
+    a = compress(model, ids, EvictConfig("h2o", budget=16, window=4))
+    b = compress(model, ids, EvictConfig("h2o", budget=16, window=4, chunk_size=8))
+    for l in range(cfg.num_hidden_layers):
+        assert torch.allclose(a[0].k[l], b[0].k[l], atol=ATOL)
+    assert torch.allclose(a[1], b[1], atol=ATOL)
+
+
+# -----------------------------------------------------------------------------
+# 8. chunked prefill
+
+
+def _same_compress(model, ids, ec_a, ec_b, **kw):
+    a = compress(model, ids, ec_a, **kw)
+    b = compress(model, ids, ec_b, **kw)
+    assert torch.allclose(a[1], b[1], atol=ATOL), "first-token logits differ"
+    assert torch.equal(a[2], b[2])
+    for l in range(model.config.num_hidden_layers):
+        assert a[0].k[l].shape == b[0].k[l].shape
+        assert torch.allclose(a[0].k[l], b[0].k[l], atol=ATOL) and torch.allclose(a[0].v[l], b[0].v[l], atol=ATOL)
+
+
+@pytest.mark.parametrize("method,extra", [("full", {}), ("snapkv", {}), ("pyramidkv", {}), ("laq", {}),
+                                          ("lookahead", dict(one_pass=True)), ("lookahead", dict(one_pass=False)),
+                                          ("oracle", {})])
+def test_chunked_prefill_changes_nothing(method, extra):
+    model = tiny_model(num_hidden_layers=3)
+    ids = rand_ids(1, 50, seed=13)
+    kw = {}
+    if method == "lookahead":
+        kw["module"] = random_module(model.config, 8)
+    if method == "oracle":
+        kw["response"] = rand_ids(1, 5, seed=14)
+    base = dict(budget=20, window=8, laq_tokens=4, **extra)
+    _same_compress(model, ids, EvictConfig(method, **base), EvictConfig(method, chunk_size=16, **base), **kw)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "lookahead"])
+def test_chunk_smaller_than_window_or_lookahead_rows(method):
+    model = tiny_model()
+    ids = rand_ids(1, 50, seed=13)
+    kw = dict(module=random_module(model.config, 8)) if method == "lookahead" else {}
+    base = dict(budget=20, window=8)
+    _same_compress(model, ids, EvictConfig(method, **base), EvictConfig(method, chunk_size=4, **base), **kw)
+
+
+# -----------------------------------------------------------------------------
+# 9. left-padded batches
+
+
+def _padded_batch_matches_rows(method, model, mod=None):
+    cfg = model.config
+    lens = (40, 28)
+    S = max(lens)
+    rows = [rand_ids(1, n, seed=20 + i) for i, n in enumerate(lens)]
+    ids = torch.cat([torch.cat([torch.zeros(1, S - r.shape[1], dtype=torch.long), r], 1) for r in rows])
+    pad = torch.stack([torch.arange(S) >= S - n for n in lens])
+    ec = EvictConfig(method, budget=16, window=4)
+    kw = dict(module=mod) if mod is not None else {}
+    full_b, _, _, _ = compress(model, ids, EvictConfig("full"), pad_mask=pad)
+    cache_b, logits_b, pos_b, _ = compress(model, ids, ec, pad_mask=pad, **kw)
+    assert pos_b.tolist() == list(lens)
+    tok = torch.tensor([5, 9])
+    step_b = model(tok[:, None], positions=pos_b[:, None], cache=cache_b)[:, -1]  # one decode step
+    for b, (r, n) in enumerate(zip(rows, lens)):
+        full_r, _, _, _ = compress(model, r, EvictConfig("full"))
+        cache_r, logits_r, pos_r, _ = compress(model, r, ec, **kw)
+        assert torch.allclose(logits_b[b], logits_r[0], atol=1e-4), "first logits"
+        step_r = model(tok[b:b + 1, None], positions=pos_r[:, None], cache=cache_r)[:, -1]
+        assert torch.allclose(step_b[b], step_r[0], atol=1e-4), "logits after one decode step"
+        for l in range(cfg.num_hidden_layers):
+            kb = cache_b.k[l][b:b + 1, :, :16]
+            slots_b = kept_slots(full_b.k[l][b:b + 1], kb) - (S - n)  # batch slot -> prompt position
+            slots_r = kept_slots(full_r.k[l], cache_r.k[l][:, :, :16])
+            assert torch.equal(slots_b, slots_r), (b, l)
+            assert cache_b.valid[l][b, :, :16].all()  # no padding kept
+
+
+@pytest.mark.parametrize("method", ["snapkv", "streaming", "lookahead"])
+def test_left_padded_batch_matches_each_row_alone(method):
+    model = tiny_model()
+    mod = random_module(model.config, 8) if method == "lookahead" else None
+    _padded_batch_matches_rows(method, model, mod)
+
+
+def test_left_padded_batch_h2o():
+    model = tiny_model()
+    S = 20
+    pad = (torch.arange(S) >= 6)[None]  # 6 padding slots
+    h = H2OHook()
+    lk.prefill(model, model.model.embed_tokens(rand_ids(1, S)), (pad.long().cumsum(-1) - 1).clamp(min=0),
+               KVCache(model.config.num_hidden_layers), pad, hook=h)
+    scores = h.scores(pad[:, None], 2)
+    assert all(torch.isfinite(s[..., 6:]).all() for s in scores.values()), "NaN scores for the real tokens"
+    _padded_batch_matches_rows("h2o", model)
+
+
+@pytest.mark.parametrize("L", [1, 2, 3, 4, 5, 30])
+@pytest.mark.parametrize("C,W", [(24, 8), (128, 32), (64, 8)])
+def test_pyramid_budgets_fall_with_depth_and_average_C(L, C, W):
+    b = lk.pyramid_budgets(C, W, L, 20)
+    assert len(b) == L and b == sorted(b, reverse=True) and b[-1] >= W
+    assert abs(sum(b) / L - C) <= 0.5
+
+
+# -----------------------------------------------------------------------------
+# 10. the adapter file
+
+
+def test_adapter_round_trip(tmp_path):
+    cfg = ModelConfig(**TINY)
+    mod = random_module(cfg, 8, ("q_proj", "k_proj", "down_proj"))
+    mod.pool, mod.kernel = "max", 7
+    mod.info = dict(steps=12, heldout=dict(kl=0.25))
+    path = tmp_path / "a.safetensors"
+    mod.save(path)
+    meta = json.loads(path.with_suffix(".json").read_text())
+    assert meta["base_model"] == "tiny" and meta["base_fingerprint"] == cfg.fingerprint()
+    back = LookaheadModule.load(path, cfg)
+    assert (back.n_tokens, back.rank, back.alpha, back.targets, back.pool, back.kernel) == (8, 8, 32, ("q_proj", "k_proj", "down_proj"), "max", 7)
+    assert back.info == dict(steps=12, heldout=dict(kl=0.25))
+    sa, sb = mod.state_dict(), back.state_dict()
+    assert sa.keys() == sb.keys() and len(sa) == 1 + 3 * 2 * cfg.num_hidden_layers
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert back.metadata() == mod.metadata()
+
+
+def test_adapter_for_another_model_is_refused(tmp_path):
+    cfg = ModelConfig(**TINY)
+    path = tmp_path / "a.safetensors"
+    random_module(cfg, 8).save(path)
+    other = ModelConfig(**{**TINY, "hidden_size": 32, "name": "other-model"})
+    with pytest.raises(SystemExit, match=r"trained for 'tiny'.*not for this model 'other-model'"):
+        LookaheadModule.load(path, other)
+    with pytest.raises(SystemExit, match="not found"):
+        LookaheadModule.load(tmp_path / "missing.safetensors", cfg)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "wrong_shape"])
+def test_corrupt_adapter_is_refused(tmp_path, damage):
+    cfg = ModelConfig(**TINY)
+    path = tmp_path / "a.safetensors"
+    random_module(cfg, 8).save(path)
+    raw = path.read_bytes()
+    if damage == "garbage":
+        path.write_bytes(b"\x00\x01not a safetensors file at all" * 10)
+    elif damage == "truncated":
+        path.write_bytes(raw[: len(raw) // 2])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:  # the metadata says rank 4, the tensors have rank 8
+        meta = json.loads(path.with_suffix(".json").read_text())
+        path.with_suffix(".json").write_text(json.dumps(dict(meta, rank=4)))
+    with pytest.raises(SystemExit, match="corrupt"):
+        LookaheadModule.load(path, cfg)
+
+
+# -----------------------------------------------------------------------------
+# 11. group_attention
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("valid", [None, "shared", "per_head"])
+def test_group_attention_equals_repeat_interleave(causal, valid):
+    torch.manual_seed(0)
+    B, H, Hkv, Tq, Tk, D = 2, 6, 2, 3, 9, 8
+    q = torch.randn(B, H, Tq, D) * 2
+    k = torch.randn(B, Hkv, Tk, D) * 2
+    kv = None
+    if valid == "shared":
+        kv = torch.ones(B, 1, Tk, dtype=torch.bool)
+        kv[1, 0, :3] = False  # left padding of row 1
+    elif valid == "per_head":
+        kv = torch.rand(B, Hkv, Tk, generator=torch.Generator().manual_seed(1)) > 0.3
+        kv[..., -Tq:] = True  # every query row keeps at least its own key
+    got = lk.group_attention(q, k, kv, causal=causal)  # (B, H_kv, G*Tq, Tk)
+    assert got.shape == (B, Hkv, 3 * Tq, Tk) and got.dtype == torch.float32
+    ref = explicit_probs(q, k, causal, kv)  # (B, H, Tq, Tk)
+    assert torch.allclose(got.view(B, Hkv, 3, Tq, Tk).reshape(B, H, Tq, Tk), ref.float(), atol=1e-6)
+    if causal:  # bottom-right: query t sits at slot Tk - Tq + t
+        assert got.view(B, Hkv, 3, Tq, Tk)[..., 0, Tk - Tq + 1:].abs().max() == 0
+        if valid is None:  # the last query sees every key
+            assert (got.view(B, Hkv, 3, Tq, Tk)[..., -1, :] > 0).all()

@@ -1,0 +1,424 @@
+"""Tests of train.py: the ground truth against transformers' explicit attention matrices, the
+loss, one optimiser loop that must lower it, the training pass == the inference scorer, and
+train.main end to end on a tiny random Llama folder (resume == uninterrupted run, the errors,
+and a 2-process gloo DDP run whose ranks end identical and equal to a 1-process run).
+
+The end-to-end runs use a pre-written OUT/data.jsonl and replace data.make_training_prompts by a
+stub that yields the same ids, so no document is read and no answer is generated."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import data
+import lookaheadkv as lk
+import train
+from lookaheadkv import LookaheadHook, LookaheadModule
+from model import ModelConfig, Transformer, load_model
+
+REPO = Path(__file__).resolve().parent.parent
+V = 128
+TINY = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, name="tiny")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny tensors: a second OpenMP thread spin-waiting on a shared, busy core costs ~100x
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(**TINY)).float().eval().requires_grad_(False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.15)
+    return model
+
+
+def rand_list(n, seed):
+    return torch.randint(1, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# -----------------------------------------------------------------------------
+# the loss
+
+
+def test_kl_loss_known_values():
+    gt = {0: torch.tensor([[[1.0, 3.0]]])}  # p = (1/4, 3/4)
+    pred = {0: torch.tensor([[[2.0, 2.0]]])}  # q = (1/2, 1/2), unnormalised on purpose
+    expected = 0.25 * torch.log(torch.tensor(0.5)) + 0.75 * torch.log(torch.tensor(1.5))
+    assert train.kl_loss(gt, pred).item() == pytest.approx(expected.item(), abs=1e-6)
+    assert train.kl_loss(gt, {0: pred[0] * 7.0}).item() == pytest.approx(expected.item(), abs=1e-6)  # scale-free
+    assert train.kl_loss(gt, {0: gt[0] * 3.0}).item() == pytest.approx(0.0, abs=1e-7)
+    assert train.kl_loss(gt, gt).item() == 0.0
+    # averaged over heads and layers: layer 0 has two heads (the value above and 0), layer 1 one (0)
+    gt2 = {0: torch.tensor([[[1.0, 3.0], [1.0, 1.0]]]), 1: torch.tensor([[[5.0, 5.0]]])}
+    pred2 = {0: torch.tensor([[[1.0, 1.0], [3.0, 3.0]]]), 1: torch.tensor([[[1.0, 1.0]]])}
+    assert train.kl_loss(gt2, pred2).item() == pytest.approx((expected.item() / 2 + 0.0) / 2, abs=1e-6)
+    # KL is asymmetric and positive
+    assert train.kl_loss(pred, gt).item() > 0 and train.kl_loss(pred, gt).item() != pytest.approx(expected.item())
+    torch.manual_seed(0)
+    a, b = {0: torch.rand(1, 4, 30)}, {0: torch.rand(1, 4, 30)}
+    assert train.kl_loss(a, b).item() > 0
+
+
+# -----------------------------------------------------------------------------
+# the ground truth against transformers' explicit attention matrices
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tiny_hf_model):
+    return tiny_hf_model("llama")
+
+
+def test_ground_truth_equals_explicit_attention(hf_folder):
+    """gt[l] (1, H, S) = mean over the answer's rows of the causal softmax over prompt + answer,
+    columns = the prompt; snapkv / h2o extras from the same matrix. Reference: HF eager attention
+    with output_attentions (an independent implementation of the whole model)."""
+    from transformers import AutoModelForCausalLM
+
+    model = load_model(hf_folder)
+    cfg = model.config
+    hf = AutoModelForCausalLM.from_pretrained(hf_folder, attn_implementation="eager").eval()
+    S, R, W = 40, 9, 32
+    row = dict(prompt_ids=rand_list(S, 1), response_ids=rand_list(R, 2))
+    cache, gt, extra = train.ground_truth(model, row, window=W)
+    with torch.no_grad():
+        att = hf(torch.tensor([row["prompt_ids"] + row["response_ids"]]), output_attentions=True).attentions
+    G = cfg.num_attention_heads // cfg.num_key_value_heads
+    group = lambda x: x.view(1, cfg.num_key_value_heads, G, S).mean(2)  # noqa: E731
+    assert len(cache) == S and len(gt) == cfg.num_hidden_layers
+    for l, A in enumerate(att):  # A (1, H, S+R, S+R)
+        assert gt[l].shape == (1, cfg.num_attention_heads, S)
+        assert torch.allclose(gt[l], A[:, :, S:, :S].mean(2), atol=1e-5), l
+        assert (gt[l].sum(-1) < 1).all()  # the answer attends to itself too: mass on the prompt < 1
+        assert torch.allclose(extra["snapkv"][l], group(A[:, :, S - W:S, :S].mean(2)), atol=1e-5)
+        h2o = group(A[:, :, :S, :S].sum(2)) / (S - torch.arange(S))
+        assert torch.allclose(extra["h2o"][l], h2o, atol=1e-5)
+    # the cache is the prompt's KV exactly (compress would build the same)
+    full, _, _, _ = lk.compress(model, torch.tensor([row["prompt_ids"]]), lk.EvictConfig("full"))
+    for l in range(cfg.num_hidden_layers):
+        assert torch.allclose(cache.k[l], full.k[l], atol=1e-5) and torch.allclose(cache.v[l], full.v[l], atol=1e-5)
+    # the oracle scorer of lookaheadkv.py is the GQA mean of the same target
+    with torch.no_grad():
+        oracle = lk.oracle_scores(model, full, torch.tensor([row["response_ids"]]), torch.tensor([S]))
+    for l, g in train.group_mean(gt, cfg.num_key_value_heads).items():
+        assert torch.allclose(oracle[l], g, atol=1e-5)
+
+
+def test_ground_truth_extras_for_a_prompt_shorter_than_the_window():
+    model = tiny_model()
+    S, R, W = 20, 12, 32
+    row = dict(prompt_ids=rand_list(S, 5), response_ids=rand_list(R, 6))
+    _, _, extra = train.ground_truth(model, row, window=W)
+    ids = torch.tensor([row["prompt_ids"]])
+    h = lk.WindowHook(S, S)  # every prompt query: the window covers the whole prompt
+    with torch.no_grad():
+        model(ids, positions=torch.arange(S)[None], hook=h)
+    for l in range(model.config.num_hidden_layers):
+        assert torch.allclose(extra["snapkv"][l], h.scores[l], atol=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# the training pass
+
+
+def test_training_pass_equals_inference_scorer_and_leaves_the_cache():
+    model = tiny_model()
+    cfg = model.config
+    S = 30
+    mod = LookaheadModule(cfg, n_tokens=8, targets=LookaheadModule.TARGETS, embed_std=0.15)
+    with torch.no_grad():
+        for n, p in mod.named_parameters():
+            if n.endswith("_B"):
+                p.normal_(0, 0.1)
+    row = dict(prompt_ids=rand_list(S, 3), response_ids=rand_list(6, 4))
+    cache, _, _ = train.ground_truth(model, row)
+    k0 = [k.clone() for k in cache.k]
+    pred = train.lookahead_pass(model, mod, cache, S)
+    assert len(cache) == S and all(torch.equal(a, b) for a, b in zip(k0, cache.k))  # not appended to
+    # the same scores as inference: one pass over [prompt; P] with LookaheadHook, GQA-mean
+    ids = torch.tensor([row["prompt_ids"]])
+    hook = LookaheadHook(mod, S)
+    with torch.no_grad():
+        x = torch.cat([model.model.embed_tokens(ids), mod.embeddings[None]], 1)
+        model(inputs_embeds=x, positions=torch.arange(S + 8)[None], hook=hook)
+    for l, g in train.group_mean(pred, cfg.num_key_value_heads).items():
+        assert torch.allclose(g, hook.scores[l], atol=1e-5)
+    # gradients reach the module only
+    train.kl_loss(train.ground_truth(model, row)[1], pred).backward()
+    assert all(p.grad is None for p in model.parameters())
+    last = cfg.num_hidden_layers - 1
+    for n, p in mod.named_parameters():
+        # the scores read q and k; what the last layer does after its attention cannot change them
+        dead = n.startswith(f"lora.{last}.") and not n.startswith((f"lora.{last}.q_proj", f"lora.{last}.k_proj"))
+        live = p.grad is not None and p.grad.abs().sum() > 0
+        assert live != dead, n  # (a dead one has grad None: it is not in the graph at all)
+
+
+def test_a_few_steps_lower_the_loss_on_a_fixed_batch():
+    model = tiny_model()
+    cfg = model.config
+    torch.manual_seed(0)
+    mod = LookaheadModule(cfg, n_tokens=8, embed_std=0.15)  # untrained: B = 0
+    rows = [dict(prompt_ids=rand_list(32 + 4 * i, 10 + i), response_ids=rand_list(8, 20 + i)) for i in range(2)]
+    states = [train.ground_truth(model, r)[:2] for r in rows]
+    opt = torch.optim.AdamW(mod.parameters(), lr=1e-2)
+
+    def batch_loss():
+        return sum(train.kl_loss(gt, train.lookahead_pass(model, mod, c, len(c))) for c, gt in states) / 2
+
+    losses = []
+    for _ in range(8):
+        loss = batch_loss()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        final = batch_loss().item()
+    assert final < 0.8 * losses[0], losses + [final]
+    assert final > 0
+
+
+# -----------------------------------------------------------------------------
+# train.main end to end on a tiny folder
+
+
+def make_tokenizer(folder):
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "hi", "there", "system", "user", "assistant"]
+    tk = HFTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+    tk.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_hf_model, tmp_path_factory):
+    import shutil
+
+    dst = tmp_path_factory.mktemp("train") / "TinyLlama"
+    shutil.copytree(tiny_hf_model("llama"), dst)
+    make_tokenizer(dst)
+    return dst
+
+
+def fake_prompts(tok, n, split="train", **kw):
+    """Stands in for data.make_training_prompts: the ids of the pre-written rows, no documents."""
+    return [dict(id=f"{split}-{i}", source="fake", doc="d", task="t", prompt="hi there") for i in range(n)]
+
+
+def write_data(out, model_dir, n_train=4, n_heldout=1, fingerprint=None, base_model=None):
+    cfg = ModelConfig.from_hf_config(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for split, n in (("train", n_train), ("heldout", n_heldout)):
+        for i in range(n):
+            s = len(rows)
+            rows.append(dict(id=f"{split}-{i}", split=split, source="fake", task="t",
+                             base_model=base_model or cfg.name, fingerprint=fingerprint or cfg.fingerprint(),
+                             prompt_ids=rand_list(36 + 3 * s, 100 + s), response_ids=rand_list(6, 200 + s)))
+    data.write_jsonl(rows, out / "data.jsonl")
+    return rows
+
+
+def argv(model_dir, out, *extra):
+    return ["--model", str(model_dir), "--out", str(out), "--n-train", "4", "--n-heldout", "1", "--batch", "2",
+            "--epochs", "2", "--n-tokens", "8", "--lr", "1e-2", "--warmup", "0.25", "--budget", "16",
+            "--eval-every", "100", "--save-every", "100", "--device", "cpu", *extra]
+
+
+@pytest.fixture
+def stub_prompts(monkeypatch):
+    monkeypatch.setattr(data, "make_training_prompts", fake_prompts)
+
+
+def adapter(path):
+    return load_file(str(path))
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_resume_equals_uninterrupted_run(model_dir, tmp_path, stub_prompts, monkeypatch, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out in (a, b):
+        write_data(out, model_dir)
+    train.main(argv(model_dir, a))  # 4 steps straight (4 samples / batch 2 x 2 epochs)
+    meta_a = json.loads((a / "adapter.json").read_text())
+    assert meta_a["steps"] == 4
+
+    # run B: checkpoint every step, killed right after step 2's checkpoint
+    orig_save = train.save_checkpoint
+
+    def save_then_die(path, module, opt, step, log):
+        orig_save(path, module, opt, step, log)
+        if step == 2:
+            raise Interrupted
+
+    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
+    with pytest.raises(Interrupted):
+        train.main(argv(model_dir, b, "--save-every", "1"))
+    monkeypatch.setattr(train, "save_checkpoint", orig_save)
+    assert not (b / "adapter.safetensors").exists()
+    ck = torch.load(b / "ckpt.pt", weights_only=False)
+    assert ck["step"] == 2
+    capsys.readouterr()
+    train.main(argv(model_dir, b, "--resume"))
+    assert "resumed at step 2/4" in capsys.readouterr().out
+    pa, pb = adapter(a / "adapter.safetensors"), adapter(b / "adapter.safetensors")
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert torch.allclose(pa[k], pb[k], atol=1e-6), k
+    assert json.loads((b / "adapter.json").read_text())["steps"] == 4
+    # the comparison means something: steps 3-4 moved the parameters away from the checkpoint
+    moved = max((pa[k] - ck["module"][k]).abs().max().item() for k in pa)
+    assert moved > 1e-3
+    # and the logged held-out eval ran on the untrained module (step 0) and at the end
+    log = [json.loads(line) for line in (a / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [0, 4] and all(0 <= r["recall_lookahead"] <= 1 for r in log)
+
+
+def test_no_training_data_is_an_error(model_dir, tmp_path, stub_prompts):
+    with pytest.raises(SystemExit, match="no training samples.*--n-train > 0"):
+        train.main(argv(model_dir, tmp_path / "o", "--n-train", "0", "--n-heldout", "0"))
+
+
+def test_data_from_another_base_model_is_refused(model_dir, tmp_path, stub_prompts):
+    write_data(tmp_path / "o", model_dir, fingerprint="0123456789abcdef", base_model="OtherModel-1B")
+    with pytest.raises(SystemExit, match=r"made with another base model \(OtherModel-1B\)"):
+        train.main(argv(model_dir, tmp_path / "o"))
+
+
+def test_corrupt_checkpoint_is_refused(model_dir, tmp_path, stub_prompts):
+    out = tmp_path / "o"
+    write_data(out, model_dir)
+    (out / "ckpt.pt").write_bytes(b"\x80\x04 this is not a checkpoint" * 20)
+    with pytest.raises(SystemExit, match="corrupt"):
+        train.main(argv(model_dir, out, "--resume"))
+    # a checkpoint of another model's module
+    other = LookaheadModule(ModelConfig(**{**TINY, "hidden_size": 32}), n_tokens=8)
+    train.save_checkpoint(out / "ckpt.pt", other, torch.optim.AdamW(other.parameters()), 1, [])
+    with pytest.raises(SystemExit, match="was trained for tiny"):
+        train.main(argv(model_dir, out, "--resume"))
+
+
+def test_lr_schedule():
+    args = train.get_args(["--lr", "1e-3", "--warmup", "0.1"])
+    lrs = [train.lr_at(s, 100, args) for s in range(100)]
+    assert lrs[:10] == pytest.approx([1e-3 * (s + 1) / 10 for s in range(10)])  # linear warmup
+    assert lrs[10] == pytest.approx(1e-3) and lrs[55] == pytest.approx(0.5e-3)  # cosine, half way
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] < 1e-6
+
+
+# -----------------------------------------------------------------------------
+# DDP on CPU (gloo)
+
+WRAPPER = """
+import os, sys
+sys.path.insert(0, os.environ["LKV_REPO"])
+import torch
+import data, train
+sys.path.insert(0, os.environ["LKV_TESTS"])
+from test_train import fake_prompts
+data.make_training_prompts = fake_prompts
+made = []
+
+class Recording(train.LookaheadModule):  # to save every rank's final module (train.py saves rank 0's)
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        made.append(self)
+
+train.LookaheadModule = Recording
+train.main(sys.argv[1:])
+torch.save({k: v.detach().clone() for k, v in made[-1].state_dict().items()},
+           os.path.join(os.environ["LKV_OUT"], f"rank{os.environ['RANK']}.pt"))
+"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_ranks_agree_and_match_one_process(model_dir, tmp_path, stub_prompts):
+    ddp, single = tmp_path / "ddp", tmp_path / "single"
+    for out in (ddp, single):
+        write_data(out, model_dir)
+    script = tmp_path / "run_train.py"
+    script.write_text(WRAPPER)
+    env = dict(os.environ, LKV_REPO=str(REPO), LKV_TESTS=str(Path(__file__).parent), LKV_OUT=str(ddp),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(script), *argv(model_dir, ddp)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r0, r1 = torch.load(ddp / "rank0.pt"), torch.load(ddp / "rank1.pt")
+    saved = adapter(ddp / "adapter.safetensors")
+    assert r0.keys() == r1.keys() == saved.keys()
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), k  # the ranks never drift apart
+        assert torch.equal(r0[k], saved[k])
+    # 2 ranks x 1 sample with averaged gradients == 1 process x 2 samples
+    train.main(argv(model_dir, single))
+    one = adapter(single / "adapter.safetensors")
+    for k in r0:
+        assert torch.allclose(r0[k], one[k], atol=1e-5), k
+    assert json.loads((ddp / "adapter.json").read_text())["steps"] == 4
+
+
+class FakeDist:
+    """torch.distributed stand-in, in-process: world size 2, this process is rank 0, and all_reduce
+    acts as if rank 1 had computed the same gradient (sum = 2x, like the real one it refuses
+    anything but a tensor). Enough to run train.main's DDP branch in 1 s instead of a torchrun."""
+
+    def __init__(self):
+        self.reduced = 0
+
+    def init_process_group(self, backend):
+        assert backend == "gloo"
+
+    def get_rank(self):
+        return 0
+
+    def get_world_size(self):
+        return 2
+
+    def all_reduce(self, t):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"all_reduce expects a tensor, got {type(t).__name__}")
+        t.mul_(2)
+        self.reduced += 1
+
+    def destroy_process_group(self):
+        pass
+
+
+@pytest.mark.parametrize("targets", ["q_proj,k_proj", ",".join(LookaheadModule.TARGETS)])
+def test_ddp_gradient_reduction_with_every_lora_target(model_dir, tmp_path, stub_prompts, monkeypatch, targets):
+    out = tmp_path / "o"
+    write_data(out, model_dir)
+    fake = FakeDist()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(train, "dist", fake)
+    train.main(argv(model_dir, out, "--targets", targets))
+    meta = json.loads((out / "adapter.json").read_text())
+    assert meta["steps"] == 4 and meta["targets"] == targets.split(",")
+    assert fake.reduced > 0
