@@ -279,13 +279,15 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=4096, logits_at=-1):
+def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=4096, logits_at=-1, tail=0):
     """Run embeddings x (B, T, C) through the model into `cache`, chunk by chunk so a 32K prompt's
     activations stay bounded. The LAST chunk is a full one (the first takes the remainder), so
-    window scorers find all their queries in it; the hook sees only that chunk unless it says
-    every_chunk. Returns the logits at row `logits_at` (B, 1, V)."""
+    window scorers find all their queries in it; the last `tail` rows (the lookahead rows) ride
+    along with it, so the prompt is chunked exactly as without them. The hook sees only the last
+    chunk unless it says every_chunk. Returns the logits at row `logits_at` (B, 1, V)."""
     T = x.shape[1]
-    bounds = sorted({0, *range(T % chunk_size, T, chunk_size)}) + [T]
+    P = T - tail  # the prompt
+    bounds = sorted({0, *range(P % chunk_size, P, chunk_size)}) + [T]
     for a, b in zip(bounds[:-1], bounds[1:]):
         last = b == T
         h = hook if (last or getattr(hook, "every_chunk", False)) else None
@@ -300,8 +302,9 @@ def compress(model, ids, ec, pad_mask=None, module=None, response=None):
 
     module: the LookaheadModule (method "lookahead"); response: the full-cache greedy answer
     (B, R) ids (method "oracle"). Returns (cache, first-token logits (B, V), next positions (B,),
-    stats) where stats has prefill_ms, score_ms and keep_frac (S,): per prompt token of row 0,
-    the fraction of (layer, KV head) pairs that kept it."""
+    stats) where stats has prefill_ms, score_ms, kept (per layer, the kept slots (B, H_kv, C_l);
+    None when nothing was evicted) and keep_frac (S,): per prompt token of row 0, the fraction
+    of (layer, KV head) pairs that kept it."""
     cfg, dev = model.config, ids.device
     L, G = cfg.num_hidden_layers, cfg.num_attention_heads // cfg.num_key_value_heads
     B, S = ids.shape
@@ -340,15 +343,15 @@ def compress(model, ids, ec, pad_mask=None, module=None, response=None):
         if pad_mask is not None:
             pad_mask = torch.cat([pad_mask, pad_mask.new_ones(B, M)], dim=1)
         hook = LookaheadHook(module, S)
-    # the scoring hook sees the last prefill chunk only: it must hold the window / the M rows
-    chunk = max(ec.chunk_size, ec.window if windowed else 0, module.n_tokens + 1 if method == "lookahead" else 0)
+    # the scoring hook sees the last prefill chunk only: it must hold the whole window
+    chunk = max(ec.chunk_size, ec.window if windowed else 0)
     cache = KVCache(L)
     sync(dev)
     t0 = time.perf_counter()
-    logits = prefill(model, x, positions, cache, pad_mask, hook, chunk, logits_at=S - 1)[:, -1]
+    logits = prefill(model, x, positions, cache, pad_mask, hook, chunk, logits_at=S - 1, tail=x.shape[1] - S)[:, -1]
     sync(dev)
     t1 = time.perf_counter()
-    stats = dict(prefill_ms=(t1 - t0) * 1e3, score_ms=0.0, keep_frac=None)
+    stats = dict(prefill_ms=(t1 - t0) * 1e3, score_ms=0.0, keep_frac=None, kept=None)
     if not evict:
         return cache, logits, next_pos, stats
 
@@ -390,13 +393,14 @@ def compress(model, ids, ec, pad_mask=None, module=None, response=None):
         scores = laq_scores(model, cache, draft_cache, logits, next_pos, hook.queries, ec, S, valid)
 
     # 3. evict: one gather per layer
-    keep_count = torch.zeros(S, device=dev)
+    kept = [select(scores[l], budgets[l], valid, protect) for l in range(L)]  # (B, H_kv, C_l) per layer
     for l in range(L):
-        idx = select(scores[l], budgets[l], valid, protect)  # (B, H_kv, C_l)
-        cache.gather(l, idx)
-        keep_count.index_add_(0, idx[0].flatten(), torch.ones(idx[0].numel(), device=dev))
+        cache.gather(l, kept[l])
     sync(dev)
     stats["score_ms"] = (time.perf_counter() - t1) * 1e3
+    stats["kept"] = kept
+    keep_count = torch.zeros(S, device=dev).index_add_(0, torch.cat([k[0].flatten() for k in kept]),
+                                                     torch.ones(sum(k[0].numel() for k in kept), device=dev))
     stats["keep_frac"] = (keep_count / (L * cfg.num_key_value_heads)).cpu()
     return cache, logits, next_pos, stats
 
