@@ -1,0 +1,164 @@
+"""evaluate.py: the metrics on hand-made cases, its errors, and an end-to-end run on a tiny
+random Llama (with a word-level chat tokenizer) that takes seconds."""
+
+import json
+import random
+import shutil
+import time
+
+import pytest
+import torch
+
+import data
+import evaluate
+from lookaheadkv import LookaheadModule
+from model import load_model
+
+# -----------------------------------------------------------------------------
+# metrics
+
+
+def test_recall_of_kept_known_value():
+    true = {0: torch.tensor([[[0.5, 0.3, 0.2, 0.0]]]), 1: torch.tensor([[[2.0, 0.0, 0.0, 2.0]]])}  # layer 1 unnormalised
+    kept = [torch.tensor([[[0, 2]]]), torch.tensor([[[0, 2]]])]
+    assert evaluate.recall_of_kept(kept[:1], true) == pytest.approx(0.7)
+    assert evaluate.recall_of_kept(kept, true) == pytest.approx((0.7 + 0.5) / 2)
+
+
+def test_fidelity_known_values():
+    assert evaluate.fidelity([1, 2, 9], [1, 2, 3, 4]) == (0.5, False)
+    assert evaluate.fidelity([1, 2, 3, 4], [1, 2, 3, 4]) == (1.0, True)
+    assert evaluate.fidelity([7, 2, 3, 4], [1, 2, 3, 4]) == (0.0, False)
+    assert evaluate.fidelity([1, 2], [1, 2, 3, 4]) == (0.5, False)  # stopped early
+
+
+def test_table_layout():
+    res = [dict(id="a", method=m, budget=b, accuracy=v, score_ms=1.0) for m, b, v in
+           [("full", 8, 1.0), ("full", 16, 1.0), ("snapkv", 8, 0.0), ("snapkv", 8, 1.0), ("snapkv", 16, None)]]
+    assert evaluate.table(res, "accuracy", ["full", "snapkv"], [8, 16]).splitlines() == [
+        "| method | C=8 | C=16 |", "|---|---|---|", "| full | 1.000 | 1.000 |", "| snapkv | 0.500 | - |"]
+
+# -----------------------------------------------------------------------------
+# a tiny model, tokenizer, adapter and task file
+
+WORDS = [f"{a}{b}" for a in "bcdfghklmnprstvz" for b in ("a", "e", "i", "o", "u", "ar", "el", "on")]  # 128 words
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]  # LlamaConfig's eos id 2 = <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_model, tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    root = tmp_path_factory.mktemp("eval")
+    folder = root / "tiny-llama"
+    shutil.copytree(tiny_hf_model("llama", vocab_size=300), folder)
+    vocab = {w: i for i, w in enumerate(SPECIALS + ["system", "user", "assistant"] + WORDS)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.add_special_tokens(SPECIALS)
+    tk.save(str(folder / "tokenizer.json"))
+    model = load_model(folder)
+    torch.manual_seed(1)  # a "trained" adapter: another draw than the untrained row, LoRA B non-zero
+    module = LookaheadModule(model.config, n_tokens=4, embed_std=model.model.embed_tokens.weight.std().item())
+    with torch.no_grad():
+        for p in module.lora.parameters():
+            p.normal_(0, 0.1)
+    module.save(root / "adapter.safetensors")
+    rng = random.Random(0)
+    rows = []
+    for i, n in enumerate((40, 60, 80)):
+        words = [rng.choice(WORDS) for _ in range(n)]
+        rows.append(dict(id=f"t{i}", task="copy" if i < 2 else "free", prompt=" ".join(words),
+                         answers=[words[n // 2]] if i < 2 else []))
+    data.write_jsonl(rows, root / "tasks.jsonl")
+    return root
+
+
+def argv(root, out="out", *extra):
+    return ["--model", str(root / "tiny-llama"), "--tasks", str(root / "tasks.jsonl"), "--adapter",
+            str(root / "adapter.safetensors"), "--budgets", "8,16", "--window", "4", "--max-new-tokens", "6",
+            "--methods", "full,streaming,snapkv,h2o,oracle,lookahead", "--untrained", "--device", "cpu",
+            "--out", str(root / out), *extra]
+
+
+def test_end_to_end_and_resume(tiny, capsys):
+    results = evaluate.main(argv(tiny))
+    path = tiny / "out" / "results.json"
+    saved = json.loads(path.read_text())["results"]
+    methods = ["full", "streaming", "snapkv", "h2o", "oracle", "lookahead", "lookahead-untrained"]
+    keys = {(r["id"], r["method"], r["budget"]) for r in saved}
+    assert len(saved) == len(keys) == 3 * len(methods) * 2 and results == saved
+    by = {(r["id"], r["method"], r["budget"]): r for r in saved}
+    for (i, m, b), r in by.items():
+        assert 0.0 <= r["recall"] <= 1.0 + 1e-6 and 0.0 <= r["fidelity"] <= 1.0
+        # the oracle keeps the top-C of the very scores recall is measured with
+        assert by[i, "oracle", b]["recall"] >= r["recall"] - 1e-6 or m == "full", (i, m, b)
+        assert (r["accuracy"] is None) == (i == "t2")  # no answers: no accuracy
+        if m == "full":
+            assert r["fidelity"] == 1.0 and r["exact"] and r["recall"] == 1.0
+    assert all(by["t0", m, 8]["recall"] < 1.0 for m in methods if m != "full")  # 8 of ~50 slots: eviction happened
+    assert by["t0", "lookahead", 8]["recall"] != by["t0", "lookahead-untrained", 8]["recall"]
+    printed = capsys.readouterr().out
+    assert "| full | 1.000 | 1.000 |" in printed and "### recall" in printed
+    assert "task copy" in (tiny / "out" / "results.md").read_text()
+
+    before, mtime = path.read_bytes(), path.stat().st_mtime_ns
+    t0 = time.perf_counter()
+    again = evaluate.main(argv(tiny))  # everything is in results.json: nothing to do
+    assert time.perf_counter() - t0 < 5 and again == results
+    assert path.read_bytes() == before and path.stat().st_mtime_ns == mtime
+
+    # a new budget only adds its entries; the old ones are kept as they were
+    more = evaluate.main(argv(tiny) + ["--budgets", "8,16,32", "--limit", "1"])
+    saved2 = json.loads(path.read_text())["results"]
+    assert saved2[:len(saved)] == saved and len(saved2) == len(saved) + len(methods)
+    assert len(more) == 3 * len(methods)
+
+    with pytest.raises(SystemExit, match="other settings: max_new_tokens 6 \\(now 5\\)"):
+        evaluate.main(argv(tiny) + ["--max-new-tokens", "5"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_end_to_end_on_cuda_in_bfloat16(tiny):
+    """bfloat16 on the GPU: kept keys are still found in the full cache (one-pass lookahead's
+    prefill is S + M rows long, so its prompt keys may differ from FullKV's by rounding)."""
+    args = argv(tiny, "out-cuda")
+    args[args.index("--device") + 1] = "cuda"
+    results = evaluate.main(args + ["--methods", "full,streaming,snapkv,pyramidkv,h2o,laq,oracle,lookahead"])
+    assert len(results) == 3 * 9 * 2
+    by = {(r["id"], r["method"], r["budget"]): r for r in results}
+    for (i, m, b), r in by.items():
+        assert by[i, "oracle", b]["recall"] >= r["recall"] - 1e-6 or m in ("full", "pyramidkv"), (i, m, b)
+        assert m != "full" or (r["fidelity"] == 1.0 and r["exact"])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--methods", "full,snapkv,bogus"], "unknown method\\(s\\) bogus"),
+    (["--budgets", "8,0"], "every budget must be a positive"),
+    (["--budgets", "8,x"], "comma-separated list of int"),
+    (["--window", "8"], "budget 8 leaves no room beside the 8-token window"),
+])
+def test_argument_errors(tiny, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        evaluate.main(argv(tiny) + extra)
+
+
+def test_missing_adapter_says_how_to_train(tiny):
+    with pytest.raises(SystemExit, match="no lookahead adapter at .*nowhere.safetensors: train one with python train.py"):
+        evaluate.main(argv(tiny) + ["--adapter", str(tiny / "nowhere.safetensors")])
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"id": "a", "task": "x", "prompt": "ba", "answers": []}\n{"id": "b", "task"\n', "line 2: not valid JSON"),
+    ('{"id": "a", "task": "x", "prompt": "ba"}\n', "line 1: missing key\\(s\\) answers"),
+    ('{"id": "a", "task": "x", "prompt": "ba", "answers": "ba"}\n', "line 1: 'answers' must be a list"),
+    ('{"id": "a", "task": "x", "prompt": "ba", "answers": []}\n' * 2, "ids must be unique"),
+    ('{"id": "a", "task": "x", "prompt": "' + "ba " * 600 + '", "answers": []}\n', "prompt a is 6.. tokens.*context of 512"),
+], ids=["bad-json", "no-answers", "answers-not-list", "duplicate-ids", "too-long"])
+def test_bad_task_files(tiny, text, message):
+    bad = tiny / "bad.jsonl"
+    bad.write_text(text)
+    args = argv(tiny, "out-bad")
+    args[args.index("--tasks") + 1] = str(bad)
+    with pytest.raises(SystemExit, match=message):
+        evaluate.main(args)
