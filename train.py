@@ -237,7 +237,7 @@ def get_args(argv=None):
     a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
     a("--cache-kv", action=argparse.BooleanOptionalAction, default=None,
       help="keep every sample's prompt KV and targets in memory across epochs (default: on CUDA)")
-    a("--max-minutes", type=float, default=None, help="stop training after this long (checkpoint + adapter saved, noted in its metadata)")
+    a("--max-minutes", type=float, default=None, help="stop training once this long has passed since the start, data generation included (checkpoint + adapter saved, noted in the metadata)")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a("--dtype", default=None, choices=["float32", "bfloat16"], help="base model dtype (default: bfloat16 on CUDA, float32 on CPU); the module trains in float32")
     a("--seed", type=int, default=0)
@@ -275,6 +275,7 @@ def load_checkpoint(path, module, opt):
 
 def main(argv=None):
     args = get_args(argv)
+    t_start = time.perf_counter()  # --max-minutes counts from here (data generation included)
     ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
     rank, world = 0, 1
     if ddp:  # torchrun: one process per GPU (or gloo on CPU for the test)
@@ -352,7 +353,7 @@ def main(argv=None):
     n_seen = 0
     stopped_early = False
     while step < total:
-        if args.max_minutes and time.perf_counter() - t0 > 60 * args.max_minutes:
+        if args.max_minutes and time.perf_counter() - t_start > 60 * args.max_minutes:
             stopped_early = True
             print0(f"--max-minutes {args.max_minutes} reached at step {step}/{total}: saving what we have")
             do_eval()
