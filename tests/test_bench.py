@@ -1,0 +1,117 @@
+"""bench.py end to end on a tiny random config, on CPU, in seconds: the rows it returns and
+prints, not the speed (speed is read from bench.py's ratios, never asserted in a test)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import bench
+from model import ModelConfig, Transformer
+
+TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+BUDGET = 48
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    # the runs below use --threads 1: rows are checked, not speed, and 2 threads on a busy machine
+    # can be 100x slower (OpenMP barriers); put back what the rest of the session uses
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+def run(config, *argv):
+    return bench.main(["--random-init", config, "--device", "cpu", "--threads", "1", "--repeats", "1",
+                       "--budget", str(BUDGET), *argv])
+
+
+def kv_bytes(slots, B=1):
+    """Bytes of a float32 cache with `slots` per (layer, KV head): keys + values."""
+    D = TINY["hidden_size"] // TINY["num_attention_heads"]
+    return 2 * TINY["num_hidden_layers"] * B * TINY["num_key_value_heads"] * slots * D * 4
+
+
+def test_overhead_rows(tiny_config, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rows = run(tiny_config, "--lengths", "64,128", "--json", str(out))
+    methods = ["full", "snapkv", "h2o", "laq", "lookahead", "lookahead-2pass"]
+    assert [(r["method"], r["S"]) for r in rows] == [(m, S) for S in (64, 128) for m in methods]
+    for r in rows:
+        assert r["prefill_ms"] > 0 and r["total_ms"] > 0
+        assert math.isfinite(r["overhead_ms"]) and math.isfinite(r["overhead_pct"])
+        assert r["full_kv_mib"] * 2**20 == kv_bytes(r["S"])
+        assert r["peak_gib"] is None  # CPU: KV bytes only
+        if r["method"] == "full":
+            assert r["overhead_ms"] == 0 and r["kv_mib"] == r["full_kv_mib"]
+        else:  # budget < S: every evicting method keeps exactly C slots; the lookahead rows are gone
+            assert r["kv_mib"] * 2**20 == kv_bytes(BUDGET) < kv_bytes(r["S"])
+    assert json.loads(out.read_text())["rows"] == rows
+    printed = capsys.readouterr().out
+    assert "untrained LookaheadModule" in printed and "overhead %" in printed
+
+
+def test_overhead_skips_h2o_above_limit(tiny_config, capsys):
+    rows = run(tiny_config, "--lengths", "64,96", "--methods", "snapkv,h2o,full-1chunk", "--h2o-max-len", "64")
+    assert [(r["method"], r["S"]) for r in rows] == [
+        ("snapkv", 64), ("h2o", 64), ("full-1chunk", 64), ("snapkv", 96), ("full-1chunk", 96)]
+    assert "h2o at S=96: skipped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("method", ["snapkv", "lookahead"])
+def test_decode_rows(tiny_config, method, capsys):
+    rows = run(tiny_config, "--mode", "decode", "--lengths", "64", "--new-tokens", "4", "--decode-method", method,
+               "--markdown")
+    assert [(r["batch"], r["method"]) for r in rows] == [(1, method), (4, method), (16, method)]
+    for r in rows:
+        assert r["full_tok_s"] > 0 and r["evicted_tok_s"] > 0
+        assert r["speedup"] == pytest.approx(r["evicted_tok_s"] / r["full_tok_s"])
+        assert r["kv_mib"] * 2**20 == kv_bytes(BUDGET, r["batch"]) < r["full_kv_mib"] * 2**20
+    assert "| method | S | batch | full tok/s |" in capsys.readouterr().out
+
+
+def test_train_cost_rows(tiny_config):
+    rows = run(tiny_config, "--mode", "train-cost", "--lengths", "64", "--response-tokens", "8")
+    assert len(rows) == 1 and rows[0]["S"] == 64
+    r = rows[0]
+    assert r["efficient_samples_s"] > 0 and r["naive_samples_s"] > 0
+    # the same loss both ways: the prompt rows do not depend on P, so the two-pass form is exact
+    assert r["loss_naive"] == pytest.approx(r["loss_efficient"], rel=1e-3, abs=1e-7)
+
+
+def test_quick_is_cuda_only_and_methods_are_checked():
+    with pytest.raises(SystemExit, match="GPU preset"):
+        bench.main(["--quick", "--device", "cpu"])
+    with pytest.raises(SystemExit):
+        bench.get_args(["--methods", "snapkv,oracle"])
+
+
+def test_shipped_configs_have_the_8b_shapes():
+    # parameter counts of the real checkpoints (untied heads), counted on meta: nothing allocated
+    for name, n_params, qk_norm in (("llama-3.1-8b", 8_030_261_248, False), ("qwen3-8b", 8_190_735_360, True)):
+        cfg = ModelConfig.from_hf_config(ROOT / "configs" / f"{name}.json")
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        assert sum(p.numel() for p in model.parameters()) == n_params
+        assert cfg.qk_norm == qk_norm and not cfg.tie_word_embeddings
+    assert ModelConfig.from_hf_config(ROOT / "configs" / "llama-3.1-8b.json").rope_scaling["factor"] == 8.0
+
+
+def test_random_model_ties_and_inits(tiny_config):
+    model = bench.random_model(tiny_config, "cpu")  # TINY has no tie_word_embeddings: tied by default
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.all(model.model.norm.weight == 1)
+    assert 0.015 < model.model.embed_tokens.weight.std().item() < 0.025
+    assert not any(p.requires_grad for p in model.parameters())
