@@ -1,6 +1,6 @@
 """
 Speed of LookaheadKV and the baselines, printed as RATIOS: medians over --repeats rounds after
-one warm-up round (CUDA: torch.cuda.Event; CPU: perf_counter). Four modes:
+one warm-up round (CUDA: torch.cuda.Event; CPU: wall time, or --clock cpu). Four modes:
 
     python bench.py --mode overhead --lengths 1024,2048 --budget 128  # eviction cost / prefill
     python bench.py --mode decode                      # decode tok/s, evicted vs full cache
@@ -8,18 +8,30 @@ one warm-up round (CUDA: torch.cuda.Event; CPU: perf_counter). Four modes:
     python bench.py --mode train-cost                  # training: M-row pass vs whole sequence
     python bench.py --quick --json out/bench.json      # the H200 preset, about 2-3 minutes
 
-Without --model it loads weights/SmolLM2-135M-Instruct. --random-init configs/llama-3.1-8b.json
-builds that shape with random weights (bf16 on CUDA) instead: timing needs no trained weights.
---quick (CUDA only): overhead, repeats 5, Llama-3.1-8B shape at 8K and 32K, Qwen3-8B at 8K; h2o is
-skipped above 16K (it scores with every prompt query: S x S work in row chunks, several prefills'
-worth); the row "full-1chunk" is the prefill in one chunk instead of chunks of --chunk-size.
-Rows are printed as they are measured, and --json OUT is rewritten after each, so a killed run
-keeps what it measured; --markdown prints markdown tables.
+Without --model it loads weights/SmolLM2-135M-Instruct; --random-init configs/llama-3.1-8b.json
+builds that shape with random weights (bf16 on CUDA): timing needs no trained weights. --quick
+(CUDA only): overhead, repeats 5, Llama-3.1-8B shape at 8K and 32K, Qwen3-8B at 8K; h2o skipped
+above 16K (it scores with every prompt query: S x S work in row chunks); "full-1chunk" is the
+prefill in one chunk instead of chunks of --chunk-size. Rows print as they are measured and
+--json OUT is rewritten after each (a killed run keeps them); --markdown prints markdown.
+overhead = median over rounds of (method - full) timed in the same round: drift cancels.
+On a shared CPU, --threads 1 --clock cpu counts only this process's CPU time. For example
+(SmolLM2-135M, 2 cores shared with other jobs: a few % of noise remains):
 
-overhead = median over rounds of (method - full), both timed in the same round, so the drift of
-a shared machine cancels. Example, SmolLM2-135M on 2 CPU cores shared with other jobs (noisy):
+    $ python bench.py --lengths 1024,2048 --threads 1 --clock cpu
+    SmolLM2-135M-Instruct  cpu float32  threads 1  budget 128  repeats 5  clock process_time  torch 2.13.0+cpu
+    lookahead rows: untrained LookaheadModule (M=32, LoRA q_proj,k_proj r=8): timing does not depend on training
+    method                   S  prefill ms  total ms  overhead ms  overhead %    KV MiB  full KV MiB  peak GiB
+    ...
+    full                  2048      7607.0    7607.0          0.0         0.0     90.00        90.00         -
+    snapkv                2048      7607.0    7808.6        122.1        1.60      5.62        90.00         -
+    h2o                   2048      7607.0   11740.4       4202.5       55.24      5.62        90.00         -
+    laq                   2048      7607.0    8416.5        733.5        9.64      5.62        90.00         -
+    lookahead             2048      7607.0    7779.1        48.39        0.64      5.62        90.00         -
+    lookahead-2pass       2048      7607.0    8218.2        377.2        4.96      5.62        90.00         -
 
-EXAMPLE
+Same conditions: prefill-vs-hf ours / theirs 1.01 at 1K, 0.97 at 2K; train-cost efficient / naive
+14.3x at 1K (1.58 vs 0.11 samples/s).
 """
 
 import argparse
@@ -42,7 +54,8 @@ VARIANTS = {
 }
 DEFAULT_LENGTHS = {"overhead": ([1024, 2048], [8192, 32768]), "decode": ([1024], [8192]),  # (CPU, CUDA)
                    "prefill-vs-hf": ([1024, 2048], [1024, 2048]), "train-cost": ([1024], [1024])}
-QUICK = [("configs/llama-3.1-8b.json", [8192, 32768]), ("configs/qwen3-8b.json", [8192])]
+CONFIGS = Path(__file__).resolve().parent / "configs"
+QUICK = [(CONFIGS / "llama-3.1-8b.json", [8192, 32768]), (CONFIGS / "qwen3-8b.json", [8192])]
 COLUMNS = {  # mode -> (row key, header) of the printed table; --json has every key
     "overhead": [("method", "method"), ("S", "S"), ("prefill_ms", "prefill ms"), ("total_ms", "total ms"),
                  ("overhead_ms", "overhead ms"), ("overhead_pct", "overhead %"), ("kv_mib", "KV MiB"),
@@ -123,8 +136,8 @@ def get_module(model, args):
 
 
 def random_ids(model, B, S, seed):  # timing only: the tokens do not matter
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.config.vocab_size, (B, S), generator=g).to(model.lm_head.weight.device)
+    ids = torch.randint(0, model.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(seed))
+    return ids.to(model.lm_head.weight.device)
 
 
 def evict_config(name, args, module):
@@ -157,12 +170,12 @@ def sdpa_kernels(cfg, device, dtype):
     (bool mask + enable_gqa)? With none, SDPA runs its math kernel: T x Tk scores per head."""
     try:
         from torch.backends import cuda as tbc
-        q = torch.zeros(1, cfg.num_attention_heads, 256, cfg.head_dim, device=device, dtype=dtype)
-        k = torch.zeros(1, cfg.num_key_value_heads, 512, cfg.head_dim, device=device, dtype=dtype)
-        params = tbc.SDPAParams(q, k, k, torch.ones(1, 1, 256, 512, dtype=torch.bool, device=device), 0.0, False, True)
-        ok = {n: getattr(tbc, f"can_use_{n}_attention")(params, False) for n in ("flash", "efficient", "cudnn")
-              if hasattr(tbc, f"can_use_{n}_attention")}
-        return "SDPA kernels for a masked GQA chunk: " + ", ".join(f"{n} {'yes' if v else 'no'}" for n, v in ok.items())
+        q, k = (torch.zeros(1, h, 256, cfg.head_dim, device=device, dtype=dtype)
+                for h in (cfg.num_attention_heads, cfg.num_key_value_heads))
+        p = tbc.SDPAParams(q, k, k, torch.ones(1, 1, 256, 256, dtype=torch.bool, device=device), 0.0, False, True)
+        return "SDPA kernels for a masked GQA chunk: " + ", ".join(
+            f"{n} {getattr(tbc, f'can_use_{n}_attention')(p)}" for n in ("flash", "efficient", "cudnn")
+            if hasattr(tbc, f"can_use_{n}_attention"))
     except Exception as e:  # a diagnostic: never stop a GPU run for it
         return f"SDPA kernel check failed: {type(e).__name__}: {e}"
 
@@ -173,7 +186,8 @@ def fmt(v):
     return f"{v:.1f}" if abs(v) >= 100 or v == 0 else f"{v:.2f}" if abs(v) >= 0.1 else f"{v:.1e}"
 
 
-def print_line(cells, args):
+def print_line(values, args):
+    cells = [fmt(v) for v in values]
     if args.markdown:
         print("| " + " | ".join(cells) + " |")
     else:
@@ -188,14 +202,14 @@ def print_line(cells, args):
 @torch.inference_mode()
 def run_overhead(model, args, lengths, emit):
     module = get_module(model, args)
-    describe(model, args, module)
+    skip = [S for S in lengths if "h2o" in args.methods and args.h2o_max_len and S > args.h2o_max_len]
+    describe(model, args, module, note=skip and f"h2o skipped at S = {skip} (> --h2o-max-len): it scores with "
+             "every prompt query, S x S work in row chunks, several times the prefill at such lengths")
     for S in lengths:
         ids = random_ids(model, 1, S, args.seed)
         fns = {}
         for name in ["full"] + [m for m in args.methods if m != "full"]:  # full: the baseline of every row
-            if name == "h2o" and args.h2o_max_len and S > args.h2o_max_len:
-                print(f"h2o at S={S}: skipped (--h2o-max-len {args.h2o_max_len}): it scores with every prompt "
-                      "query, S x S work in row chunks, several times the prefill at this length")
+            if name == "h2o" and S in skip:
                 continue
             ec = evict_config(name, args, module)
             fns[name] = lambda ec=ec: compress(model, ids, ec, module=module)[0].nbytes()  # the cache is freed
@@ -355,7 +369,7 @@ def main(argv=None):
 
     def emit(row):
         rows.append(row)
-        print_line([fmt(row.get(k)) for k, _ in COLUMNS[args.mode]], args)
+        print_line([row.get(k) for k, _ in COLUMNS[args.mode]], args)
         if args.json:  # rewritten after every row: a killed run keeps what it measured
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(dict(torch=torch.__version__, rows=rows), indent=1))

@@ -79,8 +79,9 @@ def group_attention(q, k, key_valid=None, causal=True):
     if causal:
         q_slot = torch.arange(Tk - Tq, Tk, device=q.device).repeat(G)[:, None]  # row r is query r % Tq
         mask = torch.arange(Tk, device=q.device)[None, :] <= q_slot  # bottom-right aligned
-    if key_valid is not None:
-        mask = mask & key_valid[:, :, None, :]  # (B, 1|H_kv, G*Tq, Tk)
+    if key_valid is None:
+        return logits.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    mask = mask & key_valid[:, :, None, :]  # (B, 1|H_kv, G*Tq, Tk)
     # a left-padding query sees no real key: its all -inf row would be NaN, make it 0 instead
     return logits.masked_fill(~mask, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
 
