@@ -76,6 +76,8 @@ def build_dataset(model, tok, args, path, rank=0):
     for r in rows:
         if r.get("fingerprint") != fp:
             raise SystemExit(f"error: {path} was made with another base model ({r.get('base_model')}): use another --out")
+    if args.eval_only:  # use the rows as they are: the prompts depend on the Python version (stdlib)
+        return rows
     done = {r["id"] for r in rows}
     todo = []
     for split, n in (("train", args.n_train), ("heldout", args.n_heldout)):
@@ -235,6 +237,7 @@ def get_args(argv=None):
     a("--eval-every", type=int, default=10, help="optimiser steps between held-out evals")
     a("--save-every", type=int, default=10, help="optimiser steps between checkpoints")
     a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    a("--eval-only", default=None, metavar="ADAPTER", help="no training: held-out metrics of ADAPTER and of the untrained init on OUT/data.jsonl")
     a("--cache-kv", action=argparse.BooleanOptionalAction, default=None,
       help="keep every sample's prompt KV and targets in memory across epochs (default: on CUDA)")
     a("--max-minutes", type=float, default=None, help="stop training once this long has passed since the start, data generation included (checkpoint + adapter saved, noted in the metadata)")
@@ -312,6 +315,14 @@ def main(argv=None):
     emb_std = model.model.embed_tokens.weight.float().std().item()  # P starts at the scale of real tokens
     module = LookaheadModule(cfg, args.n_tokens, args.rank, args.alpha, args.targets.split(","), emb_std,
                              args.pool, args.kernel).to(dev)
+    if args.eval_only:  # held-out metrics of an adapter next to this untrained init (same seed)
+        heldout = [ground_truth(model, r, window=32) for r in tqdm(held_rows, desc="held-out ground truth")]
+        for name, m in (("untrained", module), ("adapter", LookaheadModule.load(args.eval_only, cfg, dev))):
+            r = evaluate(model, m, heldout, args.budget)
+            print(f"{name:9s} heldout ({len(heldout)}) kl {r['kl']:.4f}  recall@{args.budget} lookahead "
+                  f"{r['recall_lookahead']:.3f} snapkv {r['recall_snapkv']:.3f} h2o {r['recall_h2o']:.3f} "
+                  f"streaming {r['recall_streaming']:.3f}")
+        return
     opt = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     micro = max(1, args.batch // world)  # samples per rank per optimiser step
     steps_per_epoch = max(1, len(train_rows) // (micro * world))

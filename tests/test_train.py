@@ -422,3 +422,18 @@ def test_ddp_gradient_reduction_with_every_lora_target(model_dir, tmp_path, stub
     meta = json.loads((out / "adapter.json").read_text())
     assert meta["steps"] == 4 and meta["targets"] == targets.split(",")
     assert fake.reduced > 0
+
+
+def test_eval_only_reports_the_untrained_init_and_the_adapter(model_dir, tmp_path, stub_prompts, capsys):
+    """--eval-only: no training; the untrained row must equal training's step-0 eval (same seed,
+    same init), and the adapter row the final eval of the run that saved it."""
+    out = tmp_path / "e"
+    write_data(out, model_dir, n_heldout=2)
+    train.main(argv(model_dir, out, "--eval-every", "1"))
+    log = [json.loads(l) for l in (out / "log.jsonl").read_text().splitlines()]
+    capsys.readouterr()
+    train.main(argv(model_dir, out, "--eval-only", str(out / "adapter.safetensors")))
+    lines = [l for l in capsys.readouterr().out.splitlines() if "heldout" in l]
+    assert lines[0].startswith("untrained") and lines[1].startswith("adapter")
+    assert f"kl {log[0]['kl']:.4f}" in lines[0] and f"kl {log[-1]['kl']:.4f}" in lines[1]
+    assert log[0]["kl"] != log[-1]["kl"]
