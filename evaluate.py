@@ -55,7 +55,8 @@ from tqdm import tqdm
 
 import data
 from generate import resolve_model
-from lookaheadkv import METHODS, EvictConfig, LookaheadModule, compress, decode, default_adapter_path, oracle_scores
+from lookaheadkv import (METHODS, EvictConfig, LookaheadModule, compress, decode, default_adapter_path, oracle_scores,
+                         recall_of_kept)
 from model import Tokenizer, load_model
 
 UNTRAINED = "lookahead-untrained"
@@ -83,18 +84,6 @@ def fidelity(pred, ref):
             break
         n += 1
     return n / max(len(ref), 1), list(pred) == list(ref)
-
-
-def recall_of_kept(kept, true):
-    """Share of the true future attention mass that the kept slots hold.
-    kept: per layer, the kept prompt slots (B, H_kv, C_l); true: per layer, scores (B, H_kv, S),
-    L1-normalised here per (row, KV head). Mean over layers, KV heads and rows."""
-    r = []
-    for l, idx in enumerate(kept):
-        t = true[l].float()
-        t = t / t.sum(-1, keepdim=True).clamp(min=1e-12)
-        r.append(t.gather(-1, idx).sum(-1).mean())
-    return torch.stack(r).mean().item()
 
 
 def mean_of(results, metric, method, budget):

@@ -31,7 +31,7 @@ No S x S attention matrix is ever built here: scores need only (queries x S) per
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -79,11 +79,11 @@ def group_attention(q, k, key_valid=None, causal=True):
     if causal:
         q_slot = torch.arange(Tk - Tq, Tk, device=q.device).repeat(G)[:, None]  # row r is query r % Tq
         mask = torch.arange(Tk, device=q.device)[None, :] <= q_slot  # bottom-right aligned
-    if key_valid is None:
-        return logits.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    mask = mask & key_valid[:, :, None, :]  # (B, 1|H_kv, G*Tq, Tk)
-    # a left-padding query sees no real key: its all -inf row would be NaN, make it 0 instead
-    return logits.masked_fill(~mask, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+    if key_valid is not None:
+        mask = mask & key_valid[:, :, None, :]  # (B, 1|H_kv, G*Tq, Tk)
+    probs = logits.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    # with padding, a left-padding query sees no real key: its all -inf row is NaN, make it 0
+    return probs if key_valid is None else probs.nan_to_num(0.0)
 
 
 class WindowHook(Hook):
@@ -215,6 +215,19 @@ class LookaheadModule(nn.Module):
         except Exception as e:
             raise SystemExit(f"error: adapter {path} is corrupt or incomplete ({str(e).splitlines()[0]}): retrain it")
         return m.to(device)
+
+
+def lookahead_pass(model, module, cache, next_pos, per_query_head=False):
+    """The two-pass form: the M lookahead tokens at positions next_pos .. next_pos+M-1 (an int S,
+    or each row's (B,) prompt length) on top of the prompt cache, LoRA on; the cache itself is
+    left as it was. Returns their scores over the len(cache) prompt slots, per layer. Under
+    autograd, gradients reach only the module (the cache was made without them)."""
+    B, M, dev = cache.k[0].shape[0], module.n_tokens, cache.k[0].device
+    positions = torch.as_tensor(next_pos, device=dev).reshape(-1, 1) + torch.arange(M, device=dev)  # (B|1, M)
+    emb = module.embeddings.to(cache.k[0].dtype).expand(B, -1, -1)  # (B, M, C)
+    hook = LookaheadHook(module, len(cache), per_query_head)
+    model(inputs_embeds=emb, positions=positions.expand(B, M), cache=cache.copy(), hook=hook, logits_at=-1)
+    return hook.scores
 
 
 def default_adapter_path(cfg):
@@ -368,15 +381,11 @@ def compress(model, ids, ec, pad_mask=None, module=None, response=None):
         scores = {l: torch.rand(B, cfg.num_key_value_heads, S, generator=g).to(dev) for l in range(L)}
     elif method == "h2o":
         scores = hook.scores(valid, G)
-    elif method == "lookahead":
-        if not ec.one_pass:  # reference form: a second forward of the M rows on top of the prompt cache
-            hook = LookaheadHook(module, S)
-            M = module.n_tokens
-            emb = module.embeddings.to(x.dtype).expand(B, -1, -1)
-            model(inputs_embeds=emb, positions=next_pos[:, None] + torch.arange(M, device=dev), cache=cache,
-                  hook=hook, logits_at=-1)
+    elif method == "lookahead" and ec.one_pass:
         cache.truncate(S)  # the lookahead tokens are scored, then discarded: never in the cache
         scores = hook.scores
+    elif method == "lookahead":  # reference form: a second forward of the M rows on the prompt cache
+        scores = lookahead_pass(model, module, cache, next_pos)
     elif method == "oracle":
         scores = oracle_scores(model, cache, response, next_pos)
     else:  # snapkv, pyramidkv, laq
@@ -483,9 +492,16 @@ def attention_recall(pred_scores, true_scores, budget, protect=None):
     """Recall@C: the fraction of the true future attention mass (per layer and KV head, L1-
     normalised) that the top-C tokens of `pred_scores` keep; averaged over layers, heads, rows.
     Both are dicts layer -> (B, H_kv, S); protect as in select (e.g. snapkv's window)."""
+    return recall_of_kept([select(pred_scores[l], budget, protect=protect) for l in true_scores], true_scores)
+
+
+def recall_of_kept(kept, true):
+    """Share of the true future attention mass that the kept slots hold. kept: per layer, the
+    kept prompt slots (B, H_kv, C_l); true: per layer, scores (B, H_kv, S), L1-normalised here
+    per (row, KV head). Mean over layers, KV heads and rows."""
     r = []
-    for l, t in true_scores.items():
-        t = t.float() / t.float().sum(-1, keepdim=True).clamp(min=1e-12)
-        idx = select(pred_scores[l], budget, protect=protect)
+    for l, idx in enumerate(kept):
+        t = true[l].float()
+        t = t / t.sum(-1, keepdim=True).clamp(min=1e-12)
         r.append(t.gather(-1, idx).sum(-1).mean())
     return torch.stack(r).mean().item()

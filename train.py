@@ -29,7 +29,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -38,9 +37,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import data
-from lookaheadkv import (H2OHook, LookaheadHook, LookaheadModule, WindowHook, attention_recall, compress, decode,
-                         default_adapter_path, pool_scores, EvictConfig)
-from model import Hook, KVCache, Tokenizer, default_dtype, load_model
+import lookaheadkv as lk
+from lookaheadkv import (H2OHook, LookaheadModule, WindowHook, attention_recall, compress, decode, pool_scores,
+                         EvictConfig)
+from model import Hook, KVCache, Tokenizer, load_model
 
 # -----------------------------------------------------------------------------
 # Stage 1: data - prompts from data.py, answers from the base model itself
@@ -154,15 +154,9 @@ def ground_truth(model, row, window=0):
 
 
 def lookahead_pass(model, module, cache, S):
-    """The M lookahead tokens at positions S..S+M-1 on top of the prompt cache, LoRA on.
-    Gradients reach only the module: the cache was made under no_grad, the base is frozen.
-    Returns the predicted scores {layer: (1, H, S)} per query head."""
-    dev = cache.k[0].device
-    M = module.n_tokens
-    hook = LookaheadHook(module, S, per_query_head=True)
-    emb = module.embeddings.to(cache.k[0].dtype)[None]  # (1, M, C)
-    model(inputs_embeds=emb, positions=S + torch.arange(M, device=dev)[None], cache=cache.copy(), hook=hook, logits_at=-1)
-    return hook.scores
+    """The prediction: per-query-head scores {layer: (1, H, S)} of the M lookahead tokens at
+    positions S..S+M-1 on the prompt cache (lookaheadkv's two-pass form), with gradients."""
+    return lk.lookahead_pass(model, module, cache, S, per_query_head=True)
 
 
 def kl_loss(gt, pred, eps=1e-8):
