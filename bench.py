@@ -101,14 +101,14 @@ def time_rounds(fns, repeats, device, desc="", clock=time.perf_counter):
 # Models and setup
 
 
-def random_model(config_path, device):
+def random_model(config_path, device, dtype=None):
     """config.json's shape with random weights (normal std 0.02, norms 1): built on meta and
     materialised once on `device`, so an 8B model never exists in float32 on the CPU."""
     cfg = ModelConfig.from_hf_config(config_path)
     cfg.name = Path(config_path).stem
     with torch.device("meta"):
         model = Transformer(cfg)
-    model = model.to(default_dtype(device)).to_empty(device=device)
+    model = model.to(dtype or default_dtype(device)).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty makes new Parameters: tie the head again
         model.lm_head.weight = model.model.embed_tokens.weight
     with torch.no_grad():
@@ -118,12 +118,13 @@ def random_model(config_path, device):
 
 
 def get_model(args, config_path):
+    dtype = getattr(torch, args.dtype) if args.dtype else None
     if config_path:
-        return random_model(config_path, args.device)
+        return random_model(config_path, args.device, dtype)
     if args.model is None:
         from weights.prepare import DEFAULT_DIR, ensure_default
         args.model = str(ensure_default(DEFAULT_DIR))
-    return load_model(args.model, args.device)
+    return load_model(args.model, args.device, dtype)
 
 
 def get_module(model, args):
@@ -166,15 +167,16 @@ def describe(model, args, module=None, note=None):
 
 
 def sdpa_kernels(cfg, device, dtype):
-    """Which fused CUDA kernels take model.Attention's call for every prefill chunk after the first
-    (bool mask + enable_gqa)? With none, SDPA runs its math kernel: T x Tk scores per head."""
+    """Which fused CUDA kernels can take model.Attention's call for a prefill chunk on a cache
+    (GQA, causal_lower_right: no explicit mask, which is what flash needs)? With none, SDPA
+    materialises the mask and runs its math kernel: T x Tk scores per head."""
     try:
         from torch.backends import cuda as tbc
         q, k = (torch.zeros(1, h, 256, cfg.head_dim, device=device, dtype=dtype)
                 for h in (cfg.num_attention_heads, cfg.num_key_value_heads))
-        p = tbc.SDPAParams(q, k, k, torch.ones(1, 1, 256, 256, dtype=torch.bool, device=device), 0.0, False, True)
-        return "SDPA kernels for a masked GQA chunk: " + ", ".join(
-            f"{n} {getattr(tbc, f'can_use_{n}_attention')(p)}" for n in ("flash", "efficient", "cudnn")
+        p = tbc.SDPAParams(q, k, k, None, 0.0, False, True)  # what CausalBias asks for (bias.py)
+        return "SDPA kernels for a GQA chunk on a cache: " + ", ".join(
+            f"{n} {getattr(tbc, f'can_use_{n}_attention')(p)}" for n in ("flash", "efficient")
             if hasattr(tbc, f"can_use_{n}_attention"))
     except Exception as e:  # a diagnostic: never stop a GPU run for it
         return f"SDPA kernel check failed: {type(e).__name__}: {e}"
@@ -334,6 +336,8 @@ def get_args(argv=None):
     a("--h2o-max-len", type=int, default=None, help="skip h2o above this prompt length (--quick: 16384)")
     a("--quick", action="store_true", help="the CUDA preset described at the top")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+      help="model dtype (default: bfloat16 on CUDA, float32 on CPU, where bfloat16 matmuls are ~60x slower)")
     a("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     a("--clock", default="wall", choices=["wall", "cpu"], help="CPU timing: wall time, or this process's CPU "
       "time (with --threads 1 the time slices other jobs take from a shared machine do not count)")
@@ -359,12 +363,22 @@ def main(argv=None):
         if not cuda:
             raise SystemExit("error: --quick is the GPU preset (8B shapes at 8K-32K); on CPU run e.g. "
                              "python bench.py --mode overhead --lengths 1024,2048")
-        args.mode, args.repeats, args.h2o_max_len = "overhead", 5, args.h2o_max_len or 16384
-        args.methods = ["full", "full-1chunk", "snapkv", "h2o", "laq", "lookahead", "lookahead-2pass"]
-        jobs = QUICK
+        jobs = quick(args)
     else:
         lengths = [int(s) for s in args.lengths.split(",")] if args.lengths else DEFAULT_LENGTHS[args.mode][cuda]
         jobs = [(args.random_init, lengths)]
+    return run(args, jobs)
+
+
+def quick(args):
+    """The GPU preset: sets args, returns the (config, lengths) jobs."""
+    args.mode, args.repeats, args.h2o_max_len = "overhead", 5, args.h2o_max_len or 16384
+    args.methods = ["full", "full-1chunk", "snapkv", "h2o", "laq", "lookahead", "lookahead-2pass"]
+    return QUICK
+
+
+def run(args, jobs):
+    cuda = torch.device(args.device).type == "cuda"
     rows = []
 
     def emit(row):

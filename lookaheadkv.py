@@ -252,21 +252,21 @@ class LookaheadHook(WindowHook):
 
 
 def pool_scores(s, pool, kernel):
-    """Smooth scores (B, H_kv, S) along the sequence, as SnapKV does: a token next to an
+    """Smooth scores (..., S) along the sequence, as SnapKV does: a token next to an
     important one is kept too, which keeps whole phrases rather than scattered tokens."""
     if pool == "none" or kernel <= 1:
         return s
-    B, H, S = s.shape
-    x = s.reshape(B * H, 1, S)
     fn = F.avg_pool1d if pool == "avg" else F.max_pool1d
-    return fn(x, kernel, stride=1, padding=kernel // 2).reshape(B, H, S)
+    x = s.reshape(-1, 1, s.shape[-1])  # (..., S) -> (rows, 1, S)
+    return fn(x, kernel, stride=1, padding=kernel // 2).reshape(s.shape)
 
 
 def select(scores, budget, key_valid=None, protect=None):
-    """Indices (B, H_kv, C) of the top `budget` scores per batch row and KV head, in slot order.
+    """Indices (..., B, H_kv, C) of the top `budget` scores (..., B, H_kv, S) per batch row and KV
+    head (and layer, when the layers are stacked in front), in slot order.
     protect (B, 1, S) bool marks tokens kept whatever their score (counted inside the budget);
     padding slots are never preferred over a real token."""
-    s = scores.float().clone()
+    s = scores.float()
     if protect is not None:
         s = s.masked_fill(protect, float("inf"))
     if key_valid is not None:
@@ -288,9 +288,27 @@ def pyramid_budgets(budget, window, n_layers, beta):
 # prefill -> score -> evict
 
 
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+class Stopwatch:
+    """Time marks on the device's own timeline. On CUDA they are events recorded in the stream, not
+    synchronisations: the CPU keeps queueing the scoring kernels while the GPU still runs the
+    prefill, so their launch cost hides behind it, as it would in a server. On CPU, wall time."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.marks = []
+
+    def mark(self):
+        if self.cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def ms(self, i, j):  # from mark i to mark j (waits for mark j on CUDA)
+        if self.cuda:
+            self.marks[j].synchronize()
+            return self.marks[i].elapsed_time(self.marks[j])
+        return (self.marks[j] - self.marks[i]) * 1e3
 
 
 def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=4096, logits_at=-1, tail=0):
@@ -360,25 +378,25 @@ def compress(model, ids, ec, pad_mask=None, module=None, response=None):
     # the scoring hook sees the last prefill chunk only: it must hold the whole window
     chunk = max(ec.chunk_size, ec.window if windowed else 0)
     cache = KVCache(L)
-    sync(dev)
-    t0 = time.perf_counter()
+    clock = Stopwatch(dev)
+    clock.mark()
     logits = prefill(model, x, positions, cache, pad_mask, hook, chunk, logits_at=S - 1, tail=x.shape[1] - S)[:, -1]
-    sync(dev)
-    t1 = time.perf_counter()
-    stats = dict(prefill_ms=(t1 - t0) * 1e3, score_ms=0.0, keep_frac=None, kept=None)
+    clock.mark()
+    stats = dict(prefill_ms=None, score_ms=0.0, keep_frac=None, kept=None)
     if not evict:
+        stats["prefill_ms"] = clock.ms(0, 1)
         return cache, logits, next_pos, stats
 
-    # 2. score: (B, H_kv, S) per layer
-    budgets = [C] * L
+    # 2. score: (L, B, H_kv, S), every layer at once (the hooks give {layer: (B, H_kv, S)}), so that
+    # pooling and top-k are a few launches in all rather than a few per layer
     protect = None
     slot = torch.arange(S, device=dev)
     if method == "streaming":
-        scores = {l: slot.float().expand(B, cfg.num_key_value_heads, S) for l in range(L)}  # recency
+        scores = slot.float().expand(L, B, cfg.num_key_value_heads, S)  # recency
         protect = (positions[:, :S] < ec.n_sink)[:, None, :]  # the first n_sink real tokens of each row
     elif method == "random":
         g = torch.Generator(device="cpu").manual_seed(ec.seed)
-        scores = {l: torch.rand(B, cfg.num_key_value_heads, S, generator=g).to(dev) for l in range(L)}
+        scores = torch.rand(L, B, cfg.num_key_value_heads, S, generator=g).to(dev)
     elif method == "h2o":
         scores = hook.scores(valid, G)
     elif method == "lookahead" and ec.one_pass:
@@ -391,23 +409,26 @@ def compress(model, ids, ec, pad_mask=None, module=None, response=None):
     else:  # snapkv, pyramidkv, laq
         scores = hook.scores
     if method not in ("streaming", "random"):
-        scores = {l: pool_scores(s, ec.pool, ec.kernel) for l, s in scores.items()}
+        scores = pool_scores(torch.stack([scores[l] for l in range(L)]), ec.pool, ec.kernel)  # (L, B, H_kv, S)
     if windowed:
         protect = (slot >= S - ec.window)[None, None, :]  # the observation window itself is kept
-    if method == "pyramidkv":
-        budgets = [min(b, S) for b in pyramid_budgets(C, ec.window, L, ec.pyramid_beta)]
     if method == "laq":  # draft on the snapkv-compressed cache, then re-score the FULL cache
         draft_cache = cache.copy()
-        for l in range(L):
-            draft_cache.gather(l, select(scores[l], C, valid, protect))
+        for l, idx in enumerate(select(scores, C, valid, protect)):
+            draft_cache.gather(l, idx)
         scores = laq_scores(model, cache, draft_cache, logits, next_pos, hook.queries, ec, S, valid)
+        scores = torch.stack([scores[l] for l in range(L)])
 
-    # 3. evict: one gather per layer
-    kept = [select(scores[l], budgets[l], valid, protect) for l in range(L)]  # (B, H_kv, C_l) per layer
+    # 3. evict: one top-k for all layers, then one gather per layer
+    if method == "pyramidkv":  # its budgets differ per layer
+        budgets = [min(b, S) for b in pyramid_budgets(C, ec.window, L, ec.pyramid_beta)]
+        kept = [select(scores[l], budgets[l], valid, protect) for l in range(L)]
+    else:
+        kept = list(select(scores, C, valid, protect))  # L x (B, H_kv, C)
     for l in range(L):
         cache.gather(l, kept[l])
-    sync(dev)
-    stats["score_ms"] = (time.perf_counter() - t1) * 1e3
+    clock.mark()
+    stats["prefill_ms"], stats["score_ms"] = clock.ms(0, 1), clock.ms(1, 2)
     stats["kept"] = kept
     keep_count = torch.zeros(S, device=dev).index_add_(0, torch.cat([k[0].flatten() for k in kept]),
                                                      torch.ones(sum(k[0].numel() for k in kept), device=dev))

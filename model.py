@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 # -----------------------------------------------------------------------------
 # Config: all differences between the supported families live here.
@@ -233,6 +234,11 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         elif key_valid is None and T == 1:
             y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # one new token sees everything
+        elif key_valid is None:
+            # a chunk on top of a cache: causal, aligned bottom-right. As a CausalBias rather than a
+            # bool mask, so CUDA keeps its flash kernel (which takes GQA but no explicit mask); on
+            # CPU it becomes the same (T, Tk) mask as attention_mask(T, Tk, None)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, Tk), enable_gqa=True)
         else:
             mask = attention_mask(T, Tk, key_valid, x.device)  # (B|1, H_kv|1, T, Tk)
             if mask.shape[1] > 1:  # per-KV-head validity (after eviction): one row per query head

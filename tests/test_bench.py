@@ -115,3 +115,36 @@ def test_random_model_ties_and_inits(tiny_config):
     assert torch.all(model.model.norm.weight == 1)
     assert 0.015 < model.model.embed_tokens.weight.std().item() < 0.025
     assert not any(p.requires_grad for p in model.parameters())
+
+
+def shrunk(name, tmp_path):
+    """configs/NAME.json with the width and depth cut down, everything else kept: head_dim 128,
+    4 query heads per KV head, llama3 RoPE scaling (Llama) or q/k norms (Qwen3), untied head."""
+    cfg = json.loads((ROOT / "configs" / f"{name}.json").read_text())
+    cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=2, head_dim=128, vocab_size=512)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_quick_preset_runs_on_cpu_with_shrunk_8b_shapes(tmp_path, monkeypatch):
+    # the CUDA preset's code (its methods, the 8B configs' features, bfloat16, a prompt in several
+    # prefill chunks with the lookahead rows riding in the last one) on CPU; only the timer differs
+    args = bench.get_args(["--device", "cpu", "--threads", "1", "--dtype", "bfloat16", "--budget", "64",
+                           "--chunk-size", "64"])
+    jobs = bench.quick(args)
+    assert [(Path(c).name, n) for c, n in jobs] == [("llama-3.1-8b.json", [8192, 32768]), ("qwen3-8b.json", [8192])]
+    args.repeats = 1
+    torch.set_num_threads(1)
+    jobs = [(shrunk(Path(c).stem, tmp_path), [160, 200]) for c, _ in jobs]  # 3 and 4 chunks of 64
+    rows = bench.run(args, jobs)
+    methods = ["full-1chunk", "snapkv", "h2o", "laq", "lookahead", "lookahead-2pass"]
+    assert [(r["model"], r["method"], r["S"]) for r in rows] == [
+        (m, x, S) for m in ("llama-3.1-8b", "qwen3-8b") for S in (160, 200) for x in ["full"] + methods]
+    for r in rows:
+        full_kv = 2 * 2 * 2 * r["S"] * 128 * 2  # K and V, 2 layers, 2 KV heads, head_dim 128, bf16
+        assert r["full_kv_mib"] * 2**20 == full_kv
+        kept = r["S"] if r["method"].startswith("full") else 64
+        assert r["kv_mib"] * 2**20 == full_kv * kept // r["S"]
+        assert math.isfinite(r["overhead_pct"])

@@ -17,6 +17,7 @@ import lookaheadkv as lk
 import model as M
 from lookaheadkv import EvictConfig, H2OHook, LookaheadHook, LookaheadModule, WindowHook, compress, decode, select
 from model import Hook, KVCache, ModelConfig, Transformer
+from torch.nn.attention.bias import causal_lower_right
 
 V = 128
 TINY = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -694,3 +695,50 @@ def test_group_attention_equals_repeat_interleave(causal, valid):
         assert got.view(B, Hkv, 3, Tq, Tk)[..., 0, Tk - Tq + 1:].abs().max() == 0
         if valid is None:  # the last query sees every key
             assert (got.view(B, Hkv, 3, Tq, Tk)[..., -1, :] > 0).all()
+
+
+# -----------------------------------------------------------------------------
+# 11. memory: nothing on the inference path is S x S
+
+
+class Shapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shape of every tensor any aten op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append((str(func), tuple(t.shape)))
+        return out
+
+
+@pytest.mark.parametrize("method", lk.METHODS)
+def test_inference_never_builds_an_S_by_S_tensor(method, monkeypatch):
+    # with chunked prefill every attention matrix, mask and score is (rows <= chunk) x S; a tensor
+    # with two dims >= S would be an S x S attention matrix (or mask) somewhere
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def causal_bias(T, Tk):  # a Tensor subclass cannot be created under a dispatch mode: build it outside
+        with _disable_current_modes():
+            return causal_lower_right(T, Tk)  # the ops SDPA runs with it are still recorded
+
+    monkeypatch.setattr(M, "causal_lower_right", causal_bias)
+    model = tiny_model()
+    S, chunk = 200, 48  # S > vocab (128), so a (S, V) tensor cannot hide here either
+    ids = rand_ids(1, S, seed=3)
+    kw = method_kwargs(method, model.config)
+    if method == "lookahead":
+        kw["module"] = random_module(model.config, 8)
+    for one_pass in ((True, False) if method == "lookahead" else (True,)):
+        ec = EvictConfig(method, budget=32, window=8, laq_tokens=4, chunk_size=chunk, one_pass=one_pass)
+        with Shapes() as rec:
+            cache, logits, next_pos, _ = compress(model, ids, ec, **kw)
+            for _ in decode(model, cache, logits, next_pos, 3):
+                pass
+        big = [(f, s) for f, s in rec.shapes if sum(d >= S for d in s) >= 2]
+        assert not big, big[:3]
+        assert any(len(s) >= 2 and s[-1] >= S for _, s in rec.shapes)  # the recorder saw the (rows, S) scores

@@ -69,3 +69,28 @@ def test_logits_match_transformers():
     rel = ((a - b).abs().max() / b.abs().max()).item()
     assert rel < 1e-3, rel
     assert torch.equal(a[0, -1].argmax(), b[0, -1].argmax())
+
+
+@pytest.mark.skipif(not ADAPTER.exists(), reason="no shipped adapter yet")
+def test_one_pass_and_two_pass_keep_the_same_tokens():
+    # the fast path (lookahead rows ride in the last prefill chunk) against the readable two-pass
+    # reference (a second forward of the M rows on the prompt cache), on the real model in fp32,
+    # with chunked prefill so that the rows join a chunk that sits on a cache
+    from lookaheadkv import EvictConfig, LookaheadModule, compress
+
+    model = load_model(FOLDER)
+    tok = Tokenizer(FOLDER, model.config)
+    module = LookaheadModule.load(ADAPTER, model.config)
+    text = (Path(__file__).resolve().parents[1] / "examples" / "needle.txt").read_text()
+    ids = torch.tensor([tok.encode(tok.chat(text))])
+    with torch.no_grad():
+        runs = [compress(model, ids, EvictConfig("lookahead", budget=128, chunk_size=256, pool=module.pool,
+                                                 kernel=module.kernel, one_pass=one_pass), module=module)
+                for one_pass in (True, False)]
+    (c1, logits1, _, s1), (c2, logits2, _, s2) = runs
+    assert ids.shape[1] > 3 * 256  # four chunks
+    assert torch.allclose(logits1, logits2, atol=1e-4)  # the M rows never change the prompt's logits
+    same = sum(torch.equal(a, b) for a, b in zip(s1["kept"], s2["kept"]))
+    assert same == model.config.num_hidden_layers, f"kept slots differ in {model.config.num_hidden_layers - same} layers"
+    for l in range(model.config.num_hidden_layers):
+        assert torch.allclose(c1.k[l], c2.k[l], atol=1e-4) and torch.allclose(c1.v[l], c2.v[l], atol=1e-4)
