@@ -16,19 +16,19 @@ prefill in one chunk instead of chunks of --chunk-size. Rows print as they are m
 --json OUT is rewritten after each (a killed run keeps them); --markdown prints markdown.
 overhead = median over rounds of (method - full) timed in the same round: drift cancels.
 On a shared CPU, --threads 1 --clock cpu counts only this process's CPU time. For example
-(SmolLM2-135M, 2 cores shared with other jobs: a few % of noise remains):
+(SmolLM2-135M, 2 cores shared with other jobs: +-4% of noise remains, per round):
 
     $ python bench.py --lengths 1024,2048 --threads 1 --clock cpu
     SmolLM2-135M-Instruct  cpu float32  threads 1  budget 128  repeats 5  clock process_time  torch 2.13.0+cpu
     lookahead rows: untrained LookaheadModule (M=32, LoRA q_proj,k_proj r=8): timing does not depend on training
     method                   S  prefill ms  total ms  overhead ms  overhead %    KV MiB  full KV MiB  peak GiB
     ...
-    full                  2048      7607.0    7607.0          0.0         0.0     90.00        90.00         -
-    snapkv                2048      7607.0    7808.6        122.1        1.60      5.62        90.00         -
-    h2o                   2048      7607.0   11740.4       4202.5       55.24      5.62        90.00         -
-    laq                   2048      7607.0    8416.5        733.5        9.64      5.62        90.00         -
-    lookahead             2048      7607.0    7779.1        48.39        0.64      5.62        90.00         -
-    lookahead-2pass       2048      7607.0    8218.2        377.2        4.96      5.62        90.00         -
+    full                  2048      7735.9    7735.9          0.0         0.0     90.00        90.00         -
+    snapkv                2048      7735.9    8226.9        554.2        7.16      5.62        90.00         -
+    h2o                   2048      7735.9   12542.9       4249.6       54.93      5.62        90.00         -
+    laq                   2048      7735.9    9294.8        908.1       11.74      5.62        90.00         -
+    lookahead             2048      7735.9    8186.2        145.0        1.87      5.62        90.00         -
+    lookahead-2pass       2048      7735.9    8728.2        493.2        6.38      5.62        90.00         -
 
 Same conditions: prefill-vs-hf ours / theirs 1.01 at 1K, 0.97 at 2K; train-cost efficient / naive
 14.3x at 1K (1.58 vs 0.11 samples/s).
@@ -72,9 +72,26 @@ COLUMNS = {  # mode -> (row key, header) of the printed table; --json has every 
 med = statistics.median
 
 
+def peak_rss_reset():
+    """Linux: restart the process's peak-RSS counter (VmHWM). False where /proc cannot do it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_gib():
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20  # kB -> GiB
+
+
 def time_rounds(fns, repeats, device, desc="", clock=time.perf_counter):
     """One warm-up round, then `repeats` rounds calling every fn of {name: fn} in turn.
-    Returns {name: [ms per round]}, {name: peak GiB on CUDA, else None}, {name: last result}."""
+    Returns {name: [ms per round]}, {name: peak GiB}, {name: last result}. Peak: on CUDA the
+    allocator's peak during the call; on CPU (Linux) the process's peak RSS during the call, which
+    includes the weights and Python (None where /proc cannot be reset)."""
     cuda = torch.device(device).type == "cuda"
     times, peak, out = {n: [] for n in fns}, {n: None for n in fns}, {}
     for r in tqdm(range(repeats + 1), desc=desc, leave=False):
@@ -89,9 +106,12 @@ def time_rounds(fns, repeats, device, desc="", clock=time.perf_counter):
                 ms = a.elapsed_time(b)
                 peak[n] = max(peak[n] or 0.0, torch.cuda.max_memory_allocated() / 2**30)
             else:
+                rss = peak_rss_reset()
                 t0 = clock()
                 out[n] = fn()
                 ms = (clock() - t0) * 1e3
+                if rss:
+                    peak[n] = max(peak[n] or 0.0, peak_rss_gib())
             if r > 0:  # round 0 only warms up (allocator, kernels, caches)
                 times[n].append(ms)
     return times, peak, out
