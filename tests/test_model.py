@@ -289,6 +289,29 @@ def test_chunk_on_top_of_cache_matches_full_forward(tiny, split):
     assert max_diff(torch.cat([first, second], 1), ref) <= ATOL
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_lower_right_chunk_on_cuda_equals_the_explicit_mask():
+    """model.Attention's call for a chunk on a cache (causal_lower_right, GQA), which CUDA sends to
+    flash attention in bf16, against the same call with attention_mask's explicit bool mask
+    (another kernel): outputs and gradients (training runs this call) agree."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q0 = torch.randn(1, 32, 40, 128, device="cuda", dtype=torch.bfloat16, generator=g)  # 40 rows after 300 slots
+    k0, v0 = (torch.randn(1, 8, 340, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    outs, grads = [], []
+    for mask in (causal_lower_right(40, 340), M.attention_mask(40, 340, None, "cuda")):
+        q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        y.float().square().sum().backward()
+        outs.append(y.float())
+        grads.append([t.grad.float() for t in (q, k, v)])
+    assert (outs[0] - outs[1]).abs().max().item() < 2e-2
+    for a, b in zip(*grads):
+        assert (a - b).abs().max().item() < 5e-2 * max(1.0, b.abs().max().item())
+
+
 def test_attention_mask_is_bottom_right_and_never_empty():
     """The chunk's Tq queries sit at the last Tq of Tk slots; a query may see the slots up to its
     own, minus invalid ones, but always its own slot: a padding query with no key at all would
