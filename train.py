@@ -76,8 +76,9 @@ def build_dataset(model, tok, args, path, rank=0):
     for r in rows:
         if r.get("fingerprint") != fp:
             raise SystemExit(f"error: {path} was made with another base model ({r.get('base_model')}): use another --out")
-    if args.eval_only:  # use the rows as they are: the prompts depend on the Python version (stdlib)
-        return rows
+    have = {split: sum(r.get("split") == split for r in rows) for split in ("train", "heldout")}
+    if args.eval_only or (have["train"] >= args.n_train and have["heldout"] >= args.n_heldout):
+        return rows  # as they are: the stdlib prompts depend on the Python version that made them
     done = {r["id"] for r in rows}
     todo = []
     for split, n in (("train", args.n_train), ("heldout", args.n_heldout)):
@@ -221,7 +222,7 @@ def get_args(argv=None):
     a("--pool", default="avg", choices=["avg", "max", "none"], help="scoring pooling the adapter will use")
     a("--kernel", type=int, default=5)
     # optimisation
-    a("--epochs", type=int, default=3)
+    a("--epochs", type=float, default=3, help="passes over the training rows (a fraction ends mid-pass)")
     a("--batch", type=int, default=32, help="effective batch (samples per optimiser step, all ranks)")
     a("--lr", type=float, default=1e-3)
     a("--weight-decay", type=float, default=0.0)
@@ -231,6 +232,8 @@ def get_args(argv=None):
     a("--eval-every", type=int, default=10, help="optimiser steps between held-out evals")
     a("--save-every", type=int, default=10, help="optimiser steps between checkpoints")
     a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    a("--init", default=None, metavar="ADAPTER", help="start from this adapter (its M, rank and targets) "
+      "with a fresh optimiser and schedule: more steps for an adapter whose run ended early")
     a("--eval-only", default=None, metavar="ADAPTER", help="no training: held-out metrics of ADAPTER and of the untrained init on OUT/data.jsonl")
     a("--cache-kv", action=argparse.BooleanOptionalAction, default=None,
       help="keep every sample's prompt KV and targets in memory across epochs (default: on CUDA)")
@@ -309,6 +312,10 @@ def main(argv=None):
     emb_std = model.model.embed_tokens.weight.float().std().item()  # P starts at the scale of real tokens
     module = LookaheadModule(cfg, args.n_tokens, args.rank, args.alpha, args.targets.split(","), emb_std,
                              args.pool, args.kernel).to(dev)
+    init = None
+    if args.init:  # fine-tune an adapter: the same module shape, its weights, a new schedule
+        init = LookaheadModule.load(args.init, cfg, dev)
+        module, init = init, dict(path=Path(args.init).name, **init.info)
     if args.eval_only:  # held-out metrics of an adapter next to this untrained init (same seed)
         heldout = [ground_truth(model, r, window=32) for r in tqdm(held_rows, desc="held-out ground truth")]
         for name, m in (("untrained", module), ("adapter", LookaheadModule.load(args.eval_only, cfg, dev))):
@@ -320,7 +327,7 @@ def main(argv=None):
     opt = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     micro = max(1, args.batch // world)  # samples per rank per optimiser step
     steps_per_epoch = max(1, len(train_rows) // (micro * world))
-    total = steps_per_epoch * args.epochs
+    total = max(1, round(steps_per_epoch * args.epochs))
     step, log = 0, []
     ckpt = out / "ckpt.pt"
     if args.resume and ckpt.exists():
@@ -353,7 +360,7 @@ def main(argv=None):
                 f.write(json.dumps(log[-1]) + "\n")
 
     if step == 0:
-        do_eval()  # step 0 = the untrained module (random P, LoRA B = 0): the honest reference
+        do_eval()  # step 0 = the untrained module (random P, LoRA B = 0): the honest reference (or the --init adapter)
     bar = tqdm(total=total, initial=step, desc="training", disable=rank > 0)
     n_seen = 0
     stopped_early = False
@@ -402,6 +409,9 @@ def main(argv=None):
                                            max_new_tokens=args.max_new_tokens),
                            steps=step, planned_steps=total, stopped_early=stopped_early, batch=args.batch, lr=args.lr, epochs=args.epochs,
                            heldout=log[-1] if log else None, untrained=log[0] if log else None)
+        if init:  # step 0 was the init adapter, not an untrained module: keep the init's own reference
+            module.info.update(untrained=init.get("untrained"), init=dict(path=init["path"], steps=init.get("steps"),
+                                                                          heldout=log[0] if log else None))
         dest = Path(args.adapter_out) if args.adapter_out else out / "adapter.safetensors"
         module.save(dest)
         print0(f"saved {dest} (+ .json) after {step} steps, {time.perf_counter() - t0:.0f} s")

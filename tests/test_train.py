@@ -437,3 +437,22 @@ def test_eval_only_reports_the_untrained_init_and_the_adapter(model_dir, tmp_pat
     assert lines[0].startswith("untrained") and lines[1].startswith("adapter")
     assert f"kl {log[0]['kl']:.4f}" in lines[0] and f"kl {log[-1]['kl']:.4f}" in lines[1]
     assert log[0]["kl"] != log[-1]["kl"]
+
+
+def test_init_continues_an_adapter_and_keeps_its_untrained_reference(model_dir, tmp_path, stub_prompts):
+    """--init: step 0 of the new run is the init adapter (not a fresh module), its shape wins over
+    the CLI's, and the saved metadata keeps the original untrained reference."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out in (a, b):
+        write_data(out, model_dir)
+    train.main(argv(model_dir, a))
+    meta_a = json.loads((a / "adapter.json").read_text())
+    train.main(argv(model_dir, b, "--init", str(a / "adapter.safetensors"), "--n-tokens", "4"))
+    meta_b = json.loads((b / "adapter.json").read_text())
+    log_b = [json.loads(line) for line in (b / "log.jsonl").read_text().splitlines()]
+    assert meta_b["n_tokens"] == 8 and meta_b["steps"] == 4
+    assert log_b[0]["kl"] == pytest.approx(meta_a["heldout"]["kl"])  # step 0 = the init adapter
+    assert meta_b["untrained"] == meta_a["untrained"]
+    assert meta_b["init"] == dict(path="adapter.safetensors", steps=4, heldout=log_b[0])
+    pa, pb = adapter(a / "adapter.safetensors"), adapter(b / "adapter.safetensors")
+    assert max((pa[k] - pb[k]).abs().max().item() for k in pa) > 1e-3  # and it trained further
