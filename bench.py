@@ -188,8 +188,8 @@ def describe(model, args, module=None, note=None):
 
 def sdpa_kernels(cfg, device, dtype):
     """Which fused CUDA kernels can take model.Attention's call for a prefill chunk on a cache
-    (GQA, causal_lower_right: no explicit mask, which is what flash needs)? With none, SDPA
-    materialises the mask and runs its math kernel: T x Tk scores per head."""
+    (GQA, causal_lower_right: no explicit mask, which is what flash needs)? With neither, the
+    CausalBias is materialised as a (T, Tk) mask and SDPA picks a masked kernel (cuDNN or math)."""
     try:
         from torch.backends import cuda as tbc
         q, k = (torch.zeros(1, h, 256, cfg.head_dim, device=device, dtype=dtype)

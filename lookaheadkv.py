@@ -217,19 +217,6 @@ class LookaheadModule(nn.Module):
         return m.to(device)
 
 
-def lookahead_pass(model, module, cache, next_pos, per_query_head=False):
-    """The two-pass form: the M lookahead tokens at positions next_pos .. next_pos+M-1 (an int S,
-    or each row's (B,) prompt length) on top of the prompt cache, LoRA on; the cache itself is
-    left as it was. Returns their scores over the len(cache) prompt slots, per layer. Under
-    autograd, gradients reach only the module (the cache was made without them)."""
-    B, M, dev = cache.k[0].shape[0], module.n_tokens, cache.k[0].device
-    positions = torch.as_tensor(next_pos, device=dev).reshape(-1, 1) + torch.arange(M, device=dev)  # (B|1, M)
-    emb = module.embeddings.to(cache.k[0].dtype).expand(B, -1, -1)  # (B, M, C)
-    hook = LookaheadHook(module, len(cache), per_query_head)
-    model(inputs_embeds=emb, positions=positions.expand(B, M), cache=cache.copy(), hook=hook, logits_at=-1)
-    return hook.scores
-
-
 def default_adapter_path(cfg):
     return Path(__file__).parent / "weights" / f"{cfg.name}.lookahead.safetensors"
 
@@ -245,6 +232,20 @@ class LookaheadHook(WindowHook):
     def lora(self, layer, name, x):
         # only the last M rows get a delta: model.project adds it to those rows alone
         return self.module.delta(layer, name, x[:, -self.n:])
+
+
+def lookahead_pass(model, module, cache, next_pos, per_query_head=False):
+    """The two-pass form: the M lookahead tokens at positions next_pos .. next_pos+M-1 (an int S,
+    or each row's (B,) prompt length) on top of the prompt cache, LoRA on; the cache itself is
+    left as it was. Returns their scores over the len(cache) prompt slots, per layer. Under
+    autograd, gradients reach only the module (the cache was made without them)."""
+    B, M, dev = cache.k[0].shape[0], module.n_tokens, cache.k[0].device
+    positions = torch.as_tensor(next_pos, device=dev).reshape(-1, 1) + torch.arange(M, device=dev)  # (B|1, M)
+    emb = module.embeddings.to(cache.k[0].dtype).expand(B, -1, -1)  # (B, M, C)
+    hook = LookaheadHook(module, len(cache), per_query_head)
+    model(inputs_embeds=emb, positions=positions.expand(B, M), cache=cache.copy(), hook=hook, logits_at=-1)
+    return hook.scores
+
 
 
 # -----------------------------------------------------------------------------
@@ -430,8 +431,7 @@ def compress(model, ids, ec, pad_mask=None, module=None, response=None):
     clock.mark()
     stats["prefill_ms"], stats["score_ms"] = clock.ms(0, 1), clock.ms(1, 2)
     stats["kept"] = kept
-    keep_count = torch.zeros(S, device=dev).index_add_(0, torch.cat([k[0].flatten() for k in kept]),
-                                                     torch.ones(sum(k[0].numel() for k in kept), device=dev))
+    keep_count = torch.bincount(torch.cat([k[0].flatten() for k in kept]), minlength=S)  # row 0, (S,)
     stats["keep_frac"] = (keep_count / (L * cfg.num_key_value_heads)).cpu()
     return cache, logits, next_pos, stats
 

@@ -312,10 +312,10 @@ def main(argv=None):
     emb_std = model.model.embed_tokens.weight.float().std().item()  # P starts at the scale of real tokens
     module = LookaheadModule(cfg, args.n_tokens, args.rank, args.alpha, args.targets.split(","), emb_std,
                              args.pool, args.kernel).to(dev)
-    init = None
+    init_info = None
     if args.init:  # fine-tune an adapter: the same module shape, its weights, a new schedule
-        init = LookaheadModule.load(args.init, cfg, dev)
-        module, init = init, dict(path=Path(args.init).name, **init.info)
+        module = LookaheadModule.load(args.init, cfg, dev)
+        init_info = dict(path=Path(args.init).name, **module.info)
     if args.eval_only:  # held-out metrics of an adapter next to this untrained init (same seed)
         heldout = [ground_truth(model, r, window=32) for r in tqdm(held_rows, desc="held-out ground truth")]
         for name, m in (("untrained", module), ("adapter", LookaheadModule.load(args.eval_only, cfg, dev))):
@@ -409,9 +409,9 @@ def main(argv=None):
                                            max_new_tokens=args.max_new_tokens),
                            steps=step, planned_steps=total, stopped_early=stopped_early, batch=args.batch, lr=args.lr, epochs=args.epochs,
                            heldout=log[-1] if log else None, untrained=log[0] if log else None)
-        if init:  # step 0 was the init adapter, not an untrained module: keep the init's own reference
-            module.info.update(untrained=init.get("untrained"), init=dict(path=init["path"], steps=init.get("steps"),
-                                                                          heldout=log[0] if log else None))
+        if init_info:  # step 0 was the init adapter, not an untrained module: keep the init's own reference
+            module.info.update(untrained=init_info.get("untrained"),
+                               init=dict(path=init_info["path"], steps=init_info.get("steps"), heldout=log[0] if log else None))
         dest = Path(args.adapter_out) if args.adapter_out else out / "adapter.safetensors"
         module.save(dest)
         print0(f"saved {dest} (+ .json) after {step} steps, {time.perf_counter() - t0:.0f} s")
