@@ -162,9 +162,8 @@ def random_ids(model, B, S, seed):  # timing only: the tokens do not matter
 
 
 def evict_config(name, args, module):
+    """A row's EvictConfig; pooling is each scorer's own (lookahead: the adapter's)."""
     f = VARIANTS.get(name, dict(method=name))
-    if f["method"] == "lookahead":  # score with the pooling the adapter was trained with
-        f = dict(f, pool=module.pool, kernel=module.kernel)
     return EvictConfig(**{"budget": args.budget, "chunk_size": args.chunk_size, **f})
 
 
@@ -233,8 +232,9 @@ def run_overhead(model, args, lengths, emit):
         for name in ["full"] + [m for m in args.methods if m != "full"]:  # full: the baseline of every row
             if name == "h2o" and S in skip:
                 continue
-            ec = evict_config(name, args, module)
-            fns[name] = lambda ec=ec: compress(model, ids, ec, module=module)[0].nbytes()  # the cache is freed
+            eviction = evict_config(name, args, module)
+            # the returned cache is freed at once: only the eviction's work is timed
+            fns[name] = lambda eviction=eviction: compress(model, ids, eviction, module=module)[0].nbytes()
         times, peak, kv = time_rounds(fns, args.repeats, args.device, f"overhead S={S}", args.clock)
         prefill = med(times["full"])
         for name in [m for m in fns if m in args.methods]:
@@ -276,10 +276,10 @@ def run_prefill_vs_hf(args, lengths, emit):
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
-        raise SystemExit("error: --mode prefill-vs-hf needs transformers (pip install transformers), "
+        raise ValueError("--mode prefill-vs-hf needs transformers (pip install transformers), "
                          "a test/bench dependency only")
     if args.random_init:
-        raise SystemExit("error: --mode prefill-vs-hf compares real checkpoints: drop --random-init")
+        raise ValueError("--mode prefill-vs-hf compares real checkpoints: drop --random-init")
     ours = get_model(args, None).float()
     theirs = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").to(args.device).float().eval()
     describe(ours, args, note="both float32, torch.inference_mode, same threads, last token's logits only "
@@ -295,7 +295,8 @@ def run_prefill_vs_hf(args, lengths, emit):
 
 
 def run_train_cost(model, args, lengths, emit):
-    from train import ground_truth, kl_loss, lookahead_pass
+    from lookaheadkv import lookahead_pass
+    from train import ground_truth, kl_loss
 
     module = get_module(model, args).requires_grad_(True)
     M, dev = module.n_tokens, args.device
@@ -314,7 +315,7 @@ def run_train_cost(model, args, lengths, emit):
             return loss.item()
 
         def efficient():
-            return backward(kl_loss(gt, lookahead_pass(model, module, cache, S)))
+            return backward(kl_loss(gt, lookahead_pass(model, module, cache, S, per_query_head=True)))
 
         def naive():  # every op over all S + M rows is recorded: x depends on P as a whole
             with torch.enable_grad():
@@ -375,13 +376,19 @@ def get_args(argv=None):
 
 
 def main(argv=None):
-    args = get_args(argv)
+    try:
+        return bench(get_args(argv))
+    except (ValueError, OSError) as e:  # library errors: one line that says what to do, no traceback
+        raise SystemExit(f"error: {e}")
+
+
+def bench(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = torch.device(args.device).type == "cuda"
     if args.quick:
         if not cuda:
-            raise SystemExit("error: --quick is the GPU preset (8B shapes at 8K-32K); on CPU run e.g. "
+            raise ValueError("--quick is the GPU preset (8B shapes at 8K-32K); on CPU run e.g. "
                              "python bench.py --mode overhead --lengths 1024,2048")
         jobs = quick(args)
     else:

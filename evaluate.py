@@ -17,7 +17,7 @@ Recall is measured on what eviction really kept (compress's stats["kept"]: the s
 gathered per layer), not on a method's scores, so it needs no knowledge of how one scores.
 The oracle keeps the exact top-C of the true scores (no pooling): its recall is the ceiling.
 --untrained adds "lookahead-untrained", a module with the adapter's M / rank / targets and a
-fresh init (seeded): the trained adapter's gain over it is what training bought (PAPER.md).
+fresh init (seeded): the trained adapter's gain over it is what training bought.
 
 Prints a tqdm bar, then a markdown table per metric (accuracy, fidelity, exact, recall,
 prefill_ms, score_ms). E.g. SmolLM2-135M-Instruct, the 6 suite tasks at ~1050 tokens, 2 busy
@@ -55,12 +55,11 @@ from tqdm import tqdm
 
 import data
 from generate import resolve_model
-from lookaheadkv import (METHODS, EvictConfig, LookaheadModule, compress, decode, default_adapter_path, oracle_scores,
-                         recall_of_kept)
+from lookaheadkv import (METHODS, EvictConfig, LookaheadModule, compress, decode, default_adapter_path, make_scorer,
+                         oracle_scores, recall_of_kept)
 from model import Tokenizer, load_model
 
 UNTRAINED = "lookahead-untrained"
-WINDOWED = ("snapkv", "pyramidkv", "h2o", "laq")  # methods that always keep the last --window tokens
 METRICS = {  # name -> (title, format)
     "accuracy": ("accuracy: share of the expected answers found in the output (RULER string match)", "{:.3f}"),
     "fidelity": ("fidelity: share of FullKV's greedy tokens reproduced before the first divergence", "{:.3f}"),
@@ -69,7 +68,8 @@ METRICS = {  # name -> (title, format)
     # hook-based scorers (snapkv, h2o, laq, one-pass lookahead) do part of their work inside the
     # prefill, so compare prefill_ms + score_ms with full's prefill (bench.py measures this properly)
     "prefill_ms": ("prefill_ms: the prefill, with whatever scoring runs inside it, ms", "{:.0f}"),
-    "score_ms": ("score_ms: scoring + eviction after the prefill, ms (oracle: + the full-cache answer it needs)", "{:.1f}"),
+    "score_ms": ("score_ms: scoring + eviction after the prefill, ms (oracle: + the full-cache answer it needs)",
+                 "{:.1f}"),
 }
 
 # -----------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def need_matplotlib():
         matplotlib.use("Agg")  # files only, no window
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("error: --plot needs matplotlib: pip install matplotlib (or pip install '.[plot]')")
+        raise ImportError("--plot needs matplotlib: pip install matplotlib (or pip install '.[plot]')")
     return plt
 
 # -----------------------------------------------------------------------------
@@ -150,6 +150,13 @@ def greedy(model, cache, logits, pos, max_new_tokens, stop_ids):
     for t in decode(model, cache, logits, pos, max_new_tokens, stop_ids):
         out.append(t[0].item())
     return out
+
+
+def eviction_config(method, budget, args):
+    """The EvictConfig of a row: lookahead-untrained runs as lookahead; pooling None = the method's own
+    (lookaheadkv's scorers: avg 5 for attention scores, the adapter's for lookahead, none for the oracle)."""
+    name = "lookahead" if method == UNTRAINED else method
+    return EvictConfig(name, budget, window=args.window, pool=args.pool, kernel=args.kernel)
 
 
 @torch.no_grad()
@@ -170,14 +177,9 @@ def run_sample(model, tok, row, ids, todo, modules, args):
         if method == "full":
             out, recall, score_ms, prefill_ms = ref, 1.0, 0.0, full_prefill_ms
         else:
-            module = modules.get(method)
-            if module is not None:  # lookahead, trained or not: scored with its own pooling
-                ec = EvictConfig("lookahead", budget, pool=module.pool, kernel=module.kernel)
-            elif method == "oracle":  # the exact top-C of the true scores: the recall ceiling
-                ec = EvictConfig("oracle", budget, pool="none")
-            else:
-                ec = EvictConfig(method, budget, window=args.window, pool=args.pool, kernel=args.kernel)
-            cache, logits, pos, st = compress(model, ids, ec, module=module, response=response)
+            module = modules.get(method)  # lookahead, trained or not (scored with its adapter's pooling)
+            cache, logits, pos, st = compress(model, ids, eviction_config(method, budget, args), module=module,
+                                              response=response)
             recall = 1.0 if st["kept"] is None else recall_of_kept(st["kept"], true)  # None: S <= C, all kept
             out = greedy(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids)
             score_ms = st["score_ms"] + (full_ms if method == "oracle" else 0.0)
@@ -210,9 +212,12 @@ def get_args(argv=None):
     a("--adapter", default=None, help="lookahead adapter .safetensors (default: the one shipped for the model)")
     a("--untrained", action="store_true", help=f"add {UNTRAINED}: same M/rank/targets, fresh seeded init, LoRA B = 0")
     a("--window", type=int, default=32, help="snapkv/pyramidkv/h2o/laq: last prompt tokens always kept")
-    a("--pool", default="avg", choices=["avg", "max", "none"], help="baselines' score pooling (lookahead: the adapter's)")
-    a("--kernel", type=int, default=5, help="baselines' pooling width (lookahead: the adapter's)")
-    a("--chat", action=argparse.BooleanOptionalAction, default=None, help="wrap prompts in the chat template (default: when the tokenizer has one)")
+    a("--pool", default=None, choices=["avg", "max", "none"],
+      help="score pooling for every method (default: each method's own: avg for attention scores, the adapter's "
+      "for lookahead, none for the oracle)")
+    a("--kernel", type=int, default=None, help="pooling width, odd (default: each method's own: 5, the adapter's)")
+    a("--chat", action=argparse.BooleanOptionalAction, default=None,
+      help="wrap prompts in the chat template (default: when the tokenizer has one)")
     a("--model", default=None, help="an HF folder (default: weights/SmolLM2-135M-Instruct, prepared if missing)")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a("--seed", type=int, default=0, help="built-in suite and the untrained module's init")
@@ -223,7 +228,7 @@ def parse_list(text, flag, kind=str):
     try:
         return list(dict.fromkeys(kind(x.strip()) for x in text.split(",") if x.strip()))  # unique, in order
     except ValueError:
-        raise SystemExit(f"error: {flag} {text!r}: expected a comma-separated list of {kind.__name__}")
+        raise ValueError(f"{flag} {text!r}: expected a comma-separated list of {kind.__name__}")
 
 
 def load_modules(args, model, methods, folder):
@@ -233,7 +238,7 @@ def load_modules(args, model, methods, folder):
     if "lookahead" in methods:
         path = Path(args.adapter) if args.adapter else default_adapter_path(cfg)
         if not path.exists():
-            raise SystemExit(f"error: no lookahead adapter at {path}: train one with python train.py --model {folder} "
+            raise ValueError(f"no lookahead adapter at {path}: train one with python train.py --model {folder} "
                              f"--adapter-out {path}, pass --adapter, or drop lookahead from --methods")
         modules["lookahead"] = LookaheadModule.load(path, cfg, dev)
     if UNTRAINED in methods:
@@ -253,21 +258,27 @@ def save_json(obj, path):
 
 
 def main(argv=None):
-    args = get_args(argv)
+    try:
+        return evaluate(get_args(argv))
+    except (ValueError, OSError, ImportError) as e:  # library errors: one line that says what to do, no traceback
+        raise SystemExit(f"error: {e}")
+
+
+def evaluate(args):
     t_start = time.perf_counter()
     methods = parse_list(args.methods, "--methods")
     bad = [m for m in methods if m not in METHODS + (UNTRAINED,)]
     if bad:
-        raise SystemExit(f"error: unknown method(s) {', '.join(bad)}; choose from {', '.join(METHODS + (UNTRAINED,))}")
+        raise ValueError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(METHODS + (UNTRAINED,))}")
     methods = list(dict.fromkeys(["full"] + methods + ([UNTRAINED] if args.untrained else [])))  # full first
     budgets = parse_list(args.budgets, "--budgets", int)
     if not budgets or min(budgets) <= 0:
-        raise SystemExit(f"error: --budgets {args.budgets!r}: every budget must be a positive number of KV slots")
-    if set(methods) & set(WINDOWED) and min(budgets) <= args.window:
-        raise SystemExit(f"error: budget {min(budgets)} leaves no room beside the {args.window}-token window of "
-                         f"{', '.join(m for m in methods if m in WINDOWED)}: use budgets > {args.window} or a smaller --window")
+        raise ValueError(f"--budgets {args.budgets!r}: every budget must be a positive number of KV slots")
+    for m in methods:  # each method's own checks (budget vs its protected tokens, pooling width), before any work
+        if m not in ("lookahead", UNTRAINED, "oracle"):  # those need their adapter / answer: checked when they run
+            make_scorer(eviction_config(m, min(budgets), args))
     if args.max_new_tokens < 1:
-        raise SystemExit("error: --max-new-tokens must be at least 1")
+        raise ValueError("--max-new-tokens must be at least 1")
     if args.plot:
         need_matplotlib()  # fail now, not after the whole run
 
@@ -284,12 +295,12 @@ def main(argv=None):
         rows = data.make_eval_suite(tok, lengths, args.per_task, args.seed)
     rows = rows[:args.limit] if args.limit else rows
     if len({r["id"] for r in rows}) < len(rows):
-        raise SystemExit(f"error: {args.tasks}: ids must be unique (they key the results for resuming)")
+        raise ValueError(f"{args.tasks}: ids must be unique (they key the results for resuming)")
     prompts = [tok.encode(tok.chat(r["prompt"]) if chat else r["prompt"]) for r in rows]
     ctx = model.config.max_context
     for r, ids in zip(rows, prompts):
         if len(ids) + args.max_new_tokens > ctx:
-            raise SystemExit(f"error: prompt {r['id']} is {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} "
+            raise ValueError(f"prompt {r['id']} is {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} "
                              f"it exceeds the model's context of {ctx}: shorten it or lower --max-new-tokens")
 
     # resume: entries already in results.json are kept, if they were made with the same settings
@@ -306,11 +317,11 @@ def main(argv=None):
         try:
             saved = json.loads(path.read_text())
         except json.JSONDecodeError:
-            raise SystemExit(f"error: {path} is not valid JSON: delete it to start over")
+            raise ValueError(f"{path} is not valid JSON: delete it to start over")
         clash = [k for k in settings if k in saved["settings"] and saved["settings"][k] != settings[k]]
         if clash:
             was = ", ".join(f"{k} {saved['settings'][k]} (now {settings[k]})" for k in clash)
-            raise SystemExit(f"error: {path} was made with other settings: {was}; use another --out")
+            raise ValueError(f"{path} was made with other settings: {was}; use another --out")
     saved["settings"] = {**saved["settings"], **settings}
     done = {(r["id"], r["method"], r["budget"]) for r in saved["results"]}
     work = [(row, ids, [(m, b) for m in methods for b in budgets if (row["id"], m, b) not in done])

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from data import decode_utf8
 from lookaheadkv import METHODS, EvictConfig, LookaheadModule, compress, decode, default_adapter_path
 from model import Tokenizer, load_model
 
@@ -32,22 +33,30 @@ from model import Tokenizer, load_model
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", required=True, help="a text file with the user message, or - for stdin")
-    p.add_argument("--model", default=None, help="an HF folder (default: weights/SmolLM2-135M-Instruct, prepared if missing)")
+    p.add_argument("--model", default=None,
+                   help="an HF folder (default: weights/SmolLM2-135M-Instruct, prepared if missing)")
     p.add_argument("--method", default="lookahead", choices=METHODS, help="how to choose the kept tokens")
-    p.add_argument("--budget", type=int, default=128, help="KV slots kept per (layer, KV head), protected tokens included")
-    p.add_argument("--adapter", default=None, help="lookahead adapter .safetensors (default: the one shipped for the model)")
+    p.add_argument("--budget", type=int, default=128,
+                   help="KV slots kept per (layer, KV head), protected tokens included")
+    p.add_argument("--adapter", default=None,
+                   help="lookahead adapter .safetensors (default: the one shipped for the model)")
     p.add_argument("--window", type=int, default=32, help="snapkv/pyramidkv/h2o/laq: last prompt tokens always kept")
-    p.add_argument("--pool", default=None, choices=["avg", "max", "none"], help="score pooling (default avg; lookahead: the adapter's)")
-    p.add_argument("--kernel", type=int, default=None, help="pooling width (default 5; lookahead: the adapter's)")
-    p.add_argument("--two-pass", action="store_true", help="lookahead: score in a second forward (the reference form) instead of inside the prefill")
+    p.add_argument("--pool", default=None, choices=["avg", "max", "none"],
+                   help="score pooling (default avg; lookahead: the adapter's)")
+    p.add_argument("--kernel", type=int, default=None, help="odd pooling width (default 5; lookahead: the adapter's)")
+    p.add_argument("--two-pass", action="store_true",
+                   help="lookahead: score in a second forward (the reference form) instead of inside the prefill")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="wrap the prompt in the chat template (default: when the tokenizer has one)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the chat template (default: when the tokenizer has one)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--show", action="store_true", help="print the prompt with the kept tokens highlighted (brighter = kept by more layers and heads)")
+    p.add_argument("--show", action="store_true",
+                   help="print the prompt with the kept tokens highlighted (brighter = kept by more layers and heads)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return p.parse_args(argv)
 
@@ -60,13 +69,51 @@ def resolve_model(path):
     return ensure_default(DEFAULT_DIR)
 
 
+def check_args(args):
+    """Every check that needs no model, so a bad value stops in a second, not after loading."""
+    if args.budget < 1:
+        raise ValueError(f"--budget {args.budget}: keep at least 1 KV slot per (layer, KV head), e.g. --budget 128")
+    if args.kernel is not None and (args.kernel < 1 or args.kernel % 2 == 0):
+        raise ValueError(f"--kernel {args.kernel}: pooling width must be odd and >= 1 (a window centred on "
+                         f"each token), e.g. --kernel 5")
+    if args.window < 0:
+        raise ValueError(f"--window {args.window}: the number of always-kept last tokens must be >= 0")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p {args.top_p}: must be in (0, 1] (1 = no cut)")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:  # torch's message lists every device type it knows
+        raise ValueError(f"--device {args.device!r} is not a device: use cpu or cuda "
+                         f"(cuda:1 for the second GPU)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("CUDA is not available on this machine: use --device cpu")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"numbered from 0")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {args.device}: only cpu and cuda are supported")
+    if args.method == "lookahead" and args.adapter and not Path(args.adapter).is_file():
+        raise FileNotFoundError(f"--adapter {args.adapter} not found: pass a .safetensors file from train.py")
+
+
 def read_prompt(arg):
+    """The user message from a UTF-8 file, or from stdin for "-"."""
     if arg == "-":
-        return sys.stdin.read()
-    p = Path(arg)
-    if not p.is_file():
-        raise SystemExit(f"error: prompt file {arg} not found: pass a text file, or - to read stdin")
-    return p.read_text()
+        raw, where = sys.stdin.buffer.read(), "stdin"
+    else:
+        p = Path(arg)
+        if not p.is_file():
+            raise FileNotFoundError(f"prompt file {arg} not found: pass a text file, or - to read stdin")
+        raw, where = p.read_bytes(), f"prompt file {arg}"
+    text = decode_utf8(raw, where).replace("\r\n", "\n")  # as text-mode reading did
+    if not text.strip():
+        raise ValueError(f"the prompt ({where}) is empty: write the user message into it")
+    return text
 
 
 def show_kept(tok, ids, keep_frac):
@@ -85,31 +132,37 @@ def show_kept(tok, ids, keep_frac):
 
 
 def main(argv=None):
-    args = get_args(argv)
+    try:
+        return run(get_args(argv))
+    except (ValueError, OSError) as e:  # library errors: one line that says what to do, no traceback
+        raise SystemExit(f"error: {e}")
+
+
+def run(args):
+    check_args(args)
+    text = read_prompt(args.prompt)  # before the model: a bad prompt file fails fast
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     folder = resolve_model(args.model)
     model = load_model(folder, args.device, dtype)
     tok = Tokenizer(folder, model.config)
-    text = read_prompt(args.prompt)
     chat = args.chat if args.chat is not None else tok.format is not None
     ids = tok.encode(tok.chat(text) if chat else text)
     S, ctx = len(ids), model.config.max_context
     if S + args.max_new_tokens > ctx:
-        raise SystemExit(f"error: the prompt is {S} tokens and --max-new-tokens {args.max_new_tokens}; "
+        raise ValueError(f"the prompt is {S} tokens and --max-new-tokens {args.max_new_tokens}; "
                          f"the model's context is {ctx}: shorten the prompt or lower --max-new-tokens")
 
     module = None
     if args.method == "lookahead":
         adapter = Path(args.adapter) if args.adapter else default_adapter_path(model.config)
         if not adapter.exists():
-            raise SystemExit(f"error: no lookahead adapter for {model.config.name} ({adapter}): "
-                             f"train one with python train.py --model {folder}, or pass --adapter")
+            raise FileNotFoundError(f"no lookahead adapter for {model.config.name} ({adapter}): "
+                                    f"train one with python train.py --model {folder}, or pass --adapter")
         module = LookaheadModule.load(adapter, model.config, args.device).to(model.lm_head.weight.dtype)
-    pool = args.pool or (module.pool if module else "avg")
-    kernel = args.kernel or (module.kernel if module else 5)
-    ec = EvictConfig(args.method, args.budget, window=args.window, pool=pool, kernel=kernel,
-                     one_pass=not args.two_pass, seed=args.seed)
+    # pooling None = the method's own (lookahead: what its adapter was trained with; the oracle: none)
+    eviction = EvictConfig(args.method, args.budget, window=args.window, pool=args.pool, kernel=args.kernel,
+                           one_pass=not args.two_pass, seed=args.seed)
 
     dev = args.device
     ids_t = torch.tensor([ids], device=dev)
@@ -125,13 +178,14 @@ def main(argv=None):
         L, Hkv, D = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
         kv_full = 2 * L * Hkv * D * S * model.lm_head.weight.element_size()
         t0 = time.perf_counter()
-        cache, logits, pos, st = compress(model, ids_t, ec, module=module, response=response)
+        cache, logits, pos, st = compress(model, ids_t, eviction, module=module, response=response)
         kept = max(int(k.shape[2]) for k in cache.k)  # largest count over layers (pyramidkv varies)
         kv_kept = cache.nbytes()
         gen = torch.Generator(device=dev).manual_seed(args.seed)
         out, t_first = [], None
         printed = ""
-        for t_ in decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p, gen):
+        steps = decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p, gen)
+        for t_ in steps:
             if t_first is None:
                 t_first = time.perf_counter()
             i = t_[0].item()
@@ -157,7 +211,8 @@ def main(argv=None):
         return stats
     print(tok.decode(out)[len(printed):])
     print("---")
-    print(f"method {args.method}  budget {args.budget}  prompt {S} tokens  kept {stats['kept_tokens']} per (layer, KV head)")
+    print(f"method {args.method}  budget {args.budget}  prompt {S} tokens  "
+          f"kept {stats['kept_tokens']} per (layer, KV head)")
     print(f"prefill {stats['prefill_ms']:.0f} ms  score {stats['score_ms']:.0f} ms  ttft {stats['ttft_ms']:.0f} ms  "
           f"decode {stats['decode_tokens_per_s'] or 0:.1f} tok/s")
     print(f"KV cache {kv_full / 1e6:.1f} MB -> {kv_kept / 1e6:.1f} MB")

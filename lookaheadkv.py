@@ -1,24 +1,43 @@
 """
-LookaheadKV and the KV-eviction baselines it is compared with, in one file.
+LookaheadKV and the KV-eviction baselines it is compared with: one class per method.
 
-Every method follows the same four steps (PAPER.md, "Problem"):
+The problem: after a prompt of S tokens is prefilled, keep only C KV slots per (layer, KV head)
+and decode on that compact cache. Which C? The ones the *answer* will attend to. Every method
+here answers that question the same four steps (`compress`):
 
-    prefill  the prompt (S tokens) into a KV cache, normally;
-    score    every prompt token per (layer, KV head): how much will the answer attend to it?
-    evict    keep the top C slots per (layer, batch row, KV head), C = the budget;
-    decode   on the compact cache; the next token's position is still S.
+    prefill  the prompt into a KV cache; a method may watch it (a Hook that sees the queries)
+             or add rows after the prompt (LookaheadKV's M lookahead tokens);
+    score    every prompt token per (layer, KV head): (L, B, H_kv, S);
+    evict    pool the scores along the sequence, keep the top C per (layer, batch row, KV head)
+             (protected tokens such as SnapKV's window count inside C), one gather per layer;
+    return   the compact cache, the first token's logits and the next position (still S).
 
-Methods differ only in the score:
-    streaming   4 sink tokens + the most recent ones (no attention at all)
-    random      random scores (a sanity floor)
-    snapkv      attention of the last `window` prompt queries, pooled along the sequence
-    pyramidkv   snapkv scores, per-layer budgets falling with depth (mean = C)
-    h2o         attention each key gets from ALL prompt queries, normalised by how many see it
-    laq         snapkv-compress, draft 8 tokens on that cache, re-score the full cache with
-                their queries (a "pseudo future")
-    oracle      the true future: attention of the full-cache greedy answer (needs that answer)
-    lookahead   LookaheadKV: M learned embeddings appended after the prompt, with a LoRA that
-                acts only on their rows; their mean attention over the prompt is the score
+A method is a `Scorer`: what it adds to the prefill (`prefill_hook`, `extra_rows`) and how it
+turns what it saw into scores (`score`), plus the tokens it always keeps and its per-layer
+budgets. The table `SCORERS` maps a method name to its class; generate.py, evaluate.py,
+train.py and bench.py all read it.
+
+    full        FullKV: no eviction
+    streaming   StreamingLLM: 4 sink tokens + the most recent ones
+    random      RandomKV: random scores (a sanity floor)
+    snapkv      SnapKV: attention of the last `window` prompt queries, pooled
+    pyramidkv   PyramidKV: SnapKV's scores, per-layer budgets falling with depth (mean C)
+    h2o         H2O: attention each key gets from ALL prompt queries, per query that sees it
+    laq         LAQ: SnapKV-compress, draft 8 tokens, re-score the full cache with their queries
+    oracle      Oracle: the true future (the full-cache answer's attention); needs that answer
+    lookahead   LookaheadKV: M learned embeddings after the prompt, with a LoRA active only on
+                their rows; their mean attention over the prompt is the score
+
+LookaheadKV in equations (METHOD.md has the long form). With prompt hidden states X (S rows) and
+the lookahead embeddings P (M rows, positions S .. S+M-1), every LoRA target W becomes
+    [X; P] W + [0; P] (alpha / r) B A         (the delta on the lookahead rows only)
+so the prompt rows, and hence the prompt's KV cache, are exactly the frozen model's. The score of
+prompt token j in layer l and KV head h is
+    s[j] = mean over the M lookahead queries i and the G query heads g of that KV head of
+           softmax_j(q_{i,g} . k_j / sqrt(d))
+and the lookahead rows' own keys and values are dropped after scoring. Training (train.py) fits
+P and the LoRA so that s matches the attention the model's real answer pays to the prompt:
+    loss = KL(s_gt / |s_gt|_1 || s / |s|_1), averaged over layers and query heads.
 
     from model import load_model, Tokenizer
     from lookaheadkv import EvictConfig, compress, decode
@@ -26,6 +45,7 @@ Methods differ only in the score:
     for tok in decode(model, cache, logits, pos, 64): ...
 
 No S x S attention matrix is ever built here: scores need only (queries x S) per layer.
+Library errors are exceptions (ValueError, FileNotFoundError); the scripts turn them into one line.
 """
 
 import json
@@ -40,16 +60,14 @@ import torch.nn.functional as F
 
 from model import Hook, KVCache
 
-METHODS = ("full", "streaming", "random", "snapkv", "pyramidkv", "h2o", "laq", "oracle", "lookahead")
-
 
 @dataclass
 class EvictConfig:
     method: str = "full"
     budget: int = 128  # C: KV slots kept per (layer, KV head), protected tokens included
     window: int = 32  # snapkv/pyramidkv/h2o/laq: the last `window` prompt tokens are always kept
-    pool: str = "avg"  # smoothing of scores along the sequence before top-k: "avg", "max" or "none"
-    kernel: int = 5  # pooling width (SnapKV's code: avg 5; KVCache-Factory's LongBench: max 7)
+    pool: str | None = None  # smoothing before top-k: "avg", "max", "none"; None = the method's own
+    kernel: int | None = None  # pooling width, odd; None = the method's own (avg 5; lookahead: its adapter's)
     n_sink: int = 4  # streaming: first tokens always kept (attention sinks)
     laq_tokens: int = 8  # laq: draft length, and the number of last prompt queries added to it
     pyramid_beta: int = 20  # pyramidkv: last layer's budget = first layer's / ~beta (kvpress)
@@ -122,7 +140,8 @@ class H2OHook(Hook):
         for i in range(0, Tq, self.rows):
             j = min(i + self.rows, Tq)
             # keys the sub-chunk's queries see: up to slot Tk - Tq + j
-            probs = group_attention(q[:, :, i:j], k[:, :, : Tk - Tq + j], None if key_valid is None else key_valid[..., : Tk - Tq + j])
+            seen = Tk - Tq + j
+            probs = group_attention(q[:, :, i:j], k[:, :, :seen], None if key_valid is None else key_valid[..., :seen])
             total[..., : Tk - Tq + j] += probs.sum(dim=2)
         prev = self.sums.get(layer)
         if prev is not None:  # an earlier prefill chunk: its keys are a prefix of these
@@ -142,15 +161,17 @@ class H2OHook(Hook):
 
 class LookaheadModule(nn.Module):
     """M learnable lookahead embeddings P and, per layer and target projection, a LoRA
-    W' = W + (alpha / r) B A applied ONLY to the lookahead rows (PAPER.md, "Method"):
+    W' = W + (alpha / r) B A applied ONLY to the lookahead rows:
         Q = [X; P] Wq + [0; P] dWq   (and the same for every other target)
     The base model is frozen and never sees the LoRA on prompt rows, so the prompt's KV cache
-    is exactly the base model's."""
+    is exactly the base model's. targets=() keeps the embeddings alone (an ablation: what the
+    LoRA adds on top of M learned "future" tokens)."""
 
     TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     def __init__(self, cfg, n_tokens=32, rank=8, alpha=32, targets=("q_proj", "k_proj"), embed_std=0.02,
                  pool="avg", kernel=5):
+        check_pooling(pool, kernel)
         super().__init__()
         bad = [t for t in targets if t not in self.TARGETS]
         if bad:
@@ -158,11 +179,14 @@ class LookaheadModule(nn.Module):
         self.cfg, self.n_tokens, self.rank, self.alpha, self.targets = cfg, n_tokens, rank, alpha, tuple(targets)
         self.pool, self.kernel = pool, kernel  # the scoring options it was trained with
         self.info = {}  # training metadata, saved with the adapter
-        # random init with the scale of real token embeddings (PAPER.md: a GUESS that measured well)
+        # random init with the scale of real token embeddings: untrained, they already act as
+        # generic queries from "somewhere after the prompt", a strong baseline of their own
         self.embeddings = nn.Parameter(torch.randn(n_tokens, cfg.hidden_size) * embed_std)
-        H, Hkv, D, C, I = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-        dims = dict(q_proj=(C, H * D), k_proj=(C, Hkv * D), v_proj=(C, Hkv * D), o_proj=(H * D, C),
-                    gate_proj=(C, I), up_proj=(C, I), down_proj=(I, C))
+        H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        dims = dict(q_proj=(hidden, H * D), k_proj=(hidden, Hkv * D), v_proj=(hidden, Hkv * D),
+                    o_proj=(H * D, hidden), gate_proj=(hidden, inter), up_proj=(hidden, inter),
+                    down_proj=(inter, hidden))
         self.lora = nn.ModuleList()
         for _ in range(cfg.num_hidden_layers):
             p = nn.ParameterDict()
@@ -201,10 +225,13 @@ class LookaheadModule(nn.Module):
         path = Path(path)
         meta_file = path.with_suffix(".json")
         if not path.exists() or not meta_file.exists():
-            raise SystemExit(f"error: adapter {path} (and its .json) not found: train one with python train.py")
-        meta = json.loads(meta_file.read_text())
+            raise FileNotFoundError(f"adapter {path} (and its .json) not found: train one with python train.py")
+        try:
+            meta = json.loads(meta_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"adapter metadata {meta_file} is not valid JSON ({e.msg}): retrain the adapter")
         if meta.get("base_fingerprint") != cfg.fingerprint():
-            raise SystemExit(f"error: adapter {path.name} was trained for {meta.get('base_model')!r} "
+            raise ValueError(f"adapter {path.name} was trained for {meta.get('base_model')!r} "
                              f"(fingerprint {meta.get('base_fingerprint')}), not for this model "
                              f"{cfg.name!r} ({cfg.fingerprint()}): train one for it with python train.py")
         m = cls(cfg, meta["n_tokens"], meta["rank"], meta["alpha"], meta["targets"], pool=meta.get("pool", "avg"),
@@ -213,7 +240,7 @@ class LookaheadModule(nn.Module):
         try:
             m.load_state_dict(load_file(str(path)))
         except Exception as e:
-            raise SystemExit(f"error: adapter {path} is corrupt or incomplete ({str(e).splitlines()[0]}): retrain it")
+            raise ValueError(f"adapter {path} is corrupt or incomplete ({str(e).splitlines()[0]}): retrain it")
         return m.to(device)
 
 
@@ -241,25 +268,39 @@ def lookahead_pass(model, module, cache, next_pos, per_query_head=False):
     autograd, gradients reach only the module (the cache was made without them)."""
     B, M, dev = cache.k[0].shape[0], module.n_tokens, cache.k[0].device
     positions = torch.as_tensor(next_pos, device=dev).reshape(-1, 1) + torch.arange(M, device=dev)  # (B|1, M)
-    emb = module.embeddings.to(cache.k[0].dtype).expand(B, -1, -1)  # (B, M, C)
+    emb = module.embeddings.to(cache.k[0].dtype).expand(B, -1, -1)  # (B, M, hidden)
     hook = LookaheadHook(module, len(cache), per_query_head)
     model(inputs_embeds=emb, positions=positions.expand(B, M), cache=cache.copy(), hook=hook, logits_at=-1)
     return hook.scores
 
 
-
 # -----------------------------------------------------------------------------
-# Turning scores into kept indices
+# Turning scores into kept slots: pooling, top-C, per-layer budgets
 
 
-def pool_scores(s, pool, kernel):
-    """Smooth scores (..., S) along the sequence, as SnapKV does: a token next to an
-    important one is kept too, which keeps whole phrases rather than scattered tokens."""
-    if pool == "none" or kernel <= 1:
+def check_pooling(pool, kernel):
+    if pool not in ("avg", "max", "none"):
+        raise ValueError(f"unknown pooling {pool!r}: use avg, max or none")
+    if pool != "none" and (kernel < 1 or kernel % 2 == 0):
+        raise ValueError(f"pooling width {kernel} must be odd and >= 1 (a window centred on each token): "
+                         "use e.g. 1, 3, 5 or 7")
+
+
+def pool_scores(s, pool, kernel, window=0):
+    """Smooth scores (..., S) along the sequence, as SnapKV does: a token next to an important
+    one is kept too, which keeps whole phrases (every digit of a number) rather than scattered
+    tokens. With a protected window (kept anyway), only the prefix before it is pooled, as in
+    SnapKV's code, so the window's large scores do not leak into the tokens before it.
+    Edges: avg pads with zeros and divides by the full width (the first and last kernel // 2
+    tokens of the pooled span are damped a little); max ignores the padding."""
+    if pool == "none" or kernel == 1:
         return s
+    S = s.shape[-1]
+    n = S - window  # the pooled prefix
     fn = F.avg_pool1d if pool == "avg" else F.max_pool1d
-    x = s.reshape(-1, 1, s.shape[-1])  # (..., S) -> (rows, 1, S)
-    return fn(x, kernel, stride=1, padding=kernel // 2).reshape(s.shape)
+    x = s[..., :n].reshape(-1, 1, n)  # (rows, 1, n)
+    pooled = fn(x, kernel, stride=1, padding=kernel // 2).reshape(*s.shape[:-1], n)
+    return torch.cat([pooled, s[..., n:]], dim=-1) if window else pooled
 
 
 def select(scores, budget, key_valid=None, protect=None):
@@ -275,18 +316,267 @@ def select(scores, budget, key_valid=None, protect=None):
     return s.topk(min(budget, s.shape[-1]), dim=-1).indices.sort(dim=-1).values
 
 
-def pyramid_budgets(budget, window, n_layers, beta):
-    """PyramidKV: budgets fall linearly from the first layer to the last, mean over layers = C."""
+def pyramid_budgets(budget, window, n_layers, beta, S=None):
+    """PyramidKV: budgets fall linearly from the first layer to the last, mean over layers = C.
+    A layer cannot keep more than the S prompt tokens: what a clipped layer cannot use goes
+    to the other layers, evenly, so the mean stays C (while C <= S)."""
     if n_layers == 1:
         return [budget]
     avail = budget - window
     lo = avail // beta
     hi = 2 * avail - lo
-    return [window + round(hi - l * (hi - lo) / max(n_layers - 1, 1)) for l in range(n_layers)]
+    b = [window + round(hi - l * (hi - lo) / max(n_layers - 1, 1)) for l in range(n_layers)]
+    if S is None:
+        return b
+    spare = sum(max(x - S, 0) for x in b)
+    b = [min(x, S) for x in b]
+    while spare > 0 and any(x < S for x in b):
+        room = [l for l in range(n_layers) if b[l] < S]
+        share, extra = divmod(spare, len(room))
+        for i, l in enumerate(room):
+            b[l] += share + (i < extra)
+        spare = sum(max(x - S, 0) for x in b)
+        b = [min(x, S) for x in b]
+    return b
 
 
 # -----------------------------------------------------------------------------
-# prefill -> score -> evict
+# The methods: one Scorer each
+
+
+@dataclass
+class Prefilled:
+    """What a scorer may read once the prompt is prefilled."""
+
+    cache: KVCache  # the prompt's KV, S slots per layer
+    hook: Hook | None  # the scorer's own hook, after it watched the prefill
+    logits: torch.Tensor  # (B, V) the first generated token's logits
+    positions: torch.Tensor  # (B, S) each prompt token's position (left padding: row starts at 0)
+    next_pos: torch.Tensor  # (B,) the position of the first generated token, = S_b
+    valid: torch.Tensor | None  # (B, 1, S) False on left padding, or None
+
+
+class Scorer:
+    """A KV-eviction method, in two parts: what it adds to the prefill (`prefill_hook`: a Hook that
+    watches the queries; `extra_rows`: rows after the prompt, scored then discarded), and how it
+    turns what it saw into scores (`score`: (L, B, H_kv, S), higher = keep). `protect` and
+    `budgets` say which tokens it always keeps and how many slots each layer gets; `evict` is the
+    step every method shares: pool, top-C, in slot order. Subclasses only say how they score."""
+
+    evicts = True  # False: FullKV
+    window = 0  # the last `window` prompt tokens are always kept (inside the budget)
+    sinks = 0  # the first `sinks` tokens are always kept (inside the budget)
+    pooled = True  # smooth the scores before top-k (see pool_scores)
+    default_pool = ("avg", 5)
+
+    def __init__(self, eviction, module=None, response=None):
+        self.eviction = eviction
+        self.pool = eviction.pool if eviction.pool is not None else self.default_pool[0]
+        self.kernel = eviction.kernel if eviction.kernel is not None else self.default_pool[1]
+        if not self.pooled:
+            self.pool, self.kernel = "none", 1
+        if eviction.budget < 1:
+            raise ValueError(f"budget {eviction.budget} must be at least 1 KV slot per (layer, KV head)")
+        check_pooling(self.pool, self.kernel)
+        if self.evicts and eviction.budget < self.window + self.sinks + 1:
+            kept = f"the last {self.window} tokens" if self.window else f"{self.sinks} sink tokens"
+            smaller = " or a smaller window" if self.window else ""
+            raise ValueError(f"budget {eviction.budget} is too small for {eviction.method}: it always keeps {kept}; "
+                             f"use a budget > {self.window + self.sinks}{smaller}")
+
+    def prefill_hook(self, S):  # a Hook watching the prefill's last chunk, or None
+        return None
+
+    def extra_rows(self):  # embeddings (M, hidden) to append after the prompt, or None
+        return None
+
+    def score(self, model, run):  # (L, B, H_kv, S)
+        raise NotImplementedError
+
+    def protect(self, positions):
+        """(B, 1, S) bool: the tokens kept whatever their score, or None."""
+        S = positions.shape[1]
+        keep = torch.zeros_like(positions, dtype=torch.bool)
+        if self.window:
+            keep |= torch.arange(S, device=positions.device) >= S - self.window  # the most recent
+        if self.sinks:
+            keep |= positions < self.sinks  # the first real tokens of each row
+        return keep[:, None, :] if (self.window or self.sinks) else None
+
+    def budgets(self, n_layers, S):
+        return [min(self.eviction.budget, S)] * n_layers
+
+    def evict(self, scores, positions, valid=None):
+        """The shared step: scores (L, B, H_kv, S) -> per layer the kept slots (B, H_kv, C_l)."""
+        scores = pool_scores(scores, self.pool, self.kernel, self.window)
+        protect = self.protect(positions)
+        budgets = self.budgets(scores.shape[0], scores.shape[-1])
+        if len(set(budgets)) == 1:  # one top-k for all layers
+            return list(select(scores, budgets[0], valid, protect))
+        return [select(scores[l], b, valid, protect) for l, b in enumerate(budgets)]
+
+
+def stack(scores):
+    """{layer: (B, H_kv, S)} -> (L, B, H_kv, S)."""
+    return torch.stack([scores[l] for l in range(len(scores))])
+
+
+class FullKV(Scorer):
+    """No eviction: the reference every method is measured against."""
+
+    evicts = False
+
+
+class StreamingLLM(Scorer):
+    """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks",
+    arXiv 2309.17453): keep the first n_sink tokens, which soak up attention whatever they say,
+    and the most recent C - n_sink. No attention is looked at."""
+
+    pooled = False
+
+    def __init__(self, eviction, module=None, response=None):
+        self.sinks = eviction.n_sink
+        super().__init__(eviction)
+
+    def score(self, model, run):
+        S, L, Hkv = run.positions.shape[1], len(run.cache.k), run.cache.k[0].shape[1]
+        slot = torch.arange(S, device=run.positions.device).float()
+        return slot.expand(L, run.positions.shape[0], Hkv, S)  # recency
+
+
+class RandomKV(Scorer):
+    """Random scores: the floor any method must beat."""
+
+    pooled = False
+
+    def score(self, model, run):
+        (B, S), L, Hkv = run.positions.shape, len(run.cache.k), run.cache.k[0].shape[1]
+        g = torch.Generator(device="cpu").manual_seed(self.eviction.seed)
+        return torch.rand(L, B, Hkv, S, generator=g).to(run.positions.device)
+
+
+class SnapKV(Scorer):
+    """SnapKV (Li et al., "SnapKV: LLM Knows What You Are Looking for Before Generation", arXiv
+    2404.14469): the last `window` prompt tokens play the answer; their mean attention over the
+    prompt (softmax over all keys, causal inside the window, mean over the GQA group) is the
+    score, pooled along the prefix; the window itself is always kept, inside C."""
+
+    def __init__(self, eviction, module=None, response=None):
+        self.window = eviction.window
+        super().__init__(eviction)
+
+    def prefill_hook(self, S):
+        return WindowHook(self.window, S)
+
+    def score(self, model, run):
+        return stack(run.hook.scores)
+
+
+class PyramidKV(SnapKV):
+    """PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
+    Information Funneling", arXiv 2406.02069): SnapKV's scores, but early layers (broad attention)
+    get more slots than late ones (focused attention): budgets fall linearly, mean C."""
+
+    def budgets(self, n_layers, S):
+        return pyramid_budgets(self.eviction.budget, self.window, n_layers, self.eviction.pyramid_beta, S)
+
+
+class H2O(Scorer):
+    """H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
+    Language Models", arXiv 2306.14048), prefill form: the attention each key receives from ALL
+    prompt queries, divided by how many queries can see it (else early tokens win by position
+    alone). Computed in blocks of query rows inside the prefill: never an S x S matrix. Like
+    SnapKV it keeps the last `window` tokens."""
+
+    def __init__(self, eviction, module=None, response=None):
+        self.window = eviction.window
+        super().__init__(eviction)
+
+    def prefill_hook(self, S):
+        return H2OHook()
+
+    def score(self, model, run):
+        cfg = model.config
+        return stack(run.hook.scores(run.valid, cfg.num_attention_heads // cfg.num_key_value_heads))
+
+
+class LAQ(SnapKV):
+    """LAQ (Lookahead Q-Cache, arXiv 2505.20334): a pseudo future from a real draft. Compress
+    with SnapKV, greedily draft `laq_tokens` tokens on that small cache, then score the FULL
+    prompt cache with the draft's queries plus the last `laq_tokens` prompt queries; pool and
+    keep the top C (window kept). Decoding starts from the original first-token logits."""
+
+    def prefill_hook(self, S):
+        return WindowHook(self.window, S, keep_queries=self.eviction.laq_tokens)
+
+    def score(self, model, run):
+        draft_cache = run.cache.copy()  # shallow: gathering in it leaves the full cache alone
+        for l, idx in enumerate(self.evict(stack(run.hook.scores), run.positions, run.valid)):
+            draft_cache.gather(l, idx)
+        return stack(laq_scores(model, run.cache, draft_cache, run.logits, run.next_pos, run.hook.queries,
+                                self.eviction.laq_tokens, run.valid))
+
+
+class Oracle(Scorer):
+    """The true future: the full-cache greedy answer (B, R) run on top of the prompt cache; the
+    mean attention of its R queries over the prompt. It needs the whole answer first, so it is a
+    ceiling, not a method; unpooled (the exact top C of the truth)."""
+
+    pooled = False
+
+    def __init__(self, eviction, module=None, response=None):
+        if response is None:
+            raise ValueError("method oracle needs the full-cache answer first (response=...)")
+        self.response = response
+        super().__init__(eviction)
+
+    def score(self, model, run):
+        return stack(oracle_scores(model, run.cache, self.response, run.next_pos))
+
+
+class LookaheadKV(Scorer):
+    """LookaheadKV (arXiv 2603.10899): M learned embeddings after the prompt, at positions
+    S .. S+M-1, with a LoRA on their rows only (LookaheadModule). Their mean attention over the
+    prompt predicts the answer's. One-pass (default): the rows ride in the prefill's last chunk
+    and their K/V are cut off after scoring; two-pass: a second forward of the M rows on top of
+    the prompt cache (the training form). Both give the same scores (causal attention, LoRA on
+    the lookahead rows only). No protected window: the lookahead queries see the prompt's end.
+    Pooled with the pooling its adapter was trained for."""
+
+    def __init__(self, eviction, module=None, response=None):
+        if module is None:
+            raise ValueError("method lookahead needs an adapter (a LookaheadModule): train one with python "
+                             "train.py, or pass --adapter")
+        self.module = module
+        self.default_pool = (module.pool, module.kernel)
+        super().__init__(eviction)
+
+    def prefill_hook(self, S):
+        return LookaheadHook(self.module, S) if self.eviction.one_pass else None
+
+    def extra_rows(self):
+        return self.module.embeddings if self.eviction.one_pass else None
+
+    def score(self, model, run):
+        if self.eviction.one_pass:
+            return stack(run.hook.scores)
+        return stack(lookahead_pass(model, self.module, run.cache, run.next_pos))
+
+
+SCORERS = {"full": FullKV, "streaming": StreamingLLM, "random": RandomKV, "snapkv": SnapKV, "pyramidkv": PyramidKV,
+           "h2o": H2O, "laq": LAQ, "oracle": Oracle, "lookahead": LookaheadKV}
+METHODS = tuple(SCORERS)
+
+
+def make_scorer(eviction, module=None, response=None):
+    """The Scorer for eviction.method; it checks its inputs and the budget (ValueError)."""
+    if eviction.method not in SCORERS:
+        raise ValueError(f"unknown method {eviction.method!r}; choose from {', '.join(METHODS)}")
+    return SCORERS[eviction.method](eviction, module=module, response=response)
+
+
+# -----------------------------------------------------------------------------
+# prefill -> score -> evict -> return
 
 
 class Stopwatch:
@@ -330,109 +620,58 @@ def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=409
     return out
 
 
-def compress(model, ids, ec, pad_mask=None, module=None, response=None):
-    """Prefill the prompt ids (B, S) and evict its cache down to ec.budget slots per (layer, KV head).
+def compress(model, ids, eviction, pad_mask=None, module=None, response=None):
+    """Prefill the prompt ids (B, S) and evict its cache down to eviction.budget slots per (layer, KV head).
 
     module: the LookaheadModule (method "lookahead"); response: the full-cache greedy answer
     (B, R) ids (method "oracle"). Returns (cache, first-token logits (B, V), next positions (B,),
     stats) where stats has prefill_ms, score_ms, kept (per layer, the kept slots (B, H_kv, C_l);
     None when nothing was evicted) and keep_frac (S,): per prompt token of row 0, the fraction
     of (layer, KV head) pairs that kept it."""
+    scorer = make_scorer(eviction, module, response)  # checks the method's inputs and the budget
     cfg, dev = model.config, ids.device
-    L, G = cfg.num_hidden_layers, cfg.num_attention_heads // cfg.num_key_value_heads
     B, S = ids.shape
-    method, C = ec.method, ec.budget
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    if pad_mask is None:
-        positions = torch.arange(S, device=dev).expand(B, S)
-        valid = None
-    else:
-        positions = (pad_mask.long().cumsum(-1) - 1).clamp(min=0)  # each row starts at position 0
-        valid = pad_mask[:, None, :]  # (B, 1, S)
+    positions = torch.arange(S, device=dev).expand(B, S)
+    if pad_mask is not None:  # left padding: each row's first real token is at position 0
+        positions = (pad_mask.long().cumsum(-1) - 1).clamp(min=0)
+    valid = None if pad_mask is None else pad_mask[:, None, :]  # (B, 1, S)
     next_pos = positions[:, -1] + 1  # (B,) the position of the first generated token, = S_b
-    evict = method != "full" and S > C  # nothing to evict when the whole prompt fits
-    windowed = method in ("snapkv", "pyramidkv", "h2o", "laq")
-    if evict and windowed and C < ec.window + 1:
-        raise SystemExit(f"error: budget {C} is too small for {method}: it keeps the last {ec.window} tokens; use --budget > {ec.window} or a smaller --window")
-    if evict and method == "streaming" and C < ec.n_sink + 1:
-        raise SystemExit(f"error: budget {C} is too small for streaming: it keeps {ec.n_sink} sink tokens plus recent ones")
-    if method == "lookahead" and module is None:
-        raise SystemExit("error: method lookahead needs an adapter: train one with python train.py, or pass --adapter")
-    if method == "oracle" and response is None:
-        raise SystemExit("error: method oracle needs the full-cache answer first")
+    evicting = scorer.evicts and S > eviction.budget  # nothing to evict when the whole prompt fits
 
-    # 1. prefill (for one-pass lookahead the M lookahead rows ride along at positions S_b..S_b+M-1)
-    x = model.model.embed_tokens(ids)  # (B, S, C)
-    hook = None
-    if evict and method in ("snapkv", "pyramidkv", "laq"):
-        hook = WindowHook(ec.window, S, keep_queries=ec.laq_tokens if method == "laq" else 0)
-    elif evict and method == "h2o":
-        hook = H2OHook()
-    elif evict and method == "lookahead" and ec.one_pass:
-        M = module.n_tokens
-        x = torch.cat([x, module.embeddings.to(x.dtype).expand(B, -1, -1)], dim=1)  # (B, S+M, C)
-        positions = torch.cat([positions, next_pos[:, None] + torch.arange(M, device=dev)], dim=1)
-        if pad_mask is not None:
-            pad_mask = torch.cat([pad_mask, pad_mask.new_ones(B, M)], dim=1)
-        hook = LookaheadHook(module, S)
-    # the scoring hook sees the last prefill chunk only: it must hold the whole window
-    chunk = max(ec.chunk_size, ec.window if windowed else 0)
-    cache = KVCache(L)
-    clock = Stopwatch(dev)
+    # 1. prefill; the scorer may watch it (hook) and add rows after the prompt (the lookahead rows,
+    # at positions S_b .. S_b+M-1, riding in the last chunk)
+    x = model.model.embed_tokens(ids)  # (B, S, hidden)
+    hook, rows = (scorer.prefill_hook(S), scorer.extra_rows()) if evicting else (None, None)
+    x_all, pos_all, mask_all = x, positions, pad_mask
+    if rows is not None:
+        M = rows.shape[0]
+        x_all = torch.cat([x, rows.to(x.dtype).expand(B, -1, -1)], dim=1)  # (B, S+M, hidden)
+        pos_all = torch.cat([positions, next_pos[:, None] + torch.arange(M, device=dev)], dim=1)
+        mask_all = None if pad_mask is None else torch.cat([pad_mask, pad_mask.new_ones(B, M)], dim=1)
+    chunk = max(eviction.chunk_size, scorer.window)  # a hook sees the last chunk only: it holds the whole window
+    cache, clock = KVCache(cfg.num_hidden_layers), Stopwatch(dev)
     clock.mark()
-    logits = prefill(model, x, positions, cache, pad_mask, hook, chunk, logits_at=S - 1, tail=x.shape[1] - S)[:, -1]
+    logits = prefill(model, x_all, pos_all, cache, mask_all, hook, chunk, logits_at=S - 1, tail=x_all.shape[1] - S)
+    logits = logits[:, -1]  # (B, V)
+    cache.truncate(S)  # rows after the prompt are scored, then discarded: never in the cache
     clock.mark()
-    stats = dict(prefill_ms=None, score_ms=0.0, keep_frac=None, kept=None)
-    if not evict:
-        stats["prefill_ms"] = clock.ms(0, 1)
+    stats = dict(prefill_ms=clock.ms(0, 1), score_ms=0.0, keep_frac=None, kept=None)
+    if not evicting:
         return cache, logits, next_pos, stats
 
-    # 2. score: (L, B, H_kv, S), every layer at once (the hooks give {layer: (B, H_kv, S)}), so that
-    # pooling and top-k are a few launches in all rather than a few per layer
-    protect = None
-    slot = torch.arange(S, device=dev)
-    if method == "streaming":
-        scores = slot.float().expand(L, B, cfg.num_key_value_heads, S)  # recency
-        protect = (positions[:, :S] < ec.n_sink)[:, None, :]  # the first n_sink real tokens of each row
-    elif method == "random":
-        g = torch.Generator(device="cpu").manual_seed(ec.seed)
-        scores = torch.rand(L, B, cfg.num_key_value_heads, S, generator=g).to(dev)
-    elif method == "h2o":
-        scores = hook.scores(valid, G)
-    elif method == "lookahead" and ec.one_pass:
-        cache.truncate(S)  # the lookahead tokens are scored, then discarded: never in the cache
-        scores = hook.scores
-    elif method == "lookahead":  # reference form: a second forward of the M rows on the prompt cache
-        scores = lookahead_pass(model, module, cache, next_pos)
-    elif method == "oracle":
-        scores = oracle_scores(model, cache, response, next_pos)
-    else:  # snapkv, pyramidkv, laq
-        scores = hook.scores
-    if method not in ("streaming", "random"):
-        scores = pool_scores(torch.stack([scores[l] for l in range(L)]), ec.pool, ec.kernel)  # (L, B, H_kv, S)
-    if windowed:
-        protect = (slot >= S - ec.window)[None, None, :]  # the observation window itself is kept
-    if method == "laq":  # draft on the snapkv-compressed cache, then re-score the FULL cache
-        draft_cache = cache.copy()
-        for l, idx in enumerate(select(scores, C, valid, protect)):
-            draft_cache.gather(l, idx)
-        scores = laq_scores(model, cache, draft_cache, logits, next_pos, hook.queries, ec, S, valid)
-        scores = torch.stack([scores[l] for l in range(L)])
-
-    # 3. evict: one top-k for all layers, then one gather per layer
-    if method == "pyramidkv":  # its budgets differ per layer
-        budgets = [min(b, S) for b in pyramid_budgets(C, ec.window, L, ec.pyramid_beta)]
-        kept = [select(scores[l], budgets[l], valid, protect) for l in range(L)]
-    else:
-        kept = list(select(scores, C, valid, protect))  # L x (B, H_kv, C)
-    for l in range(L):
-        cache.gather(l, kept[l])
+    # 2. score: (L, B, H_kv, S), every layer at once, so pooling and top-k are a few launches in all
+    run = Prefilled(cache, hook, logits, positions, next_pos, valid)
+    scores = scorer.score(model, run)
+    # 3. evict: pool, one top-k for all layers (per layer when budgets differ), one gather per layer
+    kept = scorer.evict(scores, positions, valid)
+    for l, idx in enumerate(kept):
+        cache.gather(l, idx)
     clock.mark()
-    stats["prefill_ms"], stats["score_ms"] = clock.ms(0, 1), clock.ms(1, 2)
-    stats["kept"] = kept
+
+    # 4. return the compact cache, what was kept, and how long it took
+    stats["prefill_ms"], stats["score_ms"], stats["kept"] = clock.ms(0, 1), clock.ms(1, 2), kept
     keep_count = torch.bincount(torch.cat([k[0].flatten() for k in kept]), minlength=S)  # row 0, (S,)
-    stats["keep_frac"] = (keep_count / (L * cfg.num_key_value_heads)).cpu()
+    stats["keep_frac"] = (keep_count / (cfg.num_hidden_layers * cfg.num_key_value_heads)).cpu()
     return cache, logits, next_pos, stats
 
 
@@ -449,10 +688,10 @@ def oracle_scores(model, cache, response, next_pos):
 
 
 @torch.no_grad()
-def laq_scores(model, cache, draft_cache, logits, next_pos, window_q, ec, S, valid):
-    """LAQ: greedily draft ec.laq_tokens on the compressed cache, keep the drafted tokens' queries,
-    then score the FULL prompt cache with them plus the last laq_tokens prompt queries."""
-    n = ec.laq_tokens
+def laq_scores(model, cache, draft_cache, logits, next_pos, window_q, n, valid):
+    """LAQ: greedily draft n tokens on the compressed cache, keep the drafted tokens' queries,
+    then score the FULL prompt cache with them plus the last n prompt queries (window_q)."""
+    S = len(cache)
     recorder = QueryRecorder()
     tok = logits.argmax(-1)  # (B,)
     for t in range(n):

@@ -65,10 +65,19 @@ class ModelConfig:
     def from_hf_config(cls, path):
         """Read a Hugging Face config.json (a folder or the file itself)."""
         path = Path(path)
-        d = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-        mt = d.get("model_type")
+        file = path / "config.json" if path.is_dir() else path
+        try:
+            d = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file} is not valid JSON ({e}): re-download the checkpoint") from None
+        mt = d.get("model_type") if isinstance(d, dict) else None
         if mt not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ValueError(f"model_type {mt!r} in {file} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in d]
+        if missing:
+            raise ValueError(f"{file} lacks {', '.join(missing)}: not a complete Hugging Face model config")
         # RoPE: older configs say rope_theta + rope_scaling, transformers >= 4.56 says rope_parameters
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -300,9 +309,10 @@ class KVCache:
         if self.k[layer] is not None:
             old_valid = self.valid[layer]
             if old_valid is not None or new_valid is not None:
-                B, Hv, T_old = self.k[layer].shape[:3]
-                old = old_valid if old_valid is not None else torch.ones(B, 1, T_old, dtype=torch.bool, device=k.device)
-                new = new_valid if new_valid is not None else torch.ones(B, 1, k.shape[2], dtype=torch.bool, device=k.device)
+                B, T_old = k.shape[0], self.k[layer].shape[2]
+                all_valid = lambda T: torch.ones(B, 1, T, dtype=torch.bool, device=k.device)  # (B, 1, T)
+                old = old_valid if old_valid is not None else all_valid(T_old)
+                new = new_valid if new_valid is not None else all_valid(k.shape[2])
                 if old.shape[1] != new.shape[1]:
                     new = new.expand(-1, old.shape[1], -1)
                 new_valid = torch.cat([old, new], dim=2)
@@ -360,7 +370,7 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids=None, positions=None, cache=None, pad_mask=None, inputs_embeds=None,
                 hook=None, logits_at=None):
-        """input_ids (B, T) or inputs_embeds (B, T, C); positions (B, T) the RoPE position of
+        """input_ids (B, T) or inputs_embeds (B, T, hidden); positions (B, T) the RoPE position of
         each token; cache: a KVCache that the chunk is appended to; pad_mask (B, T) True for
         real tokens (left padding); hook: see Hook; logits_at: None for the logits of every row,
         or one row index (a prompt's other logits are never used: skip a (T, vocab) matmul).
@@ -374,7 +384,7 @@ class Transformer(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, pad_mask, hook)
         if logits_at is not None:
-            x = x[:, logits_at].unsqueeze(1)  # (B, 1, C)
+            x = x[:, logits_at].unsqueeze(1)  # (B, 1, hidden)
         return self.lm_head(self.model.norm(x))
 
 
@@ -392,33 +402,38 @@ def load_model(path, device="cpu", dtype=None):
 
     path = Path(path)
     if not (path / "config.json").exists():
-        raise SystemExit(f"error: no config.json in {path}: pass --model a Hugging Face folder "
-                         f"(config.json, *.safetensors, tokenizer.json), or run python weights/prepare.py")
+        raise FileNotFoundError(f"no config.json in {path}: pass --model a Hugging Face folder "
+                                f"(config.json, *.safetensors, tokenizer.json), or run python weights/prepare.py")
     cfg = ModelConfig.from_hf_config(path)
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):  # no random init: every weight is copied from the checkpoint
         model = Transformer(cfg)
     model = model.to_empty(device=device).to(dtype)
     index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    if index.exists():  # sharded: the index maps each tensor to its file
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
     params = dict(model.named_parameters())  # a tied head appears once, as model.embed_tokens.weight
     seen = set()
     for fname in files:
         if not (path / fname).exists():
-            raise SystemExit(f"error: {path / fname} is missing: re-download the checkpoint")
+            raise FileNotFoundError(f"{path / fname} is missing: re-download the checkpoint")
         try:
             f = safe_open(path / fname, framework="pt", device="cpu")
         except Exception as e:
-            raise SystemExit(f"error: {path / fname} is not a readable safetensors file ({e}): re-download it")
+            raise ValueError(f"{path / fname} is not a readable safetensors file ({e}): re-download it")
         with f:
             for name in f.keys():
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue  # some tied checkpoints store the head too; it is the embedding
                 if name not in params:
-                    raise SystemExit(f"error: unexpected tensor {name} in {fname}: not a {cfg.model_type} checkpoint we support")
+                    raise ValueError(f"unexpected tensor {name} in {fname}: "
+                                     f"not a {cfg.model_type} checkpoint we support")
                 t = f.get_tensor(name)
                 if tuple(t.shape) != tuple(params[name].shape):
-                    raise SystemExit(f"error: {name} has shape {tuple(t.shape)}, config.json implies {tuple(params[name].shape)}")
+                    raise ValueError(f"{name} has shape {tuple(t.shape)}, config.json implies "
+                                     f"{tuple(params[name].shape)}: the checkpoint does not match its config")
                 with torch.no_grad():
                     params[name].copy_(t)
                 seen.add(name)
@@ -427,7 +442,8 @@ def load_model(path, device="cpu", dtype=None):
         model.lm_head.weight = model.model.embed_tokens.weight
         cfg.tie_word_embeddings = True
     elif missing:
-        raise SystemExit(f"error: checkpoint {path} lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}: "
+                         f"re-download it")
     model.requires_grad_(False).eval()  # the base model is frozen: only adapters ever train
     return model
 
@@ -442,7 +458,7 @@ class Tokenizer:
 
         path = Path(path)
         if not (path / "tokenizer.json").exists():
-            raise SystemExit(f"error: no tokenizer.json in {path}")
+            raise FileNotFoundError(f"no tokenizer.json in {path}: pass --model a Hugging Face folder that has one")
         self.tk = HFTokenizer.from_file(str(path / "tokenizer.json"))
         tc_file = path / "tokenizer_config.json"
         tc = json.loads(tc_file.read_text()) if tc_file.exists() else {}
@@ -486,4 +502,4 @@ class Tokenizer:
             h = lambda role: f"<|start_header_id|>{role}<|end_header_id|>\n\n"
             s = h("system") + system + "<|eot_id|>" if system else ""
             return self.bos + s + h("user") + user + "<|eot_id|>" + h("assistant")
-        raise SystemExit("error: this tokenizer has no chat format we know (ChatML or Llama-3): use --no-chat")
+        raise ValueError("this tokenizer has no chat format we know (ChatML or Llama-3): use --no-chat")

@@ -21,7 +21,7 @@ Three stages, each resumable (rerun the same command; --resume for the optimiser
    S x S) and the prompt's KV cache, exactly the frozen model's.
 3. training: the M lookahead tokens run on top of that cache with gradients (only they carry
    any), their mean attention over the prompt is the prediction; loss = KL(gt || pred) of the
-   L1-normalised scores, averaged over layers and query heads (PAPER.md, "Loss").
+   L1-normalised scores, averaged over layers and query heads.
 """
 
 import argparse
@@ -37,9 +37,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import data
-import lookaheadkv as lk
-from lookaheadkv import (H2OHook, LookaheadModule, WindowHook, attention_recall, compress, decode, pool_scores,
-                         EvictConfig)
+from lookaheadkv import (SCORERS, EvictConfig, LookaheadModule, Prefilled, WindowHook, compress, decode,
+                         lookahead_pass, make_scorer, recall_of_kept, stack)
 from model import Hook, KVCache, Tokenizer, load_model
 
 # -----------------------------------------------------------------------------
@@ -75,7 +74,7 @@ def build_dataset(model, tok, args, path, rank=0):
     rows = data.read_jsonl(path, required=("id", "prompt_ids", "response_ids")) if path.exists() else []
     for r in rows:
         if r.get("fingerprint") != fp:
-            raise SystemExit(f"error: {path} was made with another base model ({r.get('base_model')}): use another --out")
+            raise ValueError(f"{path} was made with another base model ({r.get('base_model')}): use another --out")
     have = {split: sum(r.get("split") == split for r in rows) for split in ("train", "heldout")}
     if args.eval_only or (have["train"] >= args.n_train and have["heldout"] >= args.n_heldout):
         return rows  # as they are: the stdlib prompts depend on the Python version that made them
@@ -88,7 +87,7 @@ def build_dataset(model, tok, args, path, rank=0):
     if not todo:
         return rows
     if rank != 0:
-        raise SystemExit("error: build the dataset first on one process (python train.py --stage data)")
+        raise ValueError("build the dataset first on one process (python train.py --stage data)")
     for p in todo:
         p["prompt_ids"] = tok.encode(tok.chat(p["prompt"]))
     todo.sort(key=lambda p: len(p["prompt_ids"]))  # similar lengths batch with little padding
@@ -115,13 +114,16 @@ def build_dataset(model, tok, args, path, rank=0):
 class GroundTruthHook(Hook):
     """In one no_grad forward over [prompt; answer] (S + R tokens): the answer's mean attention
     over the prompt per query head (the target), and optionally what SnapKV and H2O would
-    score from the prompt's own queries (causal attention: the answer does not change them)."""
+    score from the prompt's own queries (causal attention: the answer does not change them);
+    their hooks are the scorers' own (lookaheadkv.SnapKV, lookaheadkv.H2O)."""
 
     def __init__(self, S, R, window=0):
         self.S, self.window = S, window
         self.gt = WindowHook(R, S, per_query_head=True)
-        self.snapkv = WindowHook(window, S) if window else None
-        self.h2o = H2OHook() if window else None
+        if window:
+            eviction = EvictConfig(budget=window + 1, window=window)
+            self.snapkv = SCORERS["snapkv"](eviction).prefill_hook(S)
+            self.h2o = SCORERS["h2o"](eviction).prefill_hook(S)
 
     def attn(self, layer, q, k, key_valid):
         self.gt.attn(layer, q, k, key_valid)
@@ -151,17 +153,13 @@ def ground_truth(model, row, window=0):
 
 
 # -----------------------------------------------------------------------------
-# Stage 3: the lookahead pass with gradients, and the loss
-
-
-def lookahead_pass(model, module, cache, S):
-    """The prediction: per-query-head scores {layer: (1, H, S)} of the M lookahead tokens at
-    positions S..S+M-1 on the prompt cache (lookaheadkv's two-pass form), with gradients."""
-    return lk.lookahead_pass(model, module, cache, S, per_query_head=True)
+# Stage 3: the loss. The prediction is lookaheadkv.lookahead_pass(..., per_query_head=True): the M
+# lookahead rows on top of the prompt cache (the two-pass form), the only rows with gradients.
 
 
 def kl_loss(gt, pred, eps=1e-8):
-    """KL(gt || pred) of the L1-normalised scores, averaged over layers and heads (PAPER.md)."""
+    """KL(gt || pred) of the L1-normalised scores, averaged over layers and heads: the future's
+    attention is the target distribution, the lookahead rows' the prediction."""
     losses = []
     for l, g in gt.items():
         p = g.float() / g.float().sum(-1, keepdim=True)
@@ -177,22 +175,24 @@ def group_mean(scores, n_kv_heads):
 
 @torch.no_grad()
 def evaluate(model, module, heldout, budget, window=32):
-    """Held-out KL and recall@budget of lookahead, snapkv (window kept), h2o and streaming.
-    Items are (cache, gt, extra) from ground_truth(..., window)."""
+    """Held-out KL and recall@budget of lookahead, snapkv, h2o and streaming, each kept by its
+    own scorer's eviction step (pooling, protected tokens: lookaheadkv.Scorer.evict) from the
+    scores of the ground-truth forward. Items are (cache, gt, extra) from ground_truth(..., window)."""
     Hkv = model.config.num_key_value_heads
     kl, rec = [], {m: [] for m in ("lookahead", "snapkv", "h2o", "streaming")}
     for cache, gt, extra in heldout:
         S = len(cache)
-        pred = lookahead_pass(model, module, cache, S)
+        positions = torch.arange(S, device=cache.k[0].device)[None]  # (1, S)
+        pred = lookahead_pass(model, module, cache, S, per_query_head=True)
         kl.append(kl_loss(gt, pred).item())
         true = group_mean(gt, Hkv)
-        win = torch.arange(S, device=cache.k[0].device)[None, None] >= S - window
-        rec["lookahead"].append(attention_recall({l: pool_scores(s, module.pool, module.kernel) for l, s in group_mean(pred, Hkv).items()}, true, budget))
-        for m in ("snapkv", "h2o"):
-            rec[m].append(attention_recall({l: pool_scores(s, "avg", 5) for l, s in extra[m].items()}, true, budget, protect=win))
-        recency = {l: torch.arange(S, device=win.device).float().expand(1, Hkv, S) for l in true}
-        sinks = torch.arange(S, device=win.device)[None, None] < 4
-        rec["streaming"].append(attention_recall(recency, true, budget, protect=sinks))
+        scores = dict(lookahead=stack(group_mean(pred, Hkv)), snapkv=stack(extra["snapkv"]), h2o=stack(extra["h2o"]))
+        for method in rec:
+            scorer = make_scorer(EvictConfig(method, budget, window=window), module=module)
+            if method == "streaming":  # scores from positions alone
+                run = Prefilled(cache, None, None, positions, positions[:, -1] + 1, None)
+                scores[method] = scorer.score(model, run)
+            rec[method].append(recall_of_kept(scorer.evict(scores[method], positions), true))
     return dict(kl=sum(kl) / len(kl), **{f"recall_{m}": sum(v) / len(v) for m, v in rec.items()})
 
 
@@ -218,7 +218,8 @@ def get_args(argv=None):
     a("--n-tokens", type=int, default=32, help="M, lookahead tokens")
     a("--rank", type=int, default=8)
     a("--alpha", type=float, default=32)
-    a("--targets", default="q_proj,k_proj", help="LoRA targets, any of q,k,v,o,gate,up,down _proj (paper's release: all seven)")
+    a("--targets", default="q_proj,k_proj", help="LoRA targets, any of q,k,v,o,gate,up,down _proj "
+      "(the paper's release: all seven; '' or none: the embeddings alone)")
     a("--pool", default="avg", choices=["avg", "max", "none"], help="scoring pooling the adapter will use")
     a("--kernel", type=int, default=5)
     # optimisation
@@ -229,17 +230,21 @@ def get_args(argv=None):
     a("--warmup", type=float, default=0.02, help="fraction of steps with linear warmup, then cosine to 0")
     a("--clip", type=float, default=1.0)
     a("--budget", type=int, default=128, help="C for the held-out recall")
+    a("--window", type=int, default=32, help="the held-out SnapKV / H2O rows: last prompt tokens always kept")
     a("--eval-every", type=int, default=10, help="optimiser steps between held-out evals")
     a("--save-every", type=int, default=10, help="optimiser steps between checkpoints")
     a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
     a("--init", default=None, metavar="ADAPTER", help="start from this adapter (its M, rank and targets) "
       "with a fresh optimiser and schedule: more steps for an adapter whose run ended early")
-    a("--eval-only", default=None, metavar="ADAPTER", help="no training: held-out metrics of ADAPTER and of the untrained init on OUT/data.jsonl")
+    a("--eval-only", default=None, metavar="ADAPTER",
+      help="no training: held-out metrics of ADAPTER and of the untrained init on OUT/data.jsonl")
     a("--cache-kv", action=argparse.BooleanOptionalAction, default=None,
       help="keep every sample's prompt KV and targets in memory across epochs (default: on CUDA)")
-    a("--max-minutes", type=float, default=None, help="stop training once this long has passed since the start, data generation included (checkpoint + adapter saved, noted in the metadata)")
+    a("--max-minutes", type=float, default=None, help="stop training once this long has passed since the start, "
+      "data generation included (checkpoint + adapter saved, noted in the metadata)")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    a("--dtype", default=None, choices=["float32", "bfloat16"], help="base model dtype (default: bfloat16 on CUDA, float32 on CPU); the module trains in float32")
+    a("--dtype", default=None, choices=["float32", "bfloat16"],
+      help="base model dtype (default: bfloat16 on CUDA, float32 on CPU); the module trains in float32")
     a("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -261,69 +266,120 @@ def save_checkpoint(path, module, opt, step, log):
 def load_checkpoint(path, module, opt):
     try:
         ck = torch.load(path, map_location="cpu", weights_only=False)
-        if ck["meta"]["base_fingerprint"] != module.cfg.fingerprint():
-            raise SystemExit(f"error: {path} was trained for {ck['meta']['base_model']}, not {module.cfg.name}: use another --out")
+        meta = ck["meta"]
+    except Exception as e:
+        raise ValueError(f"checkpoint {path} is corrupt ({type(e).__name__}): delete it to start over")
+    if meta["base_fingerprint"] != module.cfg.fingerprint():
+        raise ValueError(f"{path} was trained for {meta['base_model']}, not {module.cfg.name}: use another --out")
+    try:
         module.load_state_dict(ck["module"])
         opt.load_state_dict(ck["opt"])
-    except SystemExit:
-        raise
     except Exception as e:
-        raise SystemExit(f"error: checkpoint {path} is corrupt ({type(e).__name__}): delete it to start over")
+        raise ValueError(f"checkpoint {path} is corrupt ({type(e).__name__}): delete it to start over")
     torch.set_rng_state(ck["rng"])
     return ck["step"], ck["log"]
 
 
+def setup_ddp(args):
+    """(rank, world size); under torchrun, one process per GPU (or gloo on CPU for the test)."""
+    if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
+        return 0, 1
+    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    if args.device.startswith("cuda"):
+        args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        torch.cuda.set_device(args.device)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def all_reduce_grads(module, world):
+    """Average the gradients of all ranks (the module runs as a hook inside the frozen model, not as
+    a forward DDP could wrap, so we reduce by hand)."""
+    for p in module.parameters():
+        if p.grad is not None:  # None: e.g. the last layer's v/o/MLP LoRA, which nothing after it reads
+            dist.all_reduce(p.grad)  # a sum (gloo has no average)
+            p.grad /= world
+
+
+def parse_targets(text):
+    """"q_proj,k_proj" -> the tuple; "" or "none" -> () (the embeddings alone, no LoRA)."""
+    return tuple(t for t in text.split(",") if t.strip() and t.strip() != "none")
+
+
+def new_module(model, args):
+    """The untrained module: P drawn with the std of the token embeddings, LoRA B = 0."""
+    emb_std = model.model.embed_tokens.weight.float().std().item()  # P starts at the scale of real tokens
+    return LookaheadModule(model.config, args.n_tokens, args.rank, args.alpha, parse_targets(args.targets), emb_std,
+                           args.pool, args.kernel).to(args.device)
+
+
+def print_heldout(name, r, budget):
+    print(f"{name} heldout kl {r['kl']:.4f}  recall@{budget} lookahead {r['recall_lookahead']:.3f} "
+          f"snapkv {r['recall_snapkv']:.3f} h2o {r['recall_h2o']:.3f} streaming {r['recall_streaming']:.3f}")
+
+
+def eval_only(model, module, held_rows, args):
+    """--eval-only ADAPTER: held-out metrics of the adapter next to the untrained init (same seed)."""
+    heldout = [ground_truth(model, r, window=args.window) for r in tqdm(held_rows, desc="held-out ground truth")]
+    adapter = LookaheadModule.load(args.eval_only, model.config, args.device)
+    for name, m in (("untrained", module), ("adapter", adapter)):
+        print_heldout(f"{name:9s} ({len(heldout)})", evaluate(model, m, heldout, args.budget, args.window), args.budget)
+
+
+def adapter_metadata(args, n_train, n_held, step, total, stopped_early, log, init_info):
+    """What the shipped .json says about how the adapter was made."""
+    info = dict(train_data=dict(sources=list(data.SOURCES), n_train=n_train, n_heldout=n_held,
+                                min_tokens=args.min_tokens, max_tokens=args.max_tokens,
+                                max_new_tokens=args.max_new_tokens),
+                steps=step, planned_steps=total, stopped_early=stopped_early, batch=args.batch, lr=args.lr,
+                epochs=args.epochs, heldout=log[-1] if log else None, untrained=log[0] if log else None)
+    if init_info:  # step 0 was the init adapter, not an untrained module: keep the init's own reference
+        info.update(untrained=init_info.get("untrained"),
+                    init=dict(path=init_info["path"], steps=init_info.get("steps"), heldout=log[0] if log else None))
+    return info
+
+
 def main(argv=None):
-    args = get_args(argv)
+    try:
+        return train(get_args(argv))
+    except (ValueError, OSError) as e:  # library errors: one line that says what to do, no traceback
+        raise SystemExit(f"error: {e}")
+
+
+def train(args):
     t_start = time.perf_counter()  # --max-minutes counts from here (data generation included)
-    ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
-    rank, world = 0, 1
-    if ddp:  # torchrun: one process per GPU (or gloo on CPU for the test)
-        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if args.device.startswith("cuda"):
-            args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-            torch.cuda.set_device(args.device)
+    rank, world = setup_ddp(args)
+    ddp = world > 1
     print0 = lambda *a: print(*a) if rank == 0 else None
     torch.manual_seed(args.seed)
     dev = args.device
-    is_cuda = dev.startswith("cuda")
-    args.gen_batch = args.gen_batch or (32 if is_cuda else 4)
-    args.cache_kv = is_cuda if args.cache_kv is None else args.cache_kv
+    args.gen_batch = args.gen_batch or (32 if dev.startswith("cuda") else 4)
+    args.cache_kv = dev.startswith("cuda") if args.cache_kv is None else args.cache_kv
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    # --- the frozen base model and the data (stage 1)
     if args.model is None:
         from weights.prepare import DEFAULT_DIR, ensure_default
         args.model = str(ensure_default(DEFAULT_DIR))
     model = load_model(args.model, dev, getattr(torch, args.dtype) if args.dtype else None)
     tok = Tokenizer(args.model, model.config)
-    cfg = model.config
-
     rows = build_dataset(model, tok, args, out / "data.jsonl", rank)
     train_rows = [r for r in rows if r["split"] == "train"]
     held_rows = [r for r in rows if r["split"] == "heldout"]
     if not train_rows:
-        raise SystemExit(f"error: no training samples in {out / 'data.jsonl'}: set --n-train > 0")
+        raise ValueError(f"no training samples in {out / 'data.jsonl'}: set --n-train > 0")
     if args.stage == "data":
         print0(f"data ready: {len(train_rows)} train, {len(held_rows)} held-out rows in {out / 'data.jsonl'}")
         return
 
-    emb_std = model.model.embed_tokens.weight.float().std().item()  # P starts at the scale of real tokens
-    module = LookaheadModule(cfg, args.n_tokens, args.rank, args.alpha, args.targets.split(","), emb_std,
-                             args.pool, args.kernel).to(dev)
+    # --- the module (untrained, or --init), the optimiser, the schedule, a checkpoint to resume
+    module = new_module(model, args)
     init_info = None
     if args.init:  # fine-tune an adapter: the same module shape, its weights, a new schedule
-        module = LookaheadModule.load(args.init, cfg, dev)
+        module = LookaheadModule.load(args.init, model.config, dev)
         init_info = dict(path=Path(args.init).name, **module.info)
-    if args.eval_only:  # held-out metrics of an adapter next to this untrained init (same seed)
-        heldout = [ground_truth(model, r, window=32) for r in tqdm(held_rows, desc="held-out ground truth")]
-        for name, m in (("untrained", module), ("adapter", LookaheadModule.load(args.eval_only, cfg, dev))):
-            r = evaluate(model, m, heldout, args.budget)
-            print(f"{name:9s} heldout ({len(heldout)}) kl {r['kl']:.4f}  recall@{args.budget} lookahead "
-                  f"{r['recall_lookahead']:.3f} snapkv {r['recall_snapkv']:.3f} h2o {r['recall_h2o']:.3f} "
-                  f"streaming {r['recall_streaming']:.3f}")
-        return
+    if args.eval_only:
+        return eval_only(model, module, held_rows, args)
     opt = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     micro = max(1, args.batch // world)  # samples per rank per optimiser step
     steps_per_epoch = max(1, len(train_rows) // (micro * world))
@@ -336,9 +392,11 @@ def main(argv=None):
     elif args.resume:
         print0(f"no checkpoint at {ckpt}: starting from step 0")
 
+    # --- held-out ground truth (rank 0 evaluates alone) and the training samples (stage 2)
     t0 = time.perf_counter()
-    held_rows = held_rows if rank == 0 else []  # rank 0 evaluates alone
-    heldout = [ground_truth(model, r, window=32) for r in tqdm(held_rows, desc="held-out ground truth", disable=rank > 0)]
+    held_rows = held_rows if rank == 0 else []
+    heldout = [ground_truth(model, r, window=args.window)
+               for r in tqdm(held_rows, desc="held-out ground truth", disable=rank > 0)]
     gt_cache = {}  # sample index -> (cache, gt), when --cache-kv
 
     def sample_state(i):
@@ -351,19 +409,17 @@ def main(argv=None):
 
     def do_eval():
         if heldout and rank == 0:
-            m = evaluate(model, module, heldout, args.budget)
+            m = evaluate(model, module, heldout, args.budget, args.window)
             log.append(dict(step=step, **m))
-            print0(f"step {step}/{total}  heldout kl {m['kl']:.4f}  recall@{args.budget} lookahead "
-                   f"{m['recall_lookahead']:.3f} snapkv {m['recall_snapkv']:.3f} h2o {m['recall_h2o']:.3f} "
-                   f"streaming {m['recall_streaming']:.3f}")
+            print_heldout(f"step {step}/{total} ", m, args.budget)
             with open(out / "log.jsonl", "a") as f:
                 f.write(json.dumps(log[-1]) + "\n")
 
+    # --- the loop (stage 3): step 0 evaluates the untrained module (or the --init adapter), the honest reference
     if step == 0:
-        do_eval()  # step 0 = the untrained module (random P, LoRA B = 0): the honest reference (or the --init adapter)
+        do_eval()
     bar = tqdm(total=total, initial=step, desc="training", disable=rank > 0)
-    n_seen = 0
-    stopped_early = False
+    n_seen, stopped_early = 0, False
     while step < total:
         if args.max_minutes and time.perf_counter() - t_start > 60 * args.max_minutes:
             stopped_early = True
@@ -379,15 +435,12 @@ def main(argv=None):
         loss_sum = 0.0
         for i in batch:
             cache, gt = sample_state(i)
-            loss = kl_loss(gt, lookahead_pass(model, module, cache, len(cache))) / len(batch)
+            pred = lookahead_pass(model, module, cache, len(cache), per_query_head=True)
+            loss = kl_loss(gt, pred) / len(batch)
             loss.backward()
             loss_sum += loss.item()
-        if ddp:  # average the gradients of all ranks (the module runs as a hook, so we reduce by hand)
-            for p in module.parameters():
-                if p.grad is None:  # e.g. the last layer's v/o/MLP LoRA: nothing after it reads them
-                    continue
-                dist.all_reduce(p.grad)  # a sum (gloo has no average)
-                p.grad /= world
+        if ddp:
+            all_reduce_grads(module, world)
         torch.nn.utils.clip_grad_norm_(module.parameters(), args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -401,17 +454,12 @@ def main(argv=None):
             save_checkpoint(ckpt, module, opt, step, log)
     bar.close()
 
+    # --- the adapter and its metadata
     if rank == 0:
         if stopped_early:
             save_checkpoint(ckpt, module, opt, step, log)
-        module.info = dict(train_data=dict(sources=list(data.SOURCES), n_train=len(train_rows), n_heldout=len(held_rows),
-                                           min_tokens=args.min_tokens, max_tokens=args.max_tokens,
-                                           max_new_tokens=args.max_new_tokens),
-                           steps=step, planned_steps=total, stopped_early=stopped_early, batch=args.batch, lr=args.lr, epochs=args.epochs,
-                           heldout=log[-1] if log else None, untrained=log[0] if log else None)
-        if init_info:  # step 0 was the init adapter, not an untrained module: keep the init's own reference
-            module.info.update(untrained=init_info.get("untrained"),
-                               init=dict(path=init_info["path"], steps=init_info.get("steps"), heldout=log[0] if log else None))
+        module.info = adapter_metadata(args, len(train_rows), len(held_rows), step, total, stopped_early, log,
+                                       init_info)
         dest = Path(args.adapter_out) if args.adapter_out else out / "adapter.safetensors"
         module.save(dest)
         print0(f"saved {dest} (+ .json) after {step} steps, {time.perf_counter() - t0:.0f} s")

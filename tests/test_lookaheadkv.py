@@ -217,7 +217,7 @@ def test_select_never_prefers_padding():
 ])
 def test_budget_below_protected_tokens_is_refused(method, kw, msg):
     model = tiny_model()
-    with pytest.raises(SystemExit, match=msg):
+    with pytest.raises(ValueError, match=msg):
         compress(model, rand_ids(1, 40), EvictConfig(method, **kw))
     # one slot more than the protected tokens is fine
     b = kw.get("window", kw.get("n_sink")) + 1
@@ -228,9 +228,9 @@ def test_budget_below_protected_tokens_is_refused(method, kw, msg):
 def test_missing_inputs_are_refused():
     model = tiny_model()
     ids = rand_ids(1, 40)
-    with pytest.raises(SystemExit, match="needs an adapter"):
+    with pytest.raises(ValueError, match="needs an adapter"):
         compress(model, ids, EvictConfig("lookahead", budget=16))
-    with pytest.raises(SystemExit, match="full-cache answer"):
+    with pytest.raises(ValueError, match="full-cache answer"):
         compress(model, ids, EvictConfig("oracle", budget=16))
     with pytest.raises(ValueError, match="unknown method"):
         compress(model, ids, EvictConfig("nope", budget=16))
@@ -644,9 +644,9 @@ def test_adapter_for_another_model_is_refused(tmp_path):
     path = tmp_path / "a.safetensors"
     random_module(cfg, 8).save(path)
     other = ModelConfig(**{**TINY, "hidden_size": 32, "name": "other-model"})
-    with pytest.raises(SystemExit, match=r"trained for 'tiny'.*not for this model 'other-model'"):
+    with pytest.raises(ValueError, match=r"trained for 'tiny'.*not for this model 'other-model'"):
         LookaheadModule.load(path, other)
-    with pytest.raises(SystemExit, match="not found"):
+    with pytest.raises(FileNotFoundError, match="not found"):
         LookaheadModule.load(tmp_path / "missing.safetensors", cfg)
 
 
@@ -665,7 +665,7 @@ def test_corrupt_adapter_is_refused(tmp_path, damage):
     else:  # the metadata says rank 4, the tensors have rank 8
         meta = json.loads(path.with_suffix(".json").read_text())
         path.with_suffix(".json").write_text(json.dumps(dict(meta, rank=4)))
-    with pytest.raises(SystemExit, match="corrupt"):
+    with pytest.raises(ValueError, match="corrupt"):
         LookaheadModule.load(path, cfg)
 
 
@@ -742,3 +742,82 @@ def test_inference_never_builds_an_S_by_S_tensor(method, monkeypatch):
         big = [(f, s) for f, s in rec.shapes if sum(d >= S for d in s) >= 2]
         assert not big, big[:3]
         assert any(len(s) >= 2 and s[-1] >= S for _, s in rec.shapes)  # the recorder saw the (rows, S) scores
+
+
+# -----------------------------------------------------------------------------
+# baselines as their authors wrote them: pooling, LAQ, PyramidKV
+
+
+@pytest.mark.parametrize("kernel", [0, 2, 4, -1])
+def test_even_or_non_positive_pooling_width_is_refused(kernel):
+    model = tiny_model()
+    for method in ("snapkv", "h2o"):
+        with pytest.raises(ValueError, match="must be odd"):
+            compress(model, rand_ids(1, 40), EvictConfig(method, budget=16, window=4, pool="avg", kernel=kernel))
+    with pytest.raises(ValueError, match="must be odd"):
+        LookaheadModule(model.config, n_tokens=4, kernel=kernel)
+
+
+@pytest.mark.parametrize("budget", [0, -3])
+@pytest.mark.parametrize("method", ["lookahead", "random", "full"])
+def test_budget_below_one_is_refused(method, budget):
+    model = tiny_model()
+    with pytest.raises(ValueError, match="at least 1"):
+        compress(model, rand_ids(1, 40), EvictConfig(method, budget=budget), **method_kwargs(method, model.config))
+
+
+def test_pooling_with_a_window_pools_only_the_prefix():
+    """SnapKV's code pools the scores before the window only: the window (kept anyway) must not
+    lend its large scores to the tokens just before it."""
+    s = torch.zeros(1, 1, 12)
+    s[..., 8:] = 10.0  # a window of 4 with huge scores
+    s[..., 2] = 1.0
+    p = lk.pool_scores(s, "avg", 5, window=4)
+    assert torch.equal(p[..., 8:], s[..., 8:])  # the window as it was
+    assert p[0, 0, :8].tolist() == pytest.approx([0.2, 0.2, 0.2, 0.2, 0.2, 0, 0, 0])  # no leak into 5..7
+    whole = lk.pool_scores(s, "avg", 5)  # without the window argument everything is pooled
+    assert whole[0, 0, 7].item() == pytest.approx(4.0)  # (10 + 10) / 5: the window leaks in
+    # max pooling ignores the padding at the edges; avg divides by the full width (damped edges)
+    e = torch.tensor([[[3.0, 0.0, 0.0, 0.0, 0.0]]])
+    assert lk.pool_scores(e, "max", 3).tolist() == [[[3.0, 3.0, 0.0, 0.0, 0.0]]]
+    assert lk.pool_scores(e, "avg", 3)[0, 0].tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0, 0.0])
+
+
+def test_laq_pools_its_final_rescores(monkeypatch):
+    """LAQ's reference code pools the re-scores of the draft queries like its SnapKV step."""
+    model = tiny_model()
+    S, C, W = 48, 16, 4
+    ids = rand_ids(1, S, seed=31)
+    seen = {}
+    real = lk.laq_scores
+    monkeypatch.setattr(lk, "laq_scores", lambda *a: seen.setdefault("s", real(*a)))
+    _, _, _, st = compress(model, ids, EvictConfig("laq", budget=C, window=W, laq_tokens=4, pool="avg", kernel=5))
+    win = (torch.arange(S) >= S - W)[None, None]
+    pooled = lk.select(lk.pool_scores(lk.stack(seen["s"]), "avg", 5, W), C, protect=win)
+    unpooled = lk.select(lk.stack(seen["s"]), C, protect=win)
+    assert all(torch.equal(k, p) for k, p in zip(st["kept"], pooled))
+    assert not all(torch.equal(k, u) for k, u in zip(st["kept"], unpooled))  # pooling changes what is kept
+
+
+@pytest.mark.parametrize("L,C,W,S", [(3, 24, 8, 30), (30, 128, 32, 140), (5, 64, 8, 65), (4, 20, 4, 21)])
+def test_pyramid_budgets_clipped_at_S_give_the_rest_to_other_layers(L, C, W, S):
+    raw = lk.pyramid_budgets(C, W, L, 20)
+    assert max(raw) > S  # the first layers would want more than the prompt holds
+    b = lk.pyramid_budgets(C, W, L, 20, S)
+    assert max(b) <= S and min(b) >= W
+    assert abs(sum(b) - sum(raw)) == 0  # nothing lost: the mean stays as it was (C, up to rounding)
+    assert b == sorted(b, reverse=True)  # still falling with depth
+
+
+def test_pyramidkv_keeps_C_per_layer_on_average_when_layers_clip():
+    model = tiny_model(num_hidden_layers=3)
+    S, C, W = 30, 24, 8  # raw budgets 40, 24, 8: the first layer clips at 30
+    _, _, _, st = compress(model, rand_ids(1, S, seed=5), EvictConfig("pyramidkv", budget=C, window=W))
+    sizes = [k.shape[-1] for k in st["kept"]]
+    assert max(sizes) <= S and sum(sizes) == 3 * C
+
+
+def test_every_method_is_one_scorer_in_the_table():
+    assert lk.METHODS == tuple(lk.SCORERS)
+    for name, cls in lk.SCORERS.items():
+        assert issubclass(cls, lk.Scorer) and cls.__doc__, name

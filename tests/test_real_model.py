@@ -91,6 +91,7 @@ def test_one_pass_and_two_pass_keep_the_same_tokens():
     assert ids.shape[1] > 3 * 256  # four chunks
     assert torch.allclose(logits1, logits2, atol=1e-4)  # the M rows never change the prompt's logits
     same = sum(torch.equal(a, b) for a, b in zip(s1["kept"], s2["kept"]))
-    assert same == model.config.num_hidden_layers, f"kept slots differ in {model.config.num_hidden_layers - same} layers"
+    n_layers = model.config.num_hidden_layers
+    assert same == n_layers, f"kept slots differ in {n_layers - same} layers"
     for l in range(model.config.num_hidden_layers):
         assert torch.allclose(c1.k[l], c2.k[l], atol=1e-4) and torch.allclose(c1.v[l], c2.v[l], atol=1e-4)

