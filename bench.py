@@ -65,7 +65,9 @@ COLUMNS = {  # mode -> (row key, header) of the printed table; --json has every 
                ("full_kv_mib", "full KV MiB")],
     "prefill-vs-hf": [("S", "S"), ("ours_ms", "ours ms"), ("hf_ms", "transformers ms"), ("ratio", "ours / theirs"),
                       ("logits_diff", "max |logits diff|")],
-    "train-cost": [("S", "S"), ("efficient_samples_s", "efficient samples/s"), ("naive_samples_s", "naive samples/s"),
+    "train-cost": [("S", "S"), ("answer_target_s_per_sample", "answer+target s/sample"),
+                   ("epoch_samples_s", "epoch samples/s (batched)"),
+                   ("efficient_samples_s", "efficient samples/s"), ("naive_samples_s", "naive samples/s"),
                    ("speedup", "efficient / naive"), ("loss_efficient", "loss efficient"),
                    ("loss_naive", "loss naive")],
 }
@@ -327,10 +329,45 @@ def run_train_cost(model, args, lengths, emit):
         fns = dict(efficient=efficient, naive=naive)
         times, peak, loss = time_rounds(fns, args.repeats, dev, f"train S={S}", args.clock)
         sps = {k: 1e3 / med(t) for k, t in times.items()}
+        stages = train_stages(model, module, args, S)
         emit(dict(mode="train-cost", model=model.config.name, S=S, efficient_samples_s=sps["efficient"],
                   naive_samples_s=sps["naive"], speedup=sps["efficient"] / sps["naive"],
                   loss_efficient=loss["efficient"], loss_naive=loss["naive"],
-                  peak_gib_efficient=peak["efficient"], peak_gib_naive=peak["naive"]))
+                  peak_gib_efficient=peak["efficient"], peak_gib_naive=peak["naive"], **stages))
+
+
+def train_stages(model, module, args, S):
+    """train.py's own stages at prompt length S: answering + target (--gen-batch prompts prefilled
+    once, together; greedy answers of --response-tokens tokens: random prompts never stop early),
+    then training steps over the cached samples (--micro-batch samples per lookahead forward, read
+    from disk as train.py does). Returns seconds per sample answered, training samples per second."""
+    import tempfile
+
+    from lookaheadkv import lookahead_pass
+    from train import answer_and_target, kl_loss, load_batch, save_sample
+
+    class NoStop:
+        stop_ids = set()
+
+    prompts = [random_ids(model, 1, S, args.seed + 1 + b)[0].tolist() for b in range(args.gen_batch)]
+    t = args.clock()
+    samples = answer_and_target(model, NoStop(), prompts, args.response_tokens)
+    answer_s = (args.clock() - t) / len(prompts)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [Path(tmp) / f"{i}.safetensors" for i in range(len(samples))]
+        for path, sample in zip(paths, samples):
+            save_sample(path, sample, torch.bfloat16)
+        batch = (paths * args.micro_batch)[:args.micro_batch]
+
+        def step():  # what one micro-batch of a training epoch costs, disk read included
+            cache, gt, lengths = load_batch(batch, args.device, next(model.parameters()).dtype)
+            loss = kl_loss(gt, lookahead_pass(model, module, cache, lengths, per_query_head=True))
+            loss.backward()
+            module.zero_grad(set_to_none=True)
+            return loss.item()
+
+        times, _, _ = time_rounds(dict(step=step), args.repeats, args.device, f"epoch step S={S}", args.clock)
+    return dict(answer_target_s_per_sample=answer_s, epoch_samples_s=args.micro_batch * 1e3 / med(times["step"]))
 
 
 # -----------------------------------------------------------------------------
@@ -353,7 +390,9 @@ def get_args(argv=None):
     a("--batches", default="1,4,16", help="decode: batch sizes")
     a("--new-tokens", type=int, default=32, help="decode: steps timed")
     a("--decode-method", default="snapkv", choices=["snapkv", "lookahead"], help="decode: the evicted cache")
-    a("--response-tokens", type=int, default=64, help="train-cost: answer length of the ground truth")
+    a("--response-tokens", type=int, default=128, help="train-cost: answer length of the ground truth")
+    a("--gen-batch", type=int, default=8, help="train-cost: prompts answered together (train.py --gen-batch)")
+    a("--micro-batch", type=int, default=8, help="train-cost: samples per lookahead forward (train.py --micro-batch)")
     a("--h2o-max-len", type=int, default=None, help="skip h2o above this prompt length (--quick: 16384)")
     a("--quick", action="store_true", help="the CUDA preset described at the top")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu")

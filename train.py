@@ -1,30 +1,37 @@
 """
-Train the lookahead module (M embeddings + a LoRA on their rows) with the KL loss of the paper,
-the base model frozen.
+Train the lookahead module (M embeddings + a LoRA on their rows) with the KL loss, the base
+model frozen: the module learns to attend to the prompt the way the model's own answer will.
 
-One GPU (the shipped SmolLM2 adapter was made like this, see README.md):
-    python train.py --model weights/SmolLM2-135M-Instruct --n-train 800 --epochs 3
-Several GPUs (data parallel: each rank takes every world_size-th sample):
-    torchrun --nproc_per_node=8 train.py --n-train 8000
+CPU recipe (2 cores, float32; see README.md for what it printed and how long it took):
+    python train.py --out runs/cpu --n-train 1000 --n-heldout 64 --max-new-tokens 128 --epochs 4 \
+        --adapter-out weights/SmolLM2-135M-Instruct.lookahead.safetensors
+One GPU, paper-like scale (longer prompts and answers, more of them):
+    python train.py --out runs/gpu --n-train 8000 --n-heldout 128 --max-tokens 4096 --max-new-tokens 256 \
+        --gen-batch 64 --micro-batch 32 --epochs 2
+Several GPUs (data parallel: each rank takes every world_size-th micro-batch; build the samples first):
+    python train.py --stage data ... && torchrun --nproc_per_node=8 train.py ...
 CPU smoke run (a few minutes on 2 cores):
     python train.py --out runs/smoke --n-train 8 --n-heldout 4 --max-tokens 600 --max-new-tokens 32 --batch 4 --epochs 1
 
 It prints, per optimiser step, the loss (tqdm), and every --eval-every steps the held-out KL
-and recall@C of lookahead / snapkv / streaming, e.g.
-    step 20/66  heldout kl 0.161  recall@128 lookahead 0.842 snapkv 0.781 streaming 0.597
+and recall@C of lookahead / snapkv / h2o / streaming, e.g.
+    step 20/66  heldout kl 0.161  recall@128 lookahead 0.842 snapkv 0.781 h2o 0.790 streaming 0.597
 
-Three stages, each resumable (rerun the same command; --resume for the optimiser state):
-1. data: prompts from offline sources (data.py), each answered by the base model itself
-   (greedy, full cache, batched) and appended to OUT/data.jsonl, so a killed run continues.
-2. ground truth, per sample: one no_grad forward over prompt + answer gives, per layer and
-   query head, the mean attention of the answer's queries over the prompt (R x S, never
-   S x S) and the prompt's KV cache, exactly the frozen model's.
-3. training: the M lookahead tokens run on top of that cache with gradients (only they carry
-   any), their mean attention over the prompt is the prediction; loss = KL(gt || pred) of the
-   L1-normalised scores, averaged over layers and query heads.
+Two stages, each resumable (rerun the same command; --resume for the optimiser state):
+1. data (`build_dataset`): prompts from offline sources (data.py), prefilled ONCE, B at a time
+   (`answer_and_target`): the base model's greedy answer on that full cache, then the answers run
+   on top of the prompt cache, which gives the target: per layer and query head, the mean
+   attention of the answer's queries over the prompt (R x S, never S x S). The prompt's cache
+   (bfloat16) and the target are kept on disk, one file per sample (OUT/samples), the rows in
+   OUT/data.jsonl: every epoch reuses them, nothing is prefilled twice.
+2. training: B cached samples at a time, left-padded into one batch (`load_batch`); the M
+   lookahead tokens run on top of their caches with gradients (only they carry any: the
+   two-pass form), their mean attention over the prompt is the prediction; loss = KL(gt || pred)
+   of the L1-normalised scores, averaged over layers, query heads and samples.
 """
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -34,39 +41,113 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import data
 from lookaheadkv import (SCORERS, EvictConfig, LookaheadModule, Prefilled, WindowHook, compress, decode,
-                         lookahead_pass, make_scorer, recall_of_kept, stack)
+                         group_attention, lookahead_pass, make_scorer, recall_of_kept, stack)
 from model import Hook, KVCache, Tokenizer, load_model
 
 # -----------------------------------------------------------------------------
-# Stage 1: data - prompts from data.py, answers from the base model itself
+# Stage 1: samples. One prefill per prompt gives the base model's own answer, the target (the
+# answer's attention over the prompt) and the training cache (the prompt's KV), kept on disk.
+
+
+class TargetHook(Hook):
+    """In the forward of the answers (B, R, right-padded) on top of the prompt cache: per layer
+    and query head, the mean attention of each row's real answer queries over the S prompt slots.
+    The same target as ground_truth's, for a batch."""
+
+    def __init__(self, S, answer_mask):
+        self.S, self.scores = S, {}
+        self.weights = answer_mask.float() / answer_mask.sum(-1, keepdim=True).float()  # (B, R), mean over real ones
+
+    def attn(self, layer, q, k, key_valid):
+        B, H, R, _ = q.shape
+        Hkv, S = k.shape[1], self.S
+        probs = group_attention(q, k, key_valid)[..., :S].view(B, Hkv, H // Hkv, R, S)  # (B, H_kv, G, R, S)
+        self.scores[layer] = torch.einsum("bkgrs,br->bkgs", probs, self.weights).flatten(1, 2)  # (B, H, S)
+
+
+def left_pad(prompts, dev):
+    """Token-id lists -> ids (B, S) with left padding, and pad_mask (B, S) True on real tokens."""
+    S = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (S - len(p)) + p for p in prompts], device=dev)
+    pad_mask = torch.tensor([[False] * (S - len(p)) + [True] * len(p) for p in prompts], device=dev)
+    return ids, pad_mask
 
 
 @torch.no_grad()
-def answer_batch(model, tok, prompts, max_new_tokens):
-    """Greedy full-cache answers for a batch of token-id lists (left-padded together)."""
-    dev = model.lm_head.weight.device
-    S = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (S - len(p)) + p for p in prompts], device=dev)  # (B, S) left padding
-    pad_mask = torch.tensor([[False] * (S - len(p)) + [True] * len(p) for p in prompts], device=dev)
-    cache, logits, pos, _ = compress(model, ids, EvictConfig("full"), pad_mask=pad_mask)
-    out = [[] for _ in prompts]
-    done = [False] * len(prompts)
-    for t in decode(model, cache, logits, pos, max_new_tokens, tok.stop_ids):
+def answer_and_target(model, tok, prompts, max_new_tokens):
+    """For B prompts (token-id lists) prefilled ONCE, together (left-padded): the greedy full-cache
+    answer, then the answers run on top of the prompt cache for the target. Returns per prompt a
+    dict: response_ids (the stop token kept: the answer's end is part of its future), k and v
+    (L, H_kv, S_b, D) the prompt's cache, target (L, H, S_b), padding removed."""
+    dev, L = model.lm_head.weight.device, model.config.num_hidden_layers
+    ids, pad_mask = left_pad(prompts, dev)
+    S = ids.shape[1]
+    cache, logits, next_pos, _ = compress(model, ids, EvictConfig("full"), pad_mask=pad_mask)
+    prompt_cache = cache.copy()  # decoding appends to `cache`; this one stays the prompt's
+    answers, done = [[] for _ in prompts], [False] * len(prompts)
+    for t in decode(model, cache, logits, next_pos, max_new_tokens, tok.stop_ids):
         for b, i in enumerate(t.tolist()):
             if not done[b]:
                 done[b] = i in tok.stop_ids
-                out[b].append(i)  # the stop token is kept: the answer's end is part of its future
+                answers[b].append(i)
+    target = answer_targets(model, prompt_cache, next_pos, answers)
+    out = []
+    for b, p in enumerate(prompts):
+        real = slice(S - len(p), S)  # this row's slots, without the left padding
+        out.append(dict(response_ids=answers[b],
+                        k=torch.stack([prompt_cache.k[l][b, :, real] for l in range(L)]),  # (L, H_kv, S_b, D)
+                        v=torch.stack([prompt_cache.v[l][b, :, real] for l in range(L)]),
+                        target=torch.stack([target[l][b, :, real] for l in range(L)])))  # (L, H, S_b)
     return out
 
 
-def build_dataset(model, tok, args, path, rank=0):
-    """Append {id, split, task, prompt_ids, response_ids} rows to `path` until it holds
-    n_train + n_heldout of them; rows already there are kept (resume)."""
-    fp = model.config.fingerprint()
+@torch.no_grad()
+def answer_targets(model, prompt_cache, next_pos, answers):
+    """The answers (B lists of ids, any lengths) run together on top of the prompt cache (B rows,
+    S slots, next_pos (B,)): per layer, the target (B, H, S), each row's mean over its own answer's
+    queries. One forward of (B, R_max) tokens; the right padding after a short answer is never seen
+    by it (causal) and its queries get weight 0."""
+    dev, S = next_pos.device, len(prompt_cache)
+    R = max(len(a) for a in answers)
+    answer_ids = torch.tensor([a + [a[-1]] * (R - len(a)) for a in answers], device=dev)  # (B, R), right-padded
+    answer_mask = torch.arange(R, device=dev)[None] < torch.tensor([len(a) for a in answers], device=dev)[:, None]
+    hook = TargetHook(S, answer_mask)
+    model(answer_ids, positions=next_pos[:, None] + torch.arange(R, device=dev), cache=prompt_cache.copy(),
+          hook=hook, logits_at=-1)
+    return hook.scores
+
+
+def sample_path(out, row_id):
+    return Path(out) / "samples" / (hashlib.sha1(row_id.encode()).hexdigest()[:16] + ".safetensors")
+
+
+def save_sample(path, sample, store_dtype):
+    """The prompt's cache in store_dtype (bfloat16 halves the disk: the cache is an input, not a
+    target), the target in float32. Written to a temporary name first: a kill leaves no half file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = dict(k=sample["k"].to(store_dtype), v=sample["v"].to(store_dtype), target=sample["target"].float())
+    save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, str(path.with_suffix(".tmp")))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def sample_bytes(cfg, S, store_dtype):
+    """Disk size of one sample of S prompt tokens."""
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * S * store_dtype.itemsize
+    return kv + cfg.num_hidden_layers * cfg.num_attention_heads * S * 4
+
+
+def build_dataset(model, tok, args, out, rank=0):
+    """Append {id, split, task, prompt_ids, response_ids} rows to OUT/data.jsonl until it holds
+    n_train + n_heldout of them, and write each training row's sample file (cache + target) in the
+    same pass. Rows and samples already there are kept (resume); a row without its sample file
+    (e.g. a data.jsonl from elsewhere) gets one from ground_truth, one forward over [prompt; answer]."""
+    fp, path = model.config.fingerprint(), Path(out) / "data.jsonl"
     if path.exists():  # a run killed mid-write leaves a partial last line: drop it
         text = path.read_text()
         if text and not text.endswith("\n"):
@@ -76,28 +157,38 @@ def build_dataset(model, tok, args, path, rank=0):
         if r.get("fingerprint") != fp:
             raise ValueError(f"{path} was made with another base model ({r.get('base_model')}): use another --out")
     have = {split: sum(r.get("split") == split for r in rows) for split in ("train", "heldout")}
-    if args.eval_only or (have["train"] >= args.n_train and have["heldout"] >= args.n_heldout):
-        return rows  # as they are: the stdlib prompts depend on the Python version that made them
-    done = {r["id"] for r in rows}
     todo = []
-    for split, n in (("train", args.n_train), ("heldout", args.n_heldout)):
-        prompts = data.make_training_prompts(tok, n, split=split, min_tokens=args.min_tokens,
-                                             max_tokens=args.max_tokens, seed=args.seed)
-        todo += [dict(p, split=split) for p in prompts if p["id"] not in done]
-    if not todo:
-        return rows
-    if rank != 0:
+    if not args.eval_only and (have["train"] < args.n_train or have["heldout"] < args.n_heldout):
+        done = {r["id"] for r in rows}
+        for split, n in (("train", args.n_train), ("heldout", args.n_heldout)):
+            prompts = data.make_training_prompts(tok, n, split=split, min_tokens=args.min_tokens,
+                                                 max_tokens=args.max_tokens, seed=args.seed)
+            todo += [dict(p, split=split) for p in prompts if p["id"] not in done]
+    store = getattr(torch, args.store_dtype)
+    missing = [r for r in rows if r["split"] == "train" and not sample_path(out, r["id"]).exists()]
+    if (todo or missing) and rank != 0:
         raise ValueError("build the dataset first on one process (python train.py --stage data)")
     for p in todo:
         p["prompt_ids"] = tok.encode(tok.chat(p["prompt"]))
+    n_bytes = sum(sample_bytes(model.config, len(r["prompt_ids"]), store) for r in rows + todo if r["split"] == "train")
+    if n_bytes > args.store_gb * 2**30:
+        raise ValueError(f"the training samples would take {n_bytes / 2**30:.1f} GiB on disk, over --store-gb "
+                         f"{args.store_gb}: raise it, or use fewer/shorter prompts (--n-train, --max-tokens)")
+    for r in tqdm(missing, desc="samples from data.jsonl", disable=not missing):
+        cache, gt, _ = ground_truth(model, r)
+        save_sample(sample_path(out, r["id"]), dict(k=torch.cat([k for k in cache.k]), v=torch.cat(cache.v),
+                                                    target=torch.cat([gt[l] for l in range(len(gt))])), store)
     todo.sort(key=lambda p: len(p["prompt_ids"]))  # similar lengths batch with little padding
-    bar = tqdm(total=len(todo), desc="answering prompts")
+    bar = tqdm(total=len(todo), desc="answering prompts", disable=not todo)
     for i in range(0, len(todo), args.gen_batch):
         batch = todo[i:i + args.gen_batch]
-        answers = answer_batch(model, tok, [p["prompt_ids"] for p in batch], args.max_new_tokens)
-        new = [dict(id=p["id"], split=p["split"], source=p["source"], task=p["task"],
-                    base_model=model.config.name, fingerprint=fp, prompt_ids=p["prompt_ids"], response_ids=a)
-               for p, a in zip(batch, answers)]
+        samples = answer_and_target(model, tok, [p["prompt_ids"] for p in batch], args.max_new_tokens)
+        new = [dict(id=p["id"], split=p["split"], source=p["source"], task=p["task"], base_model=model.config.name,
+                    fingerprint=fp, prompt_ids=p["prompt_ids"], response_ids=s["response_ids"])
+               for p, s in zip(batch, samples)]
+        for r, s in zip(new, samples):  # the sample files first, then the rows that point to them
+            if r["split"] == "train":
+                save_sample(sample_path(out, r["id"]), s, store)
         with open(path, "a") as f:  # appended batch by batch: a killed run loses one batch at most
             for r in new:
                 f.write(json.dumps(r) + "\n")
@@ -157,6 +248,31 @@ def ground_truth(model, row, window=0):
 # lookahead rows on top of the prompt cache (the two-pass form), the only rows with gradients.
 
 
+def load_batch(paths, dev, dtype):
+    """Sample files of different lengths, left-padded into one batch: a KVCache with (B, H_kv, S, D)
+    per layer and its valid mask (B, 1, S), the targets {layer: (B, H, S)} (zero on padding, so
+    they add nothing to the KL) and each row's prompt length (B,), where its lookahead rows start."""
+    items = [load_file(str(p)) for p in paths]
+    lengths = [it["target"].shape[-1] for it in items]
+    S, L = max(lengths), items[0]["k"].shape[0]
+    left = lambda t, n: F.pad(t, (0, 0, S - n, 0)) if t.dim() == 4 else F.pad(t, (S - n, 0))
+    k = torch.stack([left(it["k"], n) for it, n in zip(items, lengths)]).to(dev, dtype)  # (B, L, H_kv, S, D)
+    v = torch.stack([left(it["v"], n) for it, n in zip(items, lengths)]).to(dev, dtype)
+    target = torch.stack([left(it["target"], n) for it, n in zip(items, lengths)]).to(dev)  # (B, L, H, S)
+    valid = (torch.arange(S)[None] >= S - torch.tensor(lengths)[:, None])[:, None].to(dev)  # (B, 1, S)
+    cache = KVCache(L)
+    for l in range(L):
+        cache.k[l], cache.v[l], cache.valid[l] = k[:, l], v[:, l], valid
+    return cache, {l: target[:, l] for l in range(L)}, torch.tensor(lengths, device=dev)
+
+
+def micro_batches(rows, size):
+    """Training rows cut into micro-batches of similar prompt lengths (little padding): indices
+    sorted by length, then cut. Each epoch shuffles the micro-batches, not what is in them."""
+    order = sorted(range(len(rows)), key=lambda i: (len(rows[i]["prompt_ids"]), rows[i]["id"]))
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
 def kl_loss(gt, pred, eps=1e-8):
     """KL(gt || pred) of the L1-normalised scores, averaged over layers and heads: the future's
     attention is the target distribution, the lookahead rows' the prediction."""
@@ -213,7 +329,10 @@ def get_args(argv=None):
     a("--min-tokens", type=int, default=512)
     a("--max-tokens", type=int, default=2048)
     a("--max-new-tokens", type=int, default=256, help="length cap of the base model's answers (paper: 512)")
-    a("--gen-batch", type=int, default=None, help="prompts answered together (default 32 on CUDA, 4 on CPU)")
+    a("--gen-batch", type=int, default=None, help="prompts answered together (default 32 on CUDA, 8 on CPU)")
+    a("--store-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+      help="dtype of the prompt caches kept on disk (OUT/samples) for every epoch")
+    a("--store-gb", type=float, default=40, help="refuse to build samples that would take more disk than this")
     # module
     a("--n-tokens", type=int, default=32, help="M, lookahead tokens")
     a("--rank", type=int, default=8)
@@ -225,6 +344,7 @@ def get_args(argv=None):
     # optimisation
     a("--epochs", type=float, default=3, help="passes over the training rows (a fraction ends mid-pass)")
     a("--batch", type=int, default=32, help="effective batch (samples per optimiser step, all ranks)")
+    a("--micro-batch", type=int, default=8, help="samples in one lookahead forward (left-padded together)")
     a("--lr", type=float, default=1e-3)
     a("--weight-decay", type=float, default=0.0)
     a("--warmup", type=float, default=0.02, help="fraction of steps with linear warmup, then cosine to 0")
@@ -238,8 +358,6 @@ def get_args(argv=None):
       "with a fresh optimiser and schedule: more steps for an adapter whose run ended early")
     a("--eval-only", default=None, metavar="ADAPTER",
       help="no training: held-out metrics of ADAPTER and of the untrained init on OUT/data.jsonl")
-    a("--cache-kv", action=argparse.BooleanOptionalAction, default=None,
-      help="keep every sample's prompt KV and targets in memory across epochs (default: on CUDA)")
     a("--max-minutes", type=float, default=None, help="stop training once this long has passed since the start, "
       "data generation included (checkpoint + adapter saved, noted in the metadata)")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -352,8 +470,7 @@ def train(args):
     print0 = lambda *a: print(*a) if rank == 0 else None
     torch.manual_seed(args.seed)
     dev = args.device
-    args.gen_batch = args.gen_batch or (32 if dev.startswith("cuda") else 4)
-    args.cache_kv = dev.startswith("cuda") if args.cache_kv is None else args.cache_kv
+    args.gen_batch = args.gen_batch or (32 if dev.startswith("cuda") else 8)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -363,7 +480,7 @@ def train(args):
         args.model = str(ensure_default(DEFAULT_DIR))
     model = load_model(args.model, dev, getattr(torch, args.dtype) if args.dtype else None)
     tok = Tokenizer(args.model, model.config)
-    rows = build_dataset(model, tok, args, out / "data.jsonl", rank)
+    rows = build_dataset(model, tok, args, out, rank)
     train_rows = [r for r in rows if r["split"] == "train"]
     held_rows = [r for r in rows if r["split"] == "heldout"]
     if not train_rows:
@@ -381,8 +498,9 @@ def train(args):
     if args.eval_only:
         return eval_only(model, module, held_rows, args)
     opt = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    micro = max(1, args.batch // world)  # samples per rank per optimiser step
-    steps_per_epoch = max(1, len(train_rows) // (micro * world))
+    batches = micro_batches(train_rows, args.micro_batch)
+    per_step = max(world, args.batch // args.micro_batch)  # micro-batches per optimiser step, all ranks
+    steps_per_epoch = max(1, len(batches) // per_step)
     total = max(1, round(steps_per_epoch * args.epochs))
     step, log = 0, []
     ckpt = out / "ckpt.pt"
@@ -392,20 +510,12 @@ def train(args):
     elif args.resume:
         print0(f"no checkpoint at {ckpt}: starting from step 0")
 
-    # --- held-out ground truth (rank 0 evaluates alone) and the training samples (stage 2)
+    # --- held-out ground truth with the SnapKV / H2O scores of the same forward (rank 0 evaluates alone)
     t0 = time.perf_counter()
     held_rows = held_rows if rank == 0 else []
     heldout = [ground_truth(model, r, window=args.window)
                for r in tqdm(held_rows, desc="held-out ground truth", disable=rank > 0)]
-    gt_cache = {}  # sample index -> (cache, gt), when --cache-kv
-
-    def sample_state(i):
-        if i in gt_cache:
-            return gt_cache[i]
-        cache, gt, _ = ground_truth(model, train_rows[i])
-        if args.cache_kv:
-            gt_cache[i] = (cache, gt)
-        return cache, gt
+    dtype = model.lm_head.weight.dtype
 
     def do_eval():
         if heldout and rank == 0:
@@ -427,25 +537,27 @@ def train(args):
             do_eval()
             break
         epoch, k = divmod(step, steps_per_epoch)
-        order = list(range(len(train_rows)))
+        order = list(batches)
         random.Random(args.seed + epoch).shuffle(order)  # the same order on every rank and on resume
-        batch = order[k * micro * world:(k + 1) * micro * world][rank::world]
+        step_batches = order[k * per_step:(k + 1) * per_step]
+        n_step = sum(len(b) for b in step_batches)  # samples in this step, all ranks
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, args)
         loss_sum = 0.0
-        for i in batch:
-            cache, gt = sample_state(i)
-            pred = lookahead_pass(model, module, cache, len(cache), per_query_head=True)
-            loss = kl_loss(gt, pred) / len(batch)
+        for idx in step_batches[rank::world]:
+            cache, gt, lengths = load_batch([sample_path(out, train_rows[i]["id"]) for i in idx], dev, dtype)
+            pred = lookahead_pass(model, module, cache, lengths, per_query_head=True)  # B samples in one forward
+            # each sample weighs the same in the step's mean; ranks average their gradients after
+            loss = kl_loss(gt, pred) * len(idx) * world / n_step
             loss.backward()
-            loss_sum += loss.item()
+            loss_sum += loss.item() / world
         if ddp:
             all_reduce_grads(module, world)
         torch.nn.utils.clip_grad_norm_(module.parameters(), args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        n_seen += len(batch) * world
+        n_seen += n_step
         bar.set_postfix(loss=f"{loss_sum:.4f}", samples_s=f"{n_seen / (time.perf_counter() - t0):.1f}")
         bar.update()
         if step % args.eval_every == 0 or step == total:

@@ -88,6 +88,7 @@ def test_train_cost_rows(tiny_config):
     assert len(rows) == 1 and rows[0]["S"] == 64
     r = rows[0]
     assert r["efficient_samples_s"] > 0 and r["naive_samples_s"] > 0
+    assert r["answer_target_s_per_sample"] > 0 and r["epoch_samples_s"] > 0  # train.py's own stages
     # the same loss both ways: the prompt rows do not depend on P, so the two-pass form is exact
     assert r["loss_naive"] == pytest.approx(r["loss_efficient"], rel=1e-3, abs=1e-7)
 

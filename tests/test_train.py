@@ -241,6 +241,7 @@ def write_data(out, model_dir, n_train=4, n_heldout=1, fingerprint=None, base_mo
 def argv(model_dir, out, *extra):
     return ["--model", str(model_dir), "--out", str(out), "--n-train", "4", "--n-heldout", "1", "--batch", "2",
             "--epochs", "2", "--n-tokens", "8", "--lr", "1e-2", "--warmup", "0.25", "--budget", "16", "--window", "4",
+            "--micro-batch", "1",
             "--eval-every", "100", "--save-every", "100", "--device", "cpu", *extra]
 
 
@@ -363,6 +364,7 @@ def test_ddp_ranks_agree_and_match_one_process(model_dir, tmp_path, stub_prompts
     ddp, single = tmp_path / "ddp", tmp_path / "single"
     for out in (ddp, single):
         write_data(out, model_dir)
+    train.main(argv(model_dir, ddp, "--stage", "data"))  # the sample files first, on one process
     script = tmp_path / "run_train.py"
     script.write_text(WRAPPER)
     env = dict(os.environ, LKV_REPO=str(REPO), LKV_TESTS=str(Path(__file__).parent), LKV_OUT=str(ddp),
@@ -473,3 +475,85 @@ def test_embeddings_alone_without_lora_train(model_dir, tmp_path, stub_prompts):
     cfg = ModelConfig.from_hf_config(model_dir)
     m = LookaheadModule.load(out / "adapter.safetensors", cfg)
     assert m.targets == () and m.delta(0, "q_proj", torch.zeros(1, 8, cfg.hidden_size)) is None
+
+
+# -----------------------------------------------------------------------------
+# one prefill per sample, batched: the same targets, caches and losses as one sample at a time
+
+
+class StubTok:
+    def __init__(self, stop_ids):
+        self.stop_ids = stop_ids
+
+
+def test_batched_targets_equal_one_forward_over_prompt_and_answer():
+    """answer_and_target prefills B prompts of different lengths once, together, and runs their
+    answers (different lengths) on top: each row's target and cache equal ground_truth's single
+    forward over [prompt; answer]."""
+    model = tiny_model()
+    prompts = [rand_list(n, 40 + n) for n in (30, 45, 38)]
+    # a stop id that one row hits early, so the answers have different lengths
+    first = [train.answer_and_target(model, StubTok(set()), [p], 6)[0]["response_ids"] for p in prompts]
+    stop = first[1][2]
+    samples = train.answer_and_target(model, StubTok({stop}), prompts, 6)
+    lengths = [len(s["response_ids"]) for s in samples]
+    assert len(set(lengths)) > 1 and samples[1]["response_ids"][-1] == stop  # the stop token is kept
+    for p, s in zip(prompts, samples):
+        assert s["response_ids"] == first[prompts.index(p)][:len(s["response_ids"])]  # batching changes no answer
+        cache, gt, _ = train.ground_truth(model, dict(prompt_ids=p, response_ids=s["response_ids"]))
+        L = len(gt)
+        assert s["target"].shape == (L, TINY["num_attention_heads"], len(p))
+        assert torch.allclose(s["target"], torch.cat([gt[l] for l in range(L)]), atol=1e-5)
+        assert torch.allclose(s["k"], torch.cat(cache.k), atol=1e-5)
+        assert torch.allclose(s["v"], torch.cat(cache.v), atol=1e-5)
+
+
+def test_batched_loss_equals_the_mean_of_per_sample_losses(tmp_path):
+    """load_batch left-pads samples of different lengths into one cache; one lookahead forward over
+    the batch gives the mean of the per-sample losses, and the same gradients."""
+    model = tiny_model()
+    cfg = model.config
+    rows = [dict(prompt_ids=rand_list(n, n), response_ids=rand_list(5, 100 + n)) for n in (20, 33, 27)]
+    paths = []
+    for i, r in enumerate(rows):
+        cache, gt, _ = train.ground_truth(model, r)
+        paths.append(tmp_path / f"{i}.safetensors")
+        train.save_sample(paths[-1], dict(k=torch.cat(cache.k), v=torch.cat(cache.v),
+                                          target=torch.cat([gt[l] for l in range(len(gt))])), torch.float32)
+    torch.manual_seed(3)
+    mod = LookaheadModule(cfg, n_tokens=4, embed_std=0.5)
+    with torch.no_grad():
+        for n, p in mod.named_parameters():
+            if n.endswith("_B"):
+                p.normal_(0, 0.1)  # a trained-looking LoRA, so the rows do depend on it
+    per_sample = []
+    for r in rows:
+        cache, gt, _ = train.ground_truth(model, r)
+        loss = train.kl_loss(gt, lk.lookahead_pass(model, mod, cache, len(cache), per_query_head=True))
+        per_sample.append(loss)
+    (sum(per_sample) / 3).backward()
+    grads = {n: p.grad.clone() for n, p in mod.named_parameters()}
+    mod.zero_grad()
+    cache, gt, lengths = train.load_batch(paths, "cpu", torch.float32)
+    assert lengths.tolist() == [20, 33, 27] and cache.k[0].shape[2] == 33
+    loss = train.kl_loss(gt, lk.lookahead_pass(model, mod, cache, lengths, per_query_head=True))
+    assert loss.item() == pytest.approx((sum(per_sample) / 3).item(), rel=1e-5)
+    loss.backward()
+    for n, p in mod.named_parameters():
+        assert torch.allclose(p.grad, grads[n], atol=1e-6), n
+
+
+def test_a_killed_data_stage_resumes_and_rebuilds_missing_samples(model_dir, tmp_path, stub_prompts):
+    out = tmp_path / "d"
+    write_data(out, model_dir)
+    train.main(argv(model_dir, out, "--stage", "data"))
+    files = sorted((out / "samples").glob("*.safetensors"))
+    assert len(files) == 4  # one per training row; held-out rows are evaluated from data.jsonl
+    before = load_file(str(files[0]))
+    files[0].unlink()  # as if the run died before writing it
+    train.main(argv(model_dir, out, "--stage", "data"))
+    after = load_file(str(files[0]))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    write_data(tmp_path / "e", model_dir)  # 4 samples of ~45 tokens: ~45 KB in bfloat16
+    with pytest.raises(SystemExit, match="over --store-gb"):
+        train.main(argv(model_dir, tmp_path / "e", "--store-gb", "0.00001"))
