@@ -299,12 +299,20 @@ def t_extract_list(rng, ctx):
         asks.append("List every question the author asks in the text, quoted exactly.")
     return asks and (ctx, rng.choice(asks))
 
+def about(name):
+    # "Cuban", "Southern", "Fascist" are mostly adjectives: "about Cuban" would not be English
+    if " " not in name and name.endswith(("an", "ese", "ish", "ern", "ist", "ic", "i")):
+        return f'What does the text say where it mentions "{name}"?'
+    return f"What does the text say about {name}?"
+
 def text_questions(ctx):
     """Questions about the real text (nothing planted), each answered by one sentence of its middle half:
     that sentence with its number blanked out, or what the text says about a name it mentions rarely."""
     sents, flat = sentences(ctx), " ".join(ctx.split())
     seen = Counter(n for s in sents for n in set(re.findall(NAME, s)))
     seen.update({n: 99 for n in seen if " " not in n and re.search(rf"\b{n.lower()}\b", ctx)})  # a word, not a name
+    blank = lambda s: re.sub(NUMBER, "___", s, count=1)
+    blanks = Counter(map(blank, sents))  # "March ___" must not fit "March 1" and "March 6" alike
     qs = []
     for s in sents[len(sents) // 4: 3 * len(sents) // 4]:
         words = s.split()
@@ -312,9 +320,9 @@ def text_questions(ctx):
             continue
         if sum(w[0].isupper() for w in words) > len(words) / 2:  # a Heading In Title Case names nothing
             continue
-        if m := re.search(NUMBER, s):
-            qs.append(f'According to the text, what number goes in the blank: "{s[:m.start()]}___{s[m.end():]}"?')
-        qs += [f"What does the text say about {n}?" for n in sorted(set(re.findall(NAME, s))) if seen[n] <= 3]
+        if "___" in blank(s) and blanks[blank(s)] == 1:
+            qs.append(f'According to the text, what number goes in the blank: "{blank(s)}"?')
+        qs += [about(n) for n in sorted(set(re.findall(NAME, s))) if seen[n] <= 3]
     return list(dict.fromkeys(qs))  # a name in two sentences is one question
 
 def t_ask_text(rng, ctx):
@@ -376,13 +384,11 @@ def sample_call(rng, name, params):
     (text, a count, a sequence), or None."""
     args = []
     for p in (p.strip() for p in params.split(",")):
+        if "*" in p:
+            return None  # *args, **kwargs or keyword-only ones: too open to guess a call
         p_name = p.split("=")[0].split(":")[0].strip()
-        if "*" in p or p_name in ("", "/"):
-            if "*" in p:
-                return None  # *args, **kwargs or keyword-only ones: too open to guess a call
-            continue
-        if "=" in p:
-            continue  # defaults stay as they are
+        if p_name in ("", "/") or "=" in p:
+            continue  # a trailing comma, the positional-only marker; defaults stay as they are
         values = next((v for names, v in SAMPLE_ARGS if p_name in names.split()), None)
         if values is None:
             return None
@@ -490,10 +496,10 @@ def training_row(tok, pools, task, rng, n_tokens, key):
 def make_training_prompts(tok, n, split="train", min_tokens=512, max_tokens=2048, seed=0, docs=None,
                           long_frac=0.1, long_max=4096):
     """n training prompts from one split's documents (docs: as from load_documents; loaded if None),
-    each min_tokens..max_tokens tokens long, or max_tokens..long_max for about long_frac of them.
-    "doc" is the document the context starts in; long contexts run on into others. Row i depends only
-    on (seed, i), the task mix and its own source's documents, so a speech's or essay's row is the same
-    on any Python while a stdlib row's id names the Python whose source it holds."""
+    each min_tokens..max_tokens tokens long (the whole prompt, as in row["tokens"]), or max_tokens..long_max
+    for about long_frac of them. "doc" is the document the context starts in; long contexts run on into
+    others. Row i depends only on (seed, i), the task mix and its own source's documents, so a speech's
+    or essay's row is the same on any Python while a stdlib row's id names the Python whose source it holds."""
     docs = split_documents(load_documents() if docs is None else docs, split)
     pools = {"text": [d for d in docs if d.source != "stdlib"], "code": [d for d in docs if d.source == "stdlib"]}
     mix = [t for t, (kind, w, _) in TASKS.items() if pools[kind] for _ in range(w)]

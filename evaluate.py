@@ -1,53 +1,99 @@
 """
-Evaluate KV-eviction methods against FullKV on long prompts: answer accuracy, fidelity to
-FullKV's own answer, attention recall@C against the oracle, and the time scoring takes.
+Evaluate KV-eviction methods against FullKV on long prompts, at several budgets C: how much the
+answer changes (answer KL, fidelity), whether it is still right (accuracy), how much of the
+true future attention the kept slots hold (recall@C), and what scoring costs.
 
-    python evaluate.py --methods full,streaming,snapkv,pyramidkv,h2o,laq,lookahead,oracle \\
-        --budgets 64,128,256 --lengths 1024,2048 --per-task 2 --untrained --plot runs/eval/plot.png
+The README's run: 24 RULER-style prompts at 2K tokens (6 tasks x 4), every method, C = 64..512
+(--threads 1 when other jobs share the CPU: a multi-threaded torch waits for busy cores at every op):
+
+    python evaluate.py --untrained --threads 1 --plot runs/eval/plot.png
+
     python evaluate.py --tasks my.jsonl --methods snapkv,lookahead --budgets 128   # your own prompts
     python evaluate.py --limit 3 ...        # the first 3 prompts only, for a quick look
 
-Tasks: --tasks (JSON lines {"id", "task", "prompt", "answers": [...]}; empty answers: only
-fidelity and recall are scored) or data.make_eval_suite (RULER-style, "eval" split texts).
-Per prompt, FullKV runs once: a prefill and a greedy answer. That answer is the "full" row, the
-reference for fidelity and, run on top of the prompt cache, the true future attention that
-recall is measured against (lookaheadkv.oracle_scores) and the oracle's source. Then, for each
-(method, budget): compress() (its own prefill), a greedy answer on the compact cache, metrics.
-Recall is measured on what eviction really kept (compress's stats["kept"]: the slots it
-gathered per layer), not on a method's scores, so it needs no knowledge of how one scores.
-The oracle keeps the exact top-C of the true scores (no pooling): its recall is the ceiling.
+Tasks: --tasks (JSON lines {"id", "task", "prompt", "answers": [...]}; empty answers: no
+accuracy, the other metrics still) or data.make_eval_suite (RULER-style, "eval" split texts).
+
+Per prompt, FullKV runs once: a prefill and a greedy answer `ref` (R tokens, the stop token
+kept). ref is the "full" row and the reference of every metric:
+  answer_kl  ref teacher-forced through the compressed cache and through the full one (one
+             forward of ref[:-1] each); the mean over the R answer positions of
+             KL(p_full || p_method) of the next-token distributions. 0 when nothing changed, and
+             smooth where accuracy jumps: what a user feels as "the answer changed".
+  accuracy   RULER string match of the method's own greedy answer; fidelity and exact: how much
+             of ref that answer reproduces.
+  recall     share of the true future attention (ref run on the full prompt cache,
+             lookaheadkv.oracle_scores) that the slots eviction really kept hold; the oracle
+             keeps the exact top C of those scores (no pooling): its recall is the ceiling.
 --untrained adds "lookahead-untrained", a module with the adapter's M / rank / targets and a
 fresh init (seeded): the trained adapter's gain over it is what training bought.
 
-Prints a tqdm bar, then a markdown table per metric (accuracy, fidelity, exact, recall,
-prefill_ms, score_ms). E.g. SmolLM2-135M-Instruct, the 6 suite tasks at ~1050 tokens, 2 busy
-CPU cores: 30 min, ~25 s per (prompt, method, budget), since every compress() prefills again:
+Cost: scores do not depend on C, so each method prefills and scores once per prompt and every
+budget is a top C of the same scores (lookaheadkv.prefill_and_score, then Scorer.evict). LAQ's
+scores do depend on C (its draft runs on the C-slot cache): it re-scores per budget, on the same
+prefill. Methods that do not watch the prefill (streaming, random, oracle) would prefill exactly
+as FullKV does: they reuse its prefill. A greedy answer starts decoding where the teacher-forced
+argmax first leaves ref (up to there greedy reproduces ref), so a method that keeps the answer
+costs one forward, not R. A budget C >= S evicts nothing: that row is FullKV's own.
 
-    $ python evaluate.py --methods full,streaming,snapkv,h2o,oracle --untrained \\
-          --budgets 64,128 --lengths 1024 --per-task 1 --max-new-tokens 32 --out runs/eval-check
+Prints a tqdm bar, then a markdown table per metric (accuracy, answer_kl, fidelity, exact,
+recall, prefill_ms, score_ms) and, per method, the smallest budget at which it reaches 90% of
+FullKV's accuracy. ILLUSTRATIVE until the README's run: ONE prompt (niah_single, 1050 tokens),
+54 s on 1 of 2 busy CPU cores, made by
+
+    $ python evaluate.py --limit 1 --lengths 1024 --methods full,streaming,snapkv,laq,lookahead,oracle \\
+          --untrained --threads 1 --out runs/eval-smoke --plot runs/eval-smoke/plot.png
     ...
-    ### recall: attention recall@C against the true future attention (6 samples)
+    ### answer_kl: mean KL(FullKV || method) of the next-token distributions along FullKV's answer, teacher-forced, nats (1 samples)
 
-    | method | C=64 | C=128 |
-    |---|---|---|
-    | full | 1.000 | 1.000 |
-    | streaming | 0.635 | 0.673 |
-    | snapkv | 0.735 | 0.824 |
-    | h2o | 0.720 | 0.800 |
-    | oracle | 0.839 | 0.891 |
-    | lookahead-untrained | 0.742 | 0.815 |
+    | method | C=64 | C=128 | C=256 | C=512 |
+    |---|---|---|---|---|
+    | full | 0.0000 | 0.0000 | 0.0000 | 0.0000 |
+    | streaming | 0.0473 | 0.0174 | 0.0096 | 0.0053 |
+    | snapkv | 0.8707 | 0.7648 | 0.4260 | 0.0061 |
+    | laq | 0.8982 | 0.7535 | 0.5891 | 0.1098 |
+    | lookahead | 0.3477 | 0.2029 | 0.0763 | 0.0036 |
+    | oracle | 0.0128 | 0.0027 | 0.0005 | 0.0001 |
+    | lookahead-untrained | 0.7981 | 0.2902 | 0.2140 | 0.0017 |
     ...
+    ### recall: attention recall@C against the true future attention (1 samples)
 
-and writes OUT/results.md (these tables, plus accuracy per task) and OUT/results.json (one
-entry per (sample, method, budget)). Rerunning the same command skips every entry already in
-results.json, so a killed run continues where it stopped; new methods or budgets are added.
+    | method | C=64 | C=128 | C=256 | C=512 |
+    |---|---|---|---|---|
+    | full | 1.000 | 1.000 | 1.000 | 1.000 |
+    | streaming | 0.642 | 0.689 | 0.732 | 0.801 |
+    | snapkv | 0.743 | 0.837 | 0.898 | 0.954 |
+    | laq | 0.740 | 0.838 | 0.901 | 0.956 |
+    | lookahead | 0.763 | 0.839 | 0.901 | 0.956 |
+    | oracle | 0.851 | 0.899 | 0.943 | 0.978 |
+    | lookahead-untrained | 0.745 | 0.826 | 0.891 | 0.953 |
+    ...
+    ### the smallest budget at which each method reaches 90% of FullKV's accuracy (1.000; '-': not within these budgets)
+
+    | method | C reaching 90% of FullKV |
+    |---|---|
+    | streaming | 64 |
+    | snapkv | 512 |
+    | laq | 512 |
+    | lookahead | 64 |
+    | oracle | 64 |
+    | lookahead-untrained | 512 |
+
+(one prompt: accuracy is 0 or 1 per cell, e.g. lookahead is right at C=64 and wrong at 128; the
+README's 24 prompts are what to read). It also writes OUT/results.md (these tables, plus
+accuracy per task) and OUT/results.json (one entry per (sample, method, budget)). Rerunning the
+same command skips every entry already in results.json, so a killed run continues where it
+stopped; new methods or budgets are added (entries without answer_kl, from an older
+evaluate.py, are run again).
 """
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,22 +101,26 @@ from tqdm import tqdm
 
 import data
 from generate import resolve_model
-from lookaheadkv import (METHODS, EvictConfig, LookaheadModule, compress, decode, default_adapter_path, make_scorer,
-                         oracle_scores, recall_of_kept)
+from lookaheadkv import (METHODS, EvictConfig, LookaheadModule, Prefilled, Stopwatch, decode, default_adapter_path,
+                         make_scorer, oracle_scores, prefill_and_score, recall_of_kept)
 from model import Tokenizer, load_model
 
 UNTRAINED = "lookahead-untrained"
 METRICS = {  # name -> (title, format)
     "accuracy": ("accuracy: share of the expected answers found in the output (RULER string match)", "{:.3f}"),
+    "answer_kl": ("answer_kl: mean KL(FullKV || method) of the next-token distributions along FullKV's answer, "
+                  "teacher-forced, nats", "{:.4f}"),
     "fidelity": ("fidelity: share of FullKV's greedy tokens reproduced before the first divergence", "{:.3f}"),
     "exact": ("exact: rate of answers identical to FullKV's", "{:.3f}"),
     "recall": ("recall: attention recall@C against the true future attention", "{:.3f}"),
     # hook-based scorers (snapkv, h2o, laq, one-pass lookahead) do part of their work inside the
     # prefill, so compare prefill_ms + score_ms with full's prefill (bench.py measures this properly)
-    "prefill_ms": ("prefill_ms: the prefill, with whatever scoring runs inside it, ms", "{:.0f}"),
+    "prefill_ms": ("prefill_ms: the prefill, with whatever scoring runs inside it, ms (once per method, all budgets)",
+                   "{:.0f}"),
     "score_ms": ("score_ms: scoring + eviction after the prefill, ms (oracle: + the full-cache answer it needs)",
                  "{:.1f}"),
 }
+REACH = 0.9  # "reaches FullKV": the smallest budget with at least this share of FullKV's accuracy
 
 # -----------------------------------------------------------------------------
 # Metrics
@@ -86,9 +136,26 @@ def fidelity(pred, ref):
     return n / max(len(ref), 1), list(pred) == list(ref)
 
 
+def answer_kl(logp_full, logp):
+    """Mean over the answer positions of KL(p_full || p), from log-probs (R, V) in float32.
+    Clamped at 0 per position: identical distributions can round to -1e-9."""
+    kl = (logp_full.exp() * (logp_full - logp)).sum(-1)  # (R,)
+    return kl.clamp(min=0).mean().item()
+
+
 def mean_of(results, metric, method, budget):
     v = [r[metric] for r in results if r["method"] == method and r["budget"] == budget and r.get(metric) is not None]
     return sum(v) / len(v) if v else None
+
+
+def first_budget_reaching(results, method, budgets, share=REACH):
+    """The smallest budget at which `method`'s mean accuracy is at least `share` of FullKV's at the
+    same budget, or None (never, or FullKV itself scores 0: then every method would "reach" it)."""
+    for b in sorted(budgets):
+        full, acc = mean_of(results, "accuracy", "full", b), mean_of(results, "accuracy", method, b)
+        if full and acc is not None and acc >= share * full:
+            return b
+    return None
 
 
 def table(results, metric, methods, budgets):
@@ -101,9 +168,24 @@ def table(results, metric, methods, budgets):
     return "\n".join(lines)
 
 
+def reach_table(results, methods, budgets):
+    """Markdown: per method, the first budget reaching REACH of FullKV's accuracy ("-": never)."""
+    lines = [f"| method | C reaching {REACH:.0%} of FullKV |", "|---|---|"]
+    for m in methods:
+        if m != "full":
+            b = first_budget_reaching(results, m, budgets)
+            lines.append(f"| {m} | {'-' if b is None else b} |")
+    return "\n".join(lines)
+
+
 def report(results, methods, budgets, per_task=False):
     n = len({r["id"] for r in results})
     parts = [f"### {METRICS[m][0]} ({n} samples)\n\n{table(results, m, methods, budgets)}\n" for m in METRICS]
+    full = [r["accuracy"] for r in results if r["method"] == "full" and r.get("accuracy") is not None]
+    if full:  # only prompts with expected answers have an accuracy
+        parts.append(f"### the smallest budget at which each method reaches {REACH:.0%} of FullKV's accuracy "
+                     f"({sum(full) / len(full):.3f}; '-': not within these budgets)\n\n"
+                     f"{reach_table(results, methods, budgets)}\n")
     for task in sorted({r["task"] for r in results}) if per_task else []:
         rows = [r for r in results if r["task"] == task]
         parts.append(f"### accuracy, task {task} ({len({r['id'] for r in rows})} samples)\n\n"
@@ -112,17 +194,22 @@ def report(results, methods, budgets, per_task=False):
 
 
 def plot(results, methods, budgets, path):
+    """Recall, answer KL (log axis) and accuracy against the budget, one line per method."""
     plt = need_matplotlib()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, metric in zip(axes, ("accuracy", "recall")):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, metric in zip(axes, ("recall", "answer_kl", "accuracy")):
         for m in methods:
             ys = [mean_of(results, metric, m, b) for b in budgets]
+            if metric == "answer_kl":  # FullKV's 0 (and any budget >= S) has no place on a log axis
+                ys = [y if y is not None and y > 0 else None for y in ys]
             ax.plot(budgets, [float("nan") if y is None else y for y in ys], marker="o", label=m,
                     linestyle="--" if m in ("full", "oracle") else "-")  # the references dashed
         ax.set_xscale("log", base=2)
+        if metric == "answer_kl":
+            ax.set_yscale("log")
         ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.set_xlabel("budget C (KV slots per layer and KV head)")
-        ax.set_ylabel(metric)
+        ax.set_ylabel(metric + (" (nats, log)" if metric == "answer_kl" else ""))
         ax.grid(alpha=0.3)
     fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(methods), fontsize=8)
     fig.tight_layout(rect=(0, 0.08, 1, 1))  # room for the legend below the plots
@@ -140,7 +227,7 @@ def need_matplotlib():
     return plt
 
 # -----------------------------------------------------------------------------
-# One prompt, every (method, budget)
+# Answers on a cache: greedy, and FullKV's answer teacher-forced
 
 
 def greedy(model, cache, logits, pos, max_new_tokens, stop_ids):
@@ -152,6 +239,61 @@ def greedy(model, cache, logits, pos, max_new_tokens, stop_ids):
     return out
 
 
+def forced_logprobs(model, cache, logits, response, next_pos):
+    """(R, V) float32 log-probs of the next token at each of the R answer positions, with the answer
+    `response` (1, R) teacher-forced on a copy of `cache`. Position 0 is the prompt's own first-token
+    logits (1, V); positions 1..R-1 come from ONE forward of response[:, :-1]."""
+    rows, R = [logits[:, None]], response.shape[1]  # (1, 1, V)
+    if R > 1:
+        positions = next_pos[:, None] + torch.arange(R - 1, device=response.device)  # next_pos .. next_pos+R-2
+        rows.append(model(response[:, :-1], positions=positions, cache=cache.copy(), logits_at=None))  # (1, R-1, V)
+    return torch.cat(rows, dim=1)[0].float().log_softmax(-1)
+
+
+def answer(model, cache, logp, ref, next_pos, max_new_tokens, stop_ids):
+    """The greedy answer on `cache`, given logp (R, V): ref teacher-forced on it. Up to the first
+    position d where logp's argmax leaves ref, greedy decoding would produce ref's own tokens (up
+    to rounding: one forward instead of one per token), so decoding starts there: ref[:d] goes
+    into a copy of the cache in one forward, and greedy continues from logp[d]."""
+    d = next((i for i, (a, b) in enumerate(zip(logp.argmax(-1).tolist(), ref)) if a != b), None)
+    if d is None:  # greedy reproduces ref, its stop token (or length cap) included
+        return list(ref)
+    cache = cache.copy()
+    if d:
+        prefix = torch.tensor([ref[:d]], device=next_pos.device)
+        model(prefix, positions=next_pos[:, None] + torch.arange(d, device=next_pos.device), cache=cache, logits_at=-1)
+    return ref[:d] + greedy(model, cache, logp[d][None], next_pos + d, max_new_tokens - d, stop_ids)
+
+# -----------------------------------------------------------------------------
+# One prompt, every (method, budget)
+
+
+@dataclass
+class Reference:
+    """FullKV on one prompt: what every method is measured against."""
+
+    run: Prefilled  # the full prompt cache (S slots), the first-token logits, positions
+    ref: list  # FullKV's greedy answer ids (R), the stop token kept
+    response: torch.Tensor  # the same, (1, R)
+    logp: torch.Tensor  # (R, V) float32: ref teacher-forced on the full cache (computed once per prompt)
+    true: dict  # layer -> (1, H_kv, S): the answer's mean attention over the prompt, recall's truth
+    prefill_ms: float
+    answer_ms: float  # prefill + greedy answer: what the oracle needs before it can score
+
+
+def reference(model, ids, max_new_tokens, stop_ids):
+    """FullKV on the prompt ids (1, S): prefill, greedy answer, its true attention and its log-probs."""
+    t0 = time.perf_counter()
+    _, run, clock = prefill_and_score(model, ids, EvictConfig("full"))
+    # decoding appends to the cache it is given: hand out copies, run.cache stays the prompt's alone
+    ref = greedy(model, run.cache.copy(), run.logits, run.next_pos, max_new_tokens, stop_ids)
+    answer_ms = (time.perf_counter() - t0) * 1e3
+    response = torch.tensor([ref], device=ids.device)
+    true = oracle_scores(model, run.cache.copy(), response, run.next_pos)
+    logp = forced_logprobs(model, run.cache, run.logits, response, run.next_pos)
+    return Reference(run, ref, response, logp, true, clock.ms(0, 1), answer_ms)
+
+
 def eviction_config(method, budget, args):
     """The EvictConfig of a row: lookahead-untrained runs as lookahead; pooling None = the method's own
     (lookaheadkv's scorers: avg 5 for attention scores, the adapter's for lookahead, none for the oracle)."""
@@ -159,37 +301,78 @@ def eviction_config(method, budget, args):
     return EvictConfig(name, budget, window=args.window, pool=args.pool, kernel=args.kernel)
 
 
+def prefill_once(model, ids, scorer, eviction, module, full):
+    """The method's prefill and scores, shared by every budget: (run, prefill_ms, score_ms)."""
+    if scorer.prefill_hook(ids.shape[1]) is None and scorer.extra_rows() is None:
+        # nothing watches the prefill (streaming, random, oracle): it would be FullKV's own, so reuse it
+        run = dataclasses.replace(full.run, cache=full.run.cache.copy())
+        clock = Stopwatch(ids.device)
+        clock.mark()
+        run.scores = scorer.score(model, run)
+        clock.mark()
+        return run, full.prefill_ms, clock.ms(0, 1)
+    _, run, clock = prefill_and_score(model, ids, eviction, module=module, response=full.response)
+    clock.mark()  # prefill_and_score marked the prefill's start and end; this marks the scoring's end
+    return run, clock.ms(0, 1), clock.ms(1, 2)
+
+
+def compact_caches(model, ids, method, budgets, full, modules, args):
+    """For each budget C in `budgets` (all < S), the prompt cache evicted to C slots per (layer, KV
+    head), from ONE prefill and one scoring. Yields (C, run, cache, kept, prefill_ms, score_ms): run
+    the method's prefill (first-token logits, positions), kept the slots kept per layer (B, H_kv, C_l),
+    score_ms scoring + this budget's eviction, as compress() reports it."""
+    module = modules.get(method)  # lookahead, trained or not
+    eviction = eviction_config(method, min(budgets), args)  # the smallest: it evicts if any budget does
+    scorer = make_scorer(eviction, module, full.response)
+    run, prefill_ms, score_ms = prefill_once(model, ids, scorer, eviction, module, full)
+    for C in budgets:
+        clock = Stopwatch(ids.device)
+        clock.mark()
+        scorer_c = make_scorer(dataclasses.replace(eviction, budget=C), module, full.response)
+        scores, rescore = run.scores, scorer.budget_dependent and C != eviction.budget
+        if rescore:  # LAQ: its draft runs on the C-slot cache, so each C scores anew (on the same prefill)
+            scores = scorer_c.score(model, run)
+        kept = scorer_c.evict(scores, run.positions, run.valid)
+        cache = run.cache.copy()  # shallow: gather replaces its list entries, run.cache stays whole
+        for l, idx in enumerate(kept):
+            cache.gather(l, idx)
+        clock.mark()
+        yield C, run, cache, kept, prefill_ms, (0.0 if rescore else score_ms) + clock.ms(0, 1)
+
+
 @torch.no_grad()
-def run_sample(model, tok, row, ids, todo, modules, args):
-    """One result dict per (method, budget) in todo, for one prompt (ids: its token ids)."""
-    dev = model.lm_head.weight.device
-    ids = torch.tensor([ids], device=dev)  # (1, S)
-    t0 = time.perf_counter()
-    cache, logits, pos, st = compress(model, ids, EvictConfig("full"))
-    full_prefill_ms = st["prefill_ms"]
-    prompt_cache = cache.copy()  # decoding appends to `cache`; the oracle's pass needs the prompt's alone
-    ref = greedy(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids)
-    full_ms = (time.perf_counter() - t0) * 1e3
-    response = torch.tensor([ref], device=dev)  # (1, R)
-    true = oracle_scores(model, prompt_cache, response, pos)  # {layer: (1, H_kv, S)}, the future's attention
-    results = []
-    for method, budget in todo:
-        if method == "full":
-            out, recall, score_ms, prefill_ms = ref, 1.0, 0.0, full_prefill_ms
-        else:
-            module = modules.get(method)  # lookahead, trained or not (scored with its adapter's pooling)
-            cache, logits, pos, st = compress(model, ids, eviction_config(method, budget, args), module=module,
-                                              response=response)
-            recall = 1.0 if st["kept"] is None else recall_of_kept(st["kept"], true)  # None: S <= C, all kept
-            out = greedy(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids)
-            score_ms = st["score_ms"] + (full_ms if method == "oracle" else 0.0)
-            prefill_ms = st["prefill_ms"]
-        prefix, exact = fidelity(out, ref)
+def run_sample(model, tok, row, ids, todo, modules, args, progress=None):
+    """One result dict per (method, budget) in todo, for one prompt (ids: its token ids).
+    progress(n) is called as each method's n rows are done."""
+    ids = torch.tensor([ids], device=model.lm_head.weight.device)  # (1, S)
+    full = reference(model, ids, args.max_new_tokens, tok.stop_ids)
+
+    def result(method, budget, out, kl, recall, score_ms, prefill_ms):
+        prefix, exact = fidelity(out, full.ref)
         text = tok.decode([i for i in out if i not in tok.stop_ids])
-        results.append(dict(id=row["id"], task=row["task"], method=method, budget=budget, prompt_tokens=ids.shape[1],
-                            accuracy=data.is_correct(text, row["answers"]) if row["answers"] else None,
-                            fidelity=prefix, exact=exact, recall=recall, score_ms=round(score_ms, 2),
-                            prefill_ms=round(prefill_ms, 2), output=text))
+        return dict(id=row["id"], task=row["task"], method=method, budget=budget, prompt_tokens=ids.shape[1],
+                    accuracy=data.is_correct(text, row["answers"]) if row["answers"] else None, answer_kl=kl,
+                    fidelity=prefix, exact=exact, recall=recall, score_ms=round(score_ms, 2),
+                    prefill_ms=round(prefill_ms, 2), output=text)
+
+    results = []
+    for method in dict.fromkeys(m for m, _ in todo):  # methods in order, each with its budgets left to do
+        budgets = [b for m, b in todo if m == method]
+        # FullKV, and a budget that holds the whole prompt (nothing evicted: compress would prefill
+        # exactly as FullKV does and keep every slot): the row is FullKV's own
+        rows = {b: result(method, b, full.ref, 0.0, 1.0, 0.0, full.prefill_ms)
+                for b in budgets if method == "full" or b >= ids.shape[1]}
+        evicting = [b for b in budgets if b not in rows]
+        for C, run, cache, kept, prefill_ms, score_ms in (
+                compact_caches(model, ids, method, evicting, full, modules, args) if evicting else []):
+            logp = forced_logprobs(model, cache, run.logits, full.response, run.next_pos)
+            out = answer(model, cache, logp, full.ref, run.next_pos, args.max_new_tokens, tok.stop_ids)
+            score_ms += full.answer_ms if method == "oracle" else 0.0
+            rows[C] = result(method, C, out, answer_kl(full.logp, logp), recall_of_kept(kept, full.true),
+                             score_ms, prefill_ms)
+        results += [rows[b] for b in budgets]
+        if progress:
+            progress(len(budgets))
     return results
 
 # -----------------------------------------------------------------------------
@@ -199,16 +382,17 @@ def run_sample(model, tok, row, ids, todo, modules, args):
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--methods", default="full,streaming,snapkv,pyramidkv,h2o,laq,lookahead,oracle",
+    a("--methods", default=",".join(METHODS),
       help=f"comma-separated, from {', '.join(METHODS)}, {UNTRAINED} (full always runs: it is the reference)")
-    a("--budgets", default="64,128,256", help="comma-separated budgets C (KV slots kept per layer and KV head)")
+    a("--budgets", default="64,128,256,512", help="comma-separated budgets C (KV slots kept per layer and KV head)")
     a("--tasks", default=None, help='JSON lines {"id", "task", "prompt", "answers"} (default: the built-in suite)')
-    a("--lengths", default="1024,2048", help="built-in suite: prompt lengths in tokens")
-    a("--per-task", type=int, default=2, help="built-in suite: prompts per (task, length)")
+    a("--lengths", default="2048", help="built-in suite: prompt lengths in tokens, comma-separated")
+    a("--per-task", type=int, default=4, help="built-in suite: prompts per (task, length)")
     a("--limit", type=int, default=None, help="evaluate only the first N prompts")
     a("--max-new-tokens", type=int, default=64, help="length cap of every answer")
     a("--out", default="runs/eval", help="folder for results.json and results.md")
-    a("--plot", default=None, help="save accuracy and recall against budget to this image (needs matplotlib)")
+    a("--plot", default=None,
+      help="save recall, answer KL and accuracy against budget to this image (needs matplotlib)")
     a("--adapter", default=None, help="lookahead adapter .safetensors (default: the one shipped for the model)")
     a("--untrained", action="store_true", help=f"add {UNTRAINED}: same M/rank/targets, fresh seeded init, LoRA B = 0")
     a("--window", type=int, default=32, help="snapkv/pyramidkv/h2o/laq: last prompt tokens always kept")
@@ -220,6 +404,8 @@ def get_args(argv=None):
       help="wrap prompts in the chat template (default: when the tokenizer has one)")
     a("--model", default=None, help="an HF folder (default: weights/SmolLM2-135M-Instruct, prepared if missing)")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a("--threads", type=int, default=None,
+      help="CPU threads for torch (default: torch's own); 1 is much faster when other jobs share the cores")
     a("--seed", type=int, default=0, help="built-in suite and the untrained module's init")
     return p.parse_args(argv)
 
@@ -282,6 +468,8 @@ def evaluate(args):
     if args.plot:
         need_matplotlib()  # fail now, not after the whole run
 
+    if args.threads:  # a thread that waits for a busy core stalls every op, the small ones of decoding most
+        torch.set_num_threads(args.threads)
     args.model = str(resolve_model(args.model))  # weights/SmolLM2-135M-Instruct by default
     model = load_model(args.model, args.device)
     tok = Tokenizer(args.model, model.config)
@@ -323,6 +511,10 @@ def evaluate(args):
             was = ", ".join(f"{k} {saved['settings'][k]} (now {settings[k]})" for k in clash)
             raise ValueError(f"{path} was made with other settings: {was}; use another --out")
     saved["settings"] = {**saved["settings"], **settings}
+    stale = [r for r in saved["results"] if "answer_kl" not in r]  # made before answer_kl existed: redo them
+    if stale:
+        print(f"{path}: {len(stale)} entries lack answer_kl (an older evaluate.py): dropped, this run redoes its own")
+        saved["results"] = [r for r in saved["results"] if "answer_kl" in r]
     done = {(r["id"], r["method"], r["budget"]) for r in saved["results"]}
     work = [(row, ids, [(m, b) for m in methods for b in budgets if (row["id"], m, b) not in done])
             for row, ids in zip(rows, prompts)]
@@ -331,9 +523,8 @@ def evaluate(args):
     bar = tqdm(total=sum(len(todo) for _, _, todo in work), desc="evaluating", unit="run")
     for row, ids, todo in work:
         bar.set_postfix_str(f"{row['id']} ({len(ids)} tokens)")
-        saved["results"] += run_sample(model, tok, row, ids, todo, modules, args)
+        saved["results"] += run_sample(model, tok, row, ids, todo, modules, args, progress=bar.update)
         save_json(saved, path)  # after every prompt: a killed run loses one prompt at most
-        bar.update(len(todo))
     bar.close()
 
     wanted = {(r["id"], m, b) for r in rows for m in methods for b in budgets}

@@ -162,7 +162,8 @@ def build_dataset(model, tok, args, out, rank=0):
         done = {r["id"] for r in rows}
         for split, n in (("train", args.n_train), ("heldout", args.n_heldout)):
             prompts = data.make_training_prompts(tok, n, split=split, min_tokens=args.min_tokens,
-                                                 max_tokens=args.max_tokens, seed=args.seed)
+                                                 max_tokens=args.max_tokens, long_frac=args.long_frac,
+                                                 long_max=args.long_max, seed=args.seed)
             todo += [dict(p, split=split) for p in prompts if p["id"] not in done]
     store = getattr(torch, args.store_dtype)
     missing = [r for r in rows if r["split"] == "train" and not sample_path(out, r["id"]).exists()]
@@ -178,7 +179,13 @@ def build_dataset(model, tok, args, out, rank=0):
         cache, gt, _ = ground_truth(model, r)
         save_sample(sample_path(out, r["id"]), dict(k=torch.cat([k for k in cache.k]), v=torch.cat(cache.v),
                                                     target=torch.cat([gt[l] for l in range(len(gt))])), store)
-    todo.sort(key=lambda p: len(p["prompt_ids"]))  # similar lengths batch with little padding
+    # held-out rows first (an early eval), then blocks of 8 batches in a seeded random order, sorted
+    # by length inside a block: little padding, and a run stopped early leaves a random subset
+    random.Random(args.seed).shuffle(todo)
+    todo.sort(key=lambda p: p["split"] != "heldout")
+    block = 8 * args.gen_batch
+    todo = [p for i in range(0, len(todo), block)
+            for p in sorted(todo[i:i + block], key=lambda p: len(p["prompt_ids"]))]
     bar = tqdm(total=len(todo), desc="answering prompts", disable=not todo)
     for i in range(0, len(todo), args.gen_batch):
         batch = todo[i:i + args.gen_batch]
@@ -328,6 +335,8 @@ def get_args(argv=None):
     a("--n-heldout", type=int, default=32, help="held-out prompts (other documents) for the eval")
     a("--min-tokens", type=int, default=512)
     a("--max-tokens", type=int, default=2048)
+    a("--long-frac", type=float, default=0.1, help="fraction of prompts longer than --max-tokens, up to --long-max")
+    a("--long-max", type=int, default=4096)
     a("--max-new-tokens", type=int, default=256, help="length cap of the base model's answers (paper: 512)")
     a("--gen-batch", type=int, default=None, help="prompts answered together (default 32 on CUDA, 8 on CPU)")
     a("--store-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
@@ -447,7 +456,8 @@ def adapter_metadata(args, n_train, n_held, step, total, stopped_early, log, ini
     """What the shipped .json says about how the adapter was made."""
     info = dict(train_data=dict(sources=list(data.SOURCES), n_train=n_train, n_heldout=n_held,
                                 min_tokens=args.min_tokens, max_tokens=args.max_tokens,
-                                max_new_tokens=args.max_new_tokens),
+                                max_new_tokens=args.max_new_tokens, long_frac=args.long_frac,
+                                long_max=args.long_max, python=data.PYTHON),
                 steps=step, planned_steps=total, stopped_early=stopped_early, batch=args.batch, lr=args.lr,
                 epochs=args.epochs, heldout=log[-1] if log else None, untrained=log[0] if log else None)
     if init_info:  # step 0 was the init adapter, not an untrained module: keep the init's own reference

@@ -1,6 +1,6 @@
 """Tests for data.py: offline, on small synthetic documents and a word-level stand-in tokenizer.
 One test uses the real sources and skips when they cannot be downloaded."""
-import random, re
+import random, re, sys
 from collections import Counter
 from pathlib import Path
 
@@ -106,25 +106,164 @@ def test_plant_keeps_order_and_text():
 
 
 def test_training_prompts(docs, tok):
-    rows = data.make_training_prompts(tok, 60, docs=docs, min_tokens=300, max_tokens=600, seed=3)
-    assert len({r["id"] for r in rows}) == 60
-    assert rows == data.make_training_prompts(tok, 60, docs=docs, min_tokens=300, max_tokens=600, seed=3)
-    assert rows != data.make_training_prompts(tok, 60, docs=docs, min_tokens=300, max_tokens=600, seed=4)
+    make = lambda n=100, seed=3, **kw: data.make_training_prompts(tok, n, docs=docs, min_tokens=300, max_tokens=600,
+                                                                  long_max=1200, seed=seed, **kw)
+    rows = make()
+    assert len({r["id"] for r in rows}) == 100
+    assert rows == make() and rows != make(seed=4)
     # asking for fewer gives a prefix (train.py resumes by id)
-    assert rows[:25] == data.make_training_prompts(tok, 25, docs=docs, min_tokens=300, max_tokens=600, seed=3)
+    assert rows[:25] == make(25)
     train = {marker_of(d) for d in data.split_documents(docs, "train")}
     for r in rows:
-        assert set(r) == {"id", "source", "doc", "task", "prompt"}
-        n = len(tok.encode(r["prompt"]))
-        assert 0.97 * 300 <= n <= 600 + 150, (r["id"], n)  # trimmed to a sentence end, plus the instruction
+        stdlib = r["source"] == "stdlib"
+        assert set(r) == {"id", "source", "doc", "task", "prompt", "tokens"} | ({"python"} if stdlib else set())
+        assert r["tokens"] == len(tok.encode(r["prompt"]))
         assert markers(r["prompt"]) <= train, r["id"]  # train documents only
-        assert (r["source"] == "stdlib") == (data.TASKS[r["task"]][0] == "code")
-    # fixed proportions: each block of 20 prompts holds each task its weight's worth of times,
-    # but a context that does not suit a task falls back to summary (text) or list_defs (code)
+        assert stdlib == (data.TASKS[r["task"]][0] == "code")
+        assert r["id"].startswith(f"stdlib-{data.PYTHON}/" if stdlib else f"{r['source']}/")
+    # lengths count the whole prompt: most within [min, max], a tenth (long_frac) above, none above long_max
+    n = [r["tokens"] for r in rows]
+    assert sum(300 <= x <= 600 for x in n) >= 80 and 7 <= sum(x > 600 for x in n) <= 11, sorted(n)
+    assert min(n) >= 0.85 * 300 and max(n) <= 1200
+    assert max(r["tokens"] for r in make(40, long_frac=0)) <= 600
+    # each block of 36 prompts holds each task its weight's worth of times; a context that does not suit
+    # a task gets another of its kind, so only the tasks that always fit are sure to keep their count
     counts = Counter(r["task"] for r in rows)
-    for task, (_, weight, build) in data.TASKS.items():
-        assert counts[task] >= 3 * weight if build is None else 0 < counts[task] <= 3 * weight
-    assert counts["facts"] == 9 and counts["kv"] == 6 and counts["vars"] == 3  # planting always works
+    for task in ("facts", "kv", "vars", "summary"):
+        assert counts[task] >= 2 * data.TASKS[task][1], counts
+    assert max(counts.values()) <= 0.12 * len(rows), counts  # no task dominates
+    # the instruction follows the context (72%), precedes it (18%) or both (10%: a reminder)
+    first = [r["prompt"].split("\n\n", 1)[0] for r in rows]
+    after = sum(bool(markers(f)) or f.startswith("# file:") for f in first)
+    reminded = sum(any(f"\n\n{x}" in r["prompt"] for x in data.REMINDERS) for r in rows)
+    assert 60 <= after <= 85 and 3 <= reminded <= 20, (after, reminded)
+
+
+def test_stdlib_rows_carry_the_python_version(docs, tok, monkeypatch):
+    kw = dict(min_tokens=300, max_tokens=600, long_max=900, seed=5)
+    here = data.make_training_prompts(tok, 60, docs=docs, **kw)
+    # on another Python the stdlib has other files and other text
+    monkeypatch.setattr(data, "PYTHON", "3.99")
+    other = [d._replace(text=d.text.replace("step", "stage")) for d in docs["stdlib"][:-5]]
+    there = data.make_training_prompts(tok, 60, docs=dict(docs, stdlib=other), **kw)
+    prose = lambda rows: [r for r in rows if r["source"] != "stdlib"]
+    code = lambda rows: [r for r in rows if r["source"] == "stdlib"]
+    assert prose(here) == prose(there) and len(prose(here)) > 30  # speeches and essays: the same rows
+    assert len(code(here)) == len(code(there)) > 10
+    assert {r["python"] for r in code(here)} == {"%d.%d" % sys.version_info[:2]}
+    assert all(r["id"].startswith("stdlib-3.99/") and r["python"] == "3.99" for r in code(there))
+    assert not {r["id"] for r in code(here)} & {r["id"] for r in code(there)}  # never the same id, other text
+
+
+def test_describe_prompts():
+    rows = [dict(task="a", source="sotu", tokens=n) for n in (100, 512, 513, 2048, 2049, 5000)]
+    d = data.describe_prompts(rows + [dict(task="b", source="stdlib", prompt="x")])
+    assert d == {"rows": 7, "task": {"a": 6, "b": 1}, "source": {"sotu": 6, "stdlib": 1},
+                 "tokens": {"<=512": 2, "513-1024": 1, "1025-2048": 1, "2049-4096": 1, ">4096": 1, "?": 1}}
+    assert list(d["tokens"]) == ["<=512", "513-1024", "1025-2048", "2049-4096", ">4096", "?"]
+
+
+def prose(n=40):
+    """Hand-made text with names, numbers, dates and questions all through it, and one rare name in the middle."""
+    people = ["Maria Okafor", "Tomas Lindqvist", "Aiko Brandt", "Kwame Osei"]
+    out = []
+    for i in range(n):
+        out.append(f"In {1900 + i} the council of {data.CITIES[i % 12]} met with {people[i % 4]} and counted "
+                   f"{i * 7 + 3} new members that year.")
+        out += [f"Why did the council wait until March {i + 1}?"] if i % 5 == 0 else []
+        out += ["Later the old bridge was repaired by an engineer called Lena Marsh."] if i == n // 2 else []
+        out += ["Give the Programmer as Much Control as Possible Today."] if i == n // 2 + 1 else []
+    return " ".join(out)
+
+
+PLAIN = " ".join(["The river ran slowly past the old mill and the fields were quiet."] * 60)
+
+CODE = '''# file: shapes.py
+
+LIMIT = 10
+
+
+class Box:
+    """A square box."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def area(self):
+        return self.size * self.size
+
+
+def clamp(n, limit=LIMIT):
+    """n, or limit if n is larger."""
+    if n > limit:
+        return limit
+    return n
+
+
+def shout(text):
+    return text.upper() + "!"
+
+
+def walk(*paths):
+    return [p for p in paths]
+'''
+
+
+def test_text_tasks_on_the_text_as_it_is():
+    text = prose()
+    for task in (data.t_table, data.t_extract_list, data.t_ask_text):
+        out = task(random.Random(0), text)
+        assert out and out[0] == text and out[1].strip(), task  # nothing planted: the context is the text
+        assert not task(random.Random(0), PLAIN), task  # no names, numbers, dates or questions
+    tables = {data.t_table(random.Random(i), text)[1] for i in range(30)}
+    assert len(tables) == 3 and all(t.startswith("Make a") and "table" in t for t in tables)
+    lists = {data.t_extract_list(random.Random(i), text)[1] for i in range(30)}
+    assert len(lists) == 3 and any("every date" in x for x in lists) and any("every question" in x for x in lists)
+    only_questions = PLAIN + " Why is the mill so quiet? Who built it?"
+    assert data.t_extract_list(random.Random(0), only_questions)[1] == ("List every question the author asks "
+                                                                       "in the text, quoted exactly.")
+    qs = data.text_questions(text)
+    assert "What does the text say about Lena Marsh?" in qs  # mentioned once, in the middle
+    assert data.about("Cuban") == 'What does the text say where it mentions "Cuban"?'  # an adjective, mostly
+    assert "What does the text say about Maria Okafor?" not in qs  # in ten sentences: too many for one answer
+    assert not any("Possible" in q or "Programmer" in q for q in qs)  # a Heading In Title Case names nothing
+    for q in qs:
+        if "___" in q:  # the blanked sentence, with its number back, is in the text once
+            left, right = re.search(r'blank: "(.*)___(.*)"\?$', q).groups()
+            assert len(re.findall(re.escape(left) + r"\d+" + re.escape(right), text)) == 1, q
+    asks = [data.t_ask_text(random.Random(i), text)[1] for i in range(40)]
+    several = [a for a in asks if a.startswith("Answer these questions from the text:\n1. ")]
+    assert several and len(several) < len(asks)  # one question, or several facts at once
+    assert any(a.endswith("Answer in one sentence.") for a in asks) and any("in detail" in a for a in asks)
+
+
+def test_code_tasks():
+    rng = random.Random(0)
+    assert data.t_explain_class(rng, CODE)[1].count("`Box`") == 1 and not data.t_explain_class(rng, PLAIN)
+    assert "table" in data.t_code_table(rng, CODE)[1] and not data.t_code_table(rng, CODE.split("class Box")[0])
+    calls = {re.search(r"`(.*)`", data.t_predict_output(random.Random(i), CODE)[1]).group(1) for i in range(40)}
+    assert all(re.fullmatch(r"clamp\(-?\d+\)|shout\('.*'\)", c) for c in calls), calls  # walk(*paths): no
+    assert len(calls) > 5 and not data.t_predict_output(rng, "def f(self, x):\n    return x\n")
+    for i in range(10):
+        bugged, q = data.t_find_bug(random.Random(i), CODE)
+        changed = [(a, b) for a, b in zip(CODE.splitlines(), bugged.splitlines()) if a != b]
+        assert changed == [("    if n > limit:", "    if n <= limit:")] and "`clamp`" in q
+    assert not data.t_find_bug(rng, PLAIN) and not data.t_find_bug(rng, "x = a == b\ny = a < b\n")  # no function
+    for task in (data.t_explain_class, data.t_code_table, data.t_predict_output, data.t_find_bug):
+        assert not task(rng, PLAIN), task
+
+
+def test_placement_and_fallback():
+    rng = lambda x: type("R", (), {"random": lambda self: x, "choice": lambda self, xs: xs[0]})()
+    assert data.place(rng(0.1), "TEXT", "Do it.") == "TEXT\n\nDo it."
+    assert data.place(rng(0.8), "TEXT", "Do it.") == "Do it.\n\nTEXT"
+    assert data.place(rng(0.95), "TEXT", "Do it.") == "Do it.\n\nTEXT\n\nReminder: Do it."
+    for i in range(20):  # a context that does not suit the task gets another task of the same kind
+        task, (ctx, instruction) = data.build_task("explain_class", random.Random(i), PLAIN)
+        assert data.TASKS[task][0] == "code" and task not in ("explain_class", "code_table", "find_bug")
+        task, (ctx, instruction) = data.build_task("table", random.Random(i), PLAIN)
+        assert data.TASKS[task][0] == "text" and task not in ("table", "extract_list", "ask_text")
+    assert data.build_task("find_bug", random.Random(0), CODE)[0] == "find_bug"
 
 
 def test_training_tasks_plant_what_they_ask():
@@ -229,6 +368,9 @@ def test_real_tokenizer_lengths(docs):
     for r in data.make_eval_suite(tok, lengths=(1024,), per_task=1, docs=docs):
         assert abs(len(tok.encode(r["prompt"])) - 1024) <= 0.05 * 1024, r["id"]
         assert data.is_correct(r["prompt"], r["answers"]) == 1.0
+    rows = data.make_training_prompts(tok, 40, docs=docs, min_tokens=300, max_tokens=600, long_max=1000)
+    n = [len(tok.encode(r["prompt"])) for r in rows]
+    assert n == [r["tokens"] for r in rows] and max(n) <= 1000 and sum(300 <= x <= 600 for x in n) >= 32, n
 
 
 def test_failed_download_is_a_connection_error(tmp_path, monkeypatch):
