@@ -148,11 +148,13 @@ def build_dataset(model, tok, args, out, rank=0):
     same pass. Rows and samples already there are kept (resume); a row without its sample file
     (e.g. a data.jsonl from elsewhere) gets one from ground_truth, one forward over [prompt; answer]."""
     fp, path = model.config.fingerprint(), Path(out) / "data.jsonl"
-    if path.exists():  # a run killed mid-write leaves a partial last line: drop it
+    if path.exists() and not args.eval_only:  # a run killed mid-write leaves a partial last line: drop it
         text = path.read_text()
         if text and not text.endswith("\n"):
             path.write_text(text[: text.rfind("\n") + 1])
     rows = data.read_jsonl(path, required=("id", "prompt_ids", "response_ids")) if path.exists() else []
+    if args.eval_only:  # read only (another run may be appending): the held-out rows are all it needs
+        return [r for r in rows if r.get("split") == "heldout"]
     for r in rows:
         if r.get("fingerprint") != fp:
             raise ValueError(f"{path} was made with another base model ({r.get('base_model')}): use another --out")
@@ -493,7 +495,7 @@ def train(args):
     rows = build_dataset(model, tok, args, out, rank)
     train_rows = [r for r in rows if r["split"] == "train"]
     held_rows = [r for r in rows if r["split"] == "heldout"]
-    if not train_rows:
+    if not train_rows and not args.eval_only:
         raise ValueError(f"no training samples in {out / 'data.jsonl'}: set --n-train > 0")
     if args.stage == "data":
         print0(f"data ready: {len(train_rows)} train, {len(held_rows)} held-out rows in {out / 'data.jsonl'}")
