@@ -38,53 +38,26 @@ costs one forward, not R. A budget C >= S evicts nothing: that row is FullKV's o
 
 Prints a tqdm bar, then a markdown table per metric (accuracy, answer_kl, fidelity, exact,
 recall, prefill_ms, score_ms) and, per method, the smallest budget at which it reaches 90% of
-FullKV's accuracy. ILLUSTRATIVE until the README's run: ONE prompt (niah_single, 1050 tokens),
-54 s on 1 of 2 busy CPU cores, made by
+FullKV's accuracy. E.g. the 1K suite (12 prompts, README section 2; 13.5 min on 1 CPU core):
 
-    $ python evaluate.py --limit 1 --lengths 1024 --methods full,streaming,snapkv,laq,lookahead,oracle \\
-          --untrained --threads 1 --out runs/eval-smoke --plot runs/eval-smoke/plot.png
+    $ python evaluate.py --untrained --threads 1 --lengths 1024 --per-task 2 --budgets 64,128,256 \\
+          --max-new-tokens 32 --out runs/eval1k --plot examples/eval-plot.png
     ...
-    ### answer_kl: mean KL(FullKV || method) of the next-token distributions along FullKV's answer, teacher-forced, nats (1 samples)
+    ### answer_kl: mean KL(FullKV || method) of the next-token distributions along FullKV's answer, ...
 
-    | method | C=64 | C=128 | C=256 | C=512 |
-    |---|---|---|---|---|
-    | full | 0.0000 | 0.0000 | 0.0000 | 0.0000 |
-    | streaming | 0.0473 | 0.0174 | 0.0096 | 0.0053 |
-    | snapkv | 0.8707 | 0.7648 | 0.4260 | 0.0061 |
-    | laq | 0.8982 | 0.7535 | 0.5891 | 0.1098 |
-    | lookahead | 0.3477 | 0.2029 | 0.0763 | 0.0036 |
-    | oracle | 0.0128 | 0.0027 | 0.0005 | 0.0001 |
-    | lookahead-untrained | 0.7981 | 0.2902 | 0.2140 | 0.0017 |
+    | method | C=64 | C=128 | C=256 |
+    |---|---|---|---|
+    | full | 0.0000 | 0.0000 | 0.0000 |
+    | snapkv | 1.0938 | 0.8271 | 0.5227 |
+    | h2o | 1.0184 | 0.7832 | 0.5460 |
+    | oracle | 0.0420 | 0.0154 | 0.0057 |
+    | lookahead | 0.9076 | 0.6028 | 0.3446 |
+    | lookahead-untrained | 0.9999 | 0.6723 | 0.4173 |
     ...
-    ### recall: attention recall@C against the true future attention (1 samples)
 
-    | method | C=64 | C=128 | C=256 | C=512 |
-    |---|---|---|---|---|
-    | full | 1.000 | 1.000 | 1.000 | 1.000 |
-    | streaming | 0.642 | 0.689 | 0.732 | 0.801 |
-    | snapkv | 0.743 | 0.837 | 0.898 | 0.954 |
-    | laq | 0.740 | 0.838 | 0.901 | 0.956 |
-    | lookahead | 0.763 | 0.839 | 0.901 | 0.956 |
-    | oracle | 0.851 | 0.899 | 0.943 | 0.978 |
-    | lookahead-untrained | 0.745 | 0.826 | 0.891 | 0.953 |
-    ...
-    ### the smallest budget at which each method reaches 90% of FullKV's accuracy (1.000; '-': not within these budgets)
-
-    | method | C reaching 90% of FullKV |
-    |---|---|
-    | streaming | 64 |
-    | snapkv | 512 |
-    | laq | 512 |
-    | lookahead | 64 |
-    | oracle | 64 |
-    | lookahead-untrained | 512 |
-
-(one prompt: accuracy is 0 or 1 per cell, e.g. lookahead is right at C=64 and wrong at 128; the
-README's 24 prompts are what to read). It also writes OUT/results.md (these tables, plus
-accuracy per task) and OUT/results.json (one entry per (sample, method, budget)). Rerunning the
-same command skips every entry already in results.json, so a killed run continues where it
-stopped; new methods or budgets are added (entries without answer_kl, from an older
-evaluate.py, are run again).
+and writes OUT/results.md (these tables, plus accuracy per task) and OUT/results.json (one
+entry per (sample, method, budget)). Rerunning the same command skips every entry already in
+results.json, so a killed run continues where it stopped; new methods or budgets are added.
 """
 
 import argparse
