@@ -309,7 +309,7 @@ def run_train_cost(model, args, lengths, emit):
         ids = random_ids(model, 1, S + args.response_tokens, args.seed)[0].tolist()
         cache, gt, _ = ground_truth(model, dict(prompt_ids=ids[:S], response_ids=ids[S:]))
         with torch.no_grad():
-            prompt_emb = model.model.embed_tokens(torch.tensor([ids[:S]], device=dev))  # (1, S, C)
+            prompt_emb = model.model.embed_tokens(torch.tensor([ids[:S]], device=dev))  # (1, S, hidden)
 
         def backward(loss):
             loss.backward()
@@ -321,7 +321,7 @@ def run_train_cost(model, args, lengths, emit):
 
         def naive():  # every op over all S + M rows is recorded: x depends on P as a whole
             with torch.enable_grad():
-                x = torch.cat([prompt_emb, module.embeddings.to(prompt_emb.dtype)[None]], dim=1)  # (1, S+M, C)
+                x = torch.cat([prompt_emb, module.embeddings.to(prompt_emb.dtype)[None]], dim=1)  # (1, S+M, hidden)
                 hook = LookaheadHook(module, S, per_query_head=True)
                 model(inputs_embeds=x, positions=torch.arange(S + M, device=dev)[None], hook=hook, logits_at=-1)
                 return backward(kl_loss(gt, hook.scores))

@@ -31,7 +31,8 @@ def one_thread():
 
 
 def test_recall_of_kept_known_value():
-    true = {0: torch.tensor([[[0.5, 0.3, 0.2, 0.0]]]), 1: torch.tensor([[[2.0, 0.0, 0.0, 2.0]]])}  # layer 1 unnormalised
+    # layer 1 unnormalised
+    true = {0: torch.tensor([[[0.5, 0.3, 0.2, 0.0]]]), 1: torch.tensor([[[2.0, 0.0, 0.0, 2.0]]])}
     kept = [torch.tensor([[[0, 2]]]), torch.tensor([[[0, 2]]])]
     assert evaluate.recall_of_kept(kept[:1], true) == pytest.approx(0.7)
     assert evaluate.recall_of_kept(kept, true) == pytest.approx((0.7 + 0.5) / 2)
@@ -249,7 +250,8 @@ def test_argument_errors(tiny, extra, message):
 
 
 def test_missing_adapter_says_how_to_train(tiny):
-    with pytest.raises(SystemExit, match="no lookahead adapter at .*nowhere.safetensors: train one with python train.py"):
+    with pytest.raises(SystemExit,
+                       match="no lookahead adapter at .*nowhere.safetensors: train one with python train.py"):
         evaluate.main(argv(tiny) + ["--adapter", str(tiny / "nowhere.safetensors")])
 
 
@@ -258,7 +260,8 @@ def test_missing_adapter_says_how_to_train(tiny):
     ('{"id": "a", "task": "x", "prompt": "ba"}\n', "line 1: missing key\\(s\\) answers"),
     ('{"id": "a", "task": "x", "prompt": "ba", "answers": "ba"}\n', "line 1: 'answers' must be a list"),
     ('{"id": "a", "task": "x", "prompt": "ba", "answers": []}\n' * 2, "ids must be unique"),
-    ('{"id": "a", "task": "x", "prompt": "' + "ba " * 600 + '", "answers": []}\n', "prompt a is 6.. tokens.*context of 512"),
+    ('{"id": "a", "task": "x", "prompt": "' + "ba " * 600 + '", "answers": []}\n',
+     "prompt a is 6.. tokens.*context of 512"),
 ], ids=["bad-json", "no-answers", "answers-not-list", "duplicate-ids", "too-long"])
 def test_bad_task_files(tiny, text, message):
     bad = tiny / "bad.jsonl"

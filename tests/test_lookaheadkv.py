@@ -511,7 +511,8 @@ def test_h2o_equals_explicit_attention_matrix_and_chunking():
         for l in range(cfg.num_hidden_layers):
             assert torch.allclose(got[l], ref[l], atol=1e-6), (rows, chunk, l)
     # a late key is not favoured by position alone: the last key's score is its one query's weight
-    assert torch.allclose(ref[0][..., -1], explicit_probs(cap.q[0], cap.k[0])[:, :, -1, -1].view(1, 2, G).mean(-1).float())
+    last_row = explicit_probs(cap.q[0], cap.k[0])[:, :, -1, -1].view(1, 2, G).mean(-1).float()
+    assert torch.allclose(ref[0][..., -1], last_row)
     # compress: chunked h2o keeps the same cache
     a = compress(model, ids, EvictConfig("h2o", budget=16, window=4))
     b = compress(model, ids, EvictConfig("h2o", budget=16, window=4, chunk_size=8))
@@ -631,7 +632,8 @@ def test_adapter_round_trip(tmp_path):
     meta = json.loads(path.with_suffix(".json").read_text())
     assert meta["base_model"] == "tiny" and meta["base_fingerprint"] == cfg.fingerprint()
     back = LookaheadModule.load(path, cfg)
-    assert (back.n_tokens, back.rank, back.alpha, back.targets, back.pool, back.kernel) == (8, 8, 32, ("q_proj", "k_proj", "down_proj"), "max", 7)
+    assert (back.n_tokens, back.rank, back.alpha, back.targets, back.pool, back.kernel) == (
+        8, 8, 32, ("q_proj", "k_proj", "down_proj"), "max", 7)
     assert back.info == dict(steps=12, heldout=dict(kl=0.25))
     sa, sb = mod.state_dict(), back.state_dict()
     assert sa.keys() == sb.keys() and len(sa) == 1 + 3 * 2 * cfg.num_hidden_layers
