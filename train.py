@@ -302,18 +302,23 @@ def group_mean(scores, n_kv_heads):
 def evaluate(model, module, heldout, budget, window=32):
     """Held-out KL and recall@budget of lookahead, snapkv, h2o and streaming, each kept by its
     own scorer's eviction step (pooling, protected tokens: lookaheadkv.Scorer.evict) from the
-    scores of the ground-truth forward. Items are (cache, gt, extra) from ground_truth(..., window)."""
+    scores of the ground-truth forward; and lookahead unpooled ("lookahead_nopool"), since
+    pooling may blur a sharp predictor. Items are (cache, gt, extra) from ground_truth(..., window)."""
     Hkv = model.config.num_key_value_heads
-    kl, rec = [], {m: [] for m in ("lookahead", "snapkv", "h2o", "streaming")}
+    kl, rec = [], {m: [] for m in ("lookahead", "lookahead_nopool", "snapkv", "h2o", "streaming")}
     for cache, gt, extra in heldout:
         S = len(cache)
         positions = torch.arange(S, device=cache.k[0].device)[None]  # (1, S)
         pred = lookahead_pass(model, module, cache, S, per_query_head=True)
         kl.append(kl_loss(gt, pred).item())
         true = group_mean(gt, Hkv)
-        scores = dict(lookahead=stack(group_mean(pred, Hkv)), snapkv=stack(extra["snapkv"]), h2o=stack(extra["h2o"]))
+        lookahead = stack(group_mean(pred, Hkv))
+        scores = dict(lookahead=lookahead, lookahead_nopool=lookahead, snapkv=stack(extra["snapkv"]),
+                      h2o=stack(extra["h2o"]))
         for method in rec:
-            scorer = make_scorer(EvictConfig(method, budget, window=window), module=module)
+            pool = "none" if method == "lookahead_nopool" else None
+            eviction = EvictConfig(method.removesuffix("_nopool"), budget, window=window, pool=pool)
+            scorer = make_scorer(eviction, module=module)
             if method == "streaming":  # scores from positions alone
                 run = Prefilled(cache, None, None, positions, positions[:, -1] + 1, None)
                 scores[method] = scorer.score(model, run)
@@ -443,7 +448,8 @@ def new_module(model, args):
 
 def print_heldout(name, r, budget):
     print(f"{name} heldout kl {r['kl']:.4f}  recall@{budget} lookahead {r['recall_lookahead']:.3f} "
-          f"snapkv {r['recall_snapkv']:.3f} h2o {r['recall_h2o']:.3f} streaming {r['recall_streaming']:.3f}")
+          f"(unpooled {r['recall_lookahead_nopool']:.3f}) snapkv {r['recall_snapkv']:.3f} h2o {r['recall_h2o']:.3f} "
+          f"streaming {r['recall_streaming']:.3f}")
 
 
 def eval_only(model, module, held_rows, args):

@@ -557,3 +557,18 @@ def test_a_killed_data_stage_resumes_and_rebuilds_missing_samples(model_dir, tmp
     write_data(tmp_path / "e", model_dir)  # 4 samples of ~45 tokens: ~45 KB in bfloat16
     with pytest.raises(SystemExit, match="over --store-gb"):
         train.main(argv(model_dir, tmp_path / "e", "--store-gb", "0.00001"))
+
+
+def test_heldout_eval_reports_lookahead_with_and_without_its_pooling():
+    model = tiny_model()
+    rows = [dict(prompt_ids=rand_list(n, n), response_ids=rand_list(5, 100 + n)) for n in (40, 52)]
+    heldout = [train.ground_truth(model, r, window=4) for r in rows]
+    torch.manual_seed(0)
+    plain = LookaheadModule(model.config, n_tokens=4, embed_std=0.5, pool="none")
+    r = train.evaluate(model, plain, heldout, budget=12, window=4)
+    assert r["recall_lookahead"] == r["recall_lookahead_nopool"]  # nothing to pool
+    torch.manual_seed(0)
+    pooled = LookaheadModule(model.config, n_tokens=4, embed_std=0.5, pool="avg", kernel=5)
+    p = train.evaluate(model, pooled, heldout, budget=12, window=4)
+    assert p["recall_lookahead_nopool"] == r["recall_lookahead_nopool"] and p["kl"] == r["kl"]  # same module
+    assert p["recall_lookahead"] != p["recall_lookahead_nopool"]
