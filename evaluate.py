@@ -403,7 +403,7 @@ def load_modules(args, model, methods, folder):
     if UNTRAINED in methods:
         like = modules.get("lookahead")
         kw = dict(n_tokens=like.n_tokens, rank=like.rank, alpha=like.alpha, targets=like.targets, pool=like.pool,
-                  kernel=like.kernel) if like else {}
+                  kernel=like.kernel, window=like.window) if like else {}
         torch.manual_seed(args.seed)  # the same draw on every run: P ~ N(0, std of the token embeddings)
         std = model.model.embed_tokens.weight.float().std().item()
         modules[UNTRAINED] = LookaheadModule(cfg, embed_std=std, **kw)

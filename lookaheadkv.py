@@ -170,14 +170,15 @@ class LookaheadModule(nn.Module):
     TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     def __init__(self, cfg, n_tokens=32, rank=8, alpha=32, targets=("q_proj", "k_proj"), embed_std=0.02,
-                 pool="avg", kernel=5):
+                 pool="avg", kernel=5, window=0):
         check_pooling(pool, kernel)
         super().__init__()
         bad = [t for t in targets if t not in self.TARGETS]
         if bad:
             raise ValueError(f"unknown LoRA targets {bad}; choose from {', '.join(self.TARGETS)}")
         self.cfg, self.n_tokens, self.rank, self.alpha, self.targets = cfg, n_tokens, rank, alpha, tuple(targets)
-        self.pool, self.kernel = pool, kernel  # the scoring options it was trained with
+        self.pool, self.kernel = pool, kernel  # the scoring options it ships with
+        self.window = window  # the last `window` prompt tokens kept whatever their score (0: none)
         self.info = {}  # training metadata, saved with the adapter
         # random init with the scale of real token embeddings: untrained, they already act as
         # generic queries from "somewhere after the prompt", a strong baseline of their own
@@ -208,7 +209,7 @@ class LookaheadModule(nn.Module):
     def metadata(self):
         return dict(base_model=self.cfg.name, base_fingerprint=self.cfg.fingerprint(), n_tokens=self.n_tokens,
                     rank=self.rank, alpha=self.alpha, targets=list(self.targets), pool=self.pool,
-                    kernel=self.kernel, **self.info)
+                    kernel=self.kernel, window=self.window, **self.info)
 
     def save(self, path):
         """path.safetensors + path.json (metadata)."""
@@ -235,7 +236,7 @@ class LookaheadModule(nn.Module):
                              f"(fingerprint {meta.get('base_fingerprint')}), not for this model "
                              f"{cfg.name!r} ({cfg.fingerprint()}): train one for it with python train.py")
         m = cls(cfg, meta["n_tokens"], meta["rank"], meta["alpha"], meta["targets"], pool=meta.get("pool", "avg"),
-                kernel=meta.get("kernel", 5))
+                kernel=meta.get("kernel", 5), window=meta.get("window", 0))
         m.info = {k: v for k, v in meta.items() if k not in m.metadata()}
         try:
             m.load_state_dict(load_file(str(path)))
@@ -544,8 +545,8 @@ class LookaheadKV(Scorer):
     prompt predicts the answer's. One-pass (default): the rows ride in the prefill's last chunk
     and their K/V are cut off after scoring; two-pass: a second forward of the M rows on top of
     the prompt cache (the training form). Both give the same scores (causal attention, LoRA on
-    the lookahead rows only). No protected window: the lookahead queries see the prompt's end.
-    Pooled with the pooling its adapter was trained for."""
+    the lookahead rows only). Pooled, and with a protected window of recent tokens or none, as its
+    adapter says (module.pool, .kernel, .window; the shipped one: none, its queries see the end)."""
 
     def __init__(self, eviction, module=None, response=None):
         if module is None:
@@ -553,6 +554,7 @@ class LookaheadKV(Scorer):
                              "train.py, or pass --adapter")
         self.module = module
         self.default_pool = (module.pool, module.kernel)
+        self.window = module.window
         super().__init__(eviction)
 
     def prefill_hook(self, S):

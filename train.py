@@ -357,6 +357,7 @@ def get_args(argv=None):
       "(the paper's release: all seven; '' or none: the embeddings alone)")
     a("--pool", default="avg", choices=["avg", "max", "none"], help="scoring pooling the adapter will use")
     a("--kernel", type=int, default=5)
+    a("--lookahead-window", type=int, default=0, help="last prompt tokens the adapter always keeps (SnapKV keeps 32)")
     # optimisation
     a("--epochs", type=float, default=3, help="passes over the training rows (a fraction ends mid-pass)")
     a("--batch", type=int, default=32, help="effective batch (samples per optimiser step, all ranks)")
@@ -443,7 +444,7 @@ def new_module(model, args):
     """The untrained module: P drawn with the std of the token embeddings, LoRA B = 0."""
     emb_std = model.model.embed_tokens.weight.float().std().item()  # P starts at the scale of real tokens
     return LookaheadModule(model.config, args.n_tokens, args.rank, args.alpha, parse_targets(args.targets), emb_std,
-                           args.pool, args.kernel).to(args.device)
+                           args.pool, args.kernel, args.lookahead_window).to(args.device)
 
 
 def print_heldout(name, r, budget):

@@ -72,7 +72,7 @@ def main():
     torch.manual_seed(0)  # the untrained module: same shape, P ~ N(0, std of the token embeddings), LoRA B = 0
     untrained = LookaheadModule(model.config, trained.n_tokens, trained.rank, trained.alpha, trained.targets,
                                 embed_std=model.model.embed_tokens.weight.float().std().item(),
-                                pool=trained.pool, kernel=trained.kernel)
+                                pool=trained.pool, kernel=trained.kernel, window=trained.window)
     modules = {"lookahead": trained, "lookahead-untrained": untrained}
     rows = []
     for name in args.methods.split(","):

@@ -823,3 +823,22 @@ def test_every_method_is_one_scorer_in_the_table():
     assert lk.METHODS == tuple(lk.SCORERS)
     for name, cls in lk.SCORERS.items():
         assert issubclass(cls, lk.Scorer) and cls.__doc__, name
+
+
+def test_lookahead_window_keeps_the_last_tokens_and_rides_in_the_adapter(tmp_path):
+    """An adapter may ship a protected window (like SnapKV's): its last W prompt tokens are kept in
+    every (layer, KV head), inside the budget; the window travels in the adapter's metadata."""
+    model = tiny_model()
+    cfg = model.config
+    S, C, W = 48, 16, 6
+    mod = random_module(cfg, 8)
+    mod.window = W
+    mod.info = {}
+    mod.save(tmp_path / "a.safetensors")
+    back = LookaheadModule.load(tmp_path / "a.safetensors", cfg)
+    assert back.window == W
+    _, _, _, st = compress(model, rand_ids(1, S, seed=9), EvictConfig("lookahead", budget=C), module=back)
+    for kept in st["kept"]:
+        assert kept.shape[-1] == C and (kept[..., -W:] == torch.arange(S - W, S)).all()
+    with pytest.raises(ValueError, match="too small for lookahead"):
+        compress(model, rand_ids(1, S), EvictConfig("lookahead", budget=W), module=back)
