@@ -37,6 +37,7 @@ import math
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -263,16 +264,22 @@ def load_batch(paths, dev, dtype):
     they add nothing to the KL) and each row's prompt length (B,), where its lookahead rows start."""
     items = [load_file(str(p)) for p in paths]
     lengths = [it["target"].shape[-1] for it in items]
-    S, L = max(lengths), items[0]["k"].shape[0]
-    left = lambda t, n: F.pad(t, (0, 0, S - n, 0)) if t.dim() == 4 else F.pad(t, (S - n, 0))
-    k = torch.stack([left(it["k"], n) for it, n in zip(items, lengths)]).to(dev, dtype)  # (B, L, H_kv, S, D)
-    v = torch.stack([left(it["v"], n) for it, n in zip(items, lengths)]).to(dev, dtype)
-    target = torch.stack([left(it["target"], n) for it, n in zip(items, lengths)]).to(dev)  # (B, L, H, S)
+    B, S = len(items), max(lengths)
+    L, Hkv, _, D = items[0]["k"].shape
+    H = items[0]["target"].shape[1]
+    # one copy per sample, straight into its slot of the padded batch (and from bfloat16 to dtype)
+    k = torch.zeros(L, B, Hkv, S, D, dtype=dtype, device=dev)
+    v = torch.zeros_like(k)
+    target = torch.zeros(L, B, H, S, device=dev)
+    for b, (it, n) in enumerate(zip(items, lengths)):
+        k[:, b, :, S - n:] = it["k"]
+        v[:, b, :, S - n:] = it["v"]
+        target[:, b, :, S - n:] = it["target"]
     valid = (torch.arange(S)[None] >= S - torch.tensor(lengths)[:, None])[:, None].to(dev)  # (B, 1, S)
     cache = KVCache(L)
     for l in range(L):
-        cache.k[l], cache.v[l], cache.valid[l] = k[:, l], v[:, l], valid
-    return cache, {l: target[:, l] for l in range(L)}, torch.tensor(lengths, device=dev)
+        cache.k[l], cache.v[l], cache.valid[l] = k[l], v[l], valid
+    return cache, {l: target[l] for l in range(L)}, torch.tensor(lengths, device=dev)
 
 
 def micro_batches(rows, size):
@@ -535,6 +542,7 @@ def train(args):
     heldout = [ground_truth(model, r, window=args.window)
                for r in tqdm(held_rows, desc="held-out ground truth", disable=rank > 0)]
     dtype = model.lm_head.weight.dtype
+    reader = ThreadPoolExecutor(max_workers=1)
 
     def do_eval():
         if heldout and rank == 0:
@@ -563,8 +571,12 @@ def train(args):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, args)
         loss_sum = 0.0
-        for idx in step_batches[rank::world]:
-            cache, gt, lengths = load_batch([sample_path(out, train_rows[i]["id"]) for i in idx], dev, dtype)
+        mine = step_batches[rank::world]
+        # the step's micro-batches are read from disk by a second thread while the first ones train
+        loads = [reader.submit(load_batch, [sample_path(out, train_rows[i]["id"]) for i in idx], dev, dtype)
+                 for idx in mine]
+        for idx, load in zip(mine, loads):
+            cache, gt, lengths = load.result()
             pred = lookahead_pass(model, module, cache, lengths, per_query_head=True)  # B samples in one forward
             # each sample weighs the same in the step's mean; ranks average their gradients after
             loss = kl_loss(gt, pred) * len(idx) * world / n_step
