@@ -100,8 +100,11 @@ def group_attention(q, k, key_valid=None, causal=True):
     if key_valid is not None:
         mask = mask & key_valid[:, :, None, :]  # (B, 1|H_kv, G*Tq, Tk)
     probs = logits.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    blind = None if key_valid is None else ~mask.any(dim=-1, keepdim=True)  # queries that see no key
+    if blind is None or not blind.any():
+        return probs
     # with padding, a left-padding query sees no real key: its all -inf row is NaN, make it 0
-    return probs if key_valid is None else probs.nan_to_num(0.0)
+    return probs.masked_fill(blind, 0.0)
 
 
 class WindowHook(Hook):
