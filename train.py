@@ -380,8 +380,8 @@ def get_args(argv=None):
     a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
     a("--init", default=None, metavar="ADAPTER", help="start from this adapter (its M, rank and targets) "
       "with a fresh optimiser and schedule: more steps for an adapter whose run ended early")
-    a("--eval-only", default=None, metavar="ADAPTER",
-      help="no training: held-out metrics of ADAPTER and of the untrained init on OUT/data.jsonl")
+    a("--eval-only", default=None, metavar="ADAPTER[,ADAPTER...]",
+      help="no training: held-out metrics of each ADAPTER and of the untrained init on OUT/data.jsonl")
     a("--max-minutes", type=float, default=None, help="stop training once this long has passed since the start, "
       "data generation included (checkpoint + adapter saved, noted in the metadata)")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -461,11 +461,15 @@ def print_heldout(name, r, budget):
 
 
 def eval_only(model, module, held_rows, args):
-    """--eval-only ADAPTER: held-out metrics of the adapter next to the untrained init (same seed)."""
+    """--eval-only ADAPTER[,ADAPTER...]: held-out metrics of each adapter next to the untrained init
+    (same seed), on one held-out ground truth: the table of an ablation in one command."""
     heldout = [ground_truth(model, r, window=args.window) for r in tqdm(held_rows, desc="held-out ground truth")]
-    adapter = LookaheadModule.load(args.eval_only, model.config, args.device)
-    for name, m in (("untrained", module), ("adapter", adapter)):
-        print_heldout(f"{name:9s} ({len(heldout)})", evaluate(model, m, heldout, args.budget, args.window), args.budget)
+    adapters = [("untrained", module)] + [(path, LookaheadModule.load(path, model.config, args.device))
+                                          for path in args.eval_only.split(",")]
+    for i, (name, m) in enumerate(adapters):
+        label = "untrained" if i == 0 else ("adapter" if len(adapters) == 2 else name)
+        result = evaluate(model, m, heldout, args.budget, args.window)
+        print_heldout(f"{label:9s} ({len(heldout)})", result, args.budget)
 
 
 def adapter_metadata(args, n_train, n_held, step, total, stopped_early, log, init_info):

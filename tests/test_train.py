@@ -440,6 +440,11 @@ def test_eval_only_reports_the_untrained_init_and_the_adapter(model_dir, tmp_pat
     assert lines[0].startswith("untrained") and lines[1].startswith("adapter")
     assert f"kl {log[0]['kl']:.4f}" in lines[0] and f"kl {log[-1]['kl']:.4f}" in lines[1]
     assert log[0]["kl"] != log[-1]["kl"]
+    # several adapters (an ablation) on the same held-out set: one line each, named by path
+    train.main(argv(model_dir, out, "--eval-only", f"{out / 'adapter.safetensors'},{out / 'adapter.safetensors'}"))
+    lines = [l for l in capsys.readouterr().out.splitlines() if "heldout" in l]
+    assert len(lines) == 3 and lines[1].startswith(str(out / "adapter.safetensors"))
+    assert lines[1][-60:] == lines[2][-60:]
 
 
 def test_init_continues_an_adapter_and_keeps_its_untrained_reference(model_dir, tmp_path, stub_prompts):
