@@ -42,7 +42,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -180,7 +179,7 @@ def build_dataset(model, tok, args, out, rank=0):
                          f"{args.store_gb}: raise it, or use fewer/shorter prompts (--n-train, --max-tokens)")
     for r in tqdm(missing, desc="samples from data.jsonl", disable=not missing):
         cache, gt, _ = ground_truth(model, r)
-        save_sample(sample_path(out, r["id"]), dict(k=torch.cat([k for k in cache.k]), v=torch.cat(cache.v),
+        save_sample(sample_path(out, r["id"]), dict(k=torch.cat(cache.k), v=torch.cat(cache.v),
                                                     target=torch.cat([gt[l] for l in range(len(gt))])), store)
     # held-out rows first (an early eval), then blocks of 8 batches in a seeded random order, sorted
     # by length inside a block: little padding, and a run stopped early leaves a random subset
