@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 import data
 from lookaheadkv import (SCORERS, EvictConfig, LookaheadModule, Prefilled, WindowHook, compress, decode,
-                         group_attention, lookahead_pass, make_scorer, recall_of_kept, stack)
+                         group_attention, lookahead_pass, make_scorer, recall_of_kept, select, stack)
 from model import Hook, KVCache, Tokenizer, load_model
 
 # -----------------------------------------------------------------------------
@@ -304,32 +304,48 @@ def group_mean(scores, n_kv_heads):
     return {l: s.view(s.shape[0], n_kv_heads, -1, s.shape[-1]).mean(2) for l, s in scores.items()}
 
 
+HELDOUT_METHODS = ("oracle", "lookahead", "lookahead_nopool", "snapkv", "pyramidkv", "h2o", "streaming")
+
+
 @torch.no_grad()
-def evaluate(model, module, heldout, budget, window=32):
-    """Held-out KL and recall@budget of lookahead, snapkv, h2o and streaming, each kept by its
-    own scorer's eviction step (pooling, protected tokens: lookaheadkv.Scorer.evict) from the
-    scores of the ground-truth forward; and lookahead unpooled ("lookahead_nopool"), since
-    pooling may blur a sharp predictor. Items are (cache, gt, extra) from ground_truth(..., window)."""
+def evaluate(model, module, heldout, budget, window=32, budgets=()):
+    """Held-out KL and recall@C of lookahead, snapkv, pyramidkv, h2o and streaming, each kept by
+    its own scorer's eviction step (pooling, protected tokens, per-layer budgets:
+    lookaheadkv.Scorer.evict) from the scores of the ground-truth forward; lookahead unpooled
+    ("lookahead_nopool"), since pooling may blur a sharp predictor; and the oracle (the exact top
+    C of the truth), the ceiling. Keys: recall_<method> at `budget` (the training log's line) and
+    recall_<method>@<C> for every C in `budgets` too: scores are computed once for all of them.
+    Items are (cache, gt, extra) from ground_truth(..., window)."""
     Hkv = model.config.num_key_value_heads
-    kl, rec = [], {m: [] for m in ("lookahead", "lookahead_nopool", "snapkv", "h2o", "streaming")}
+    Cs = list(dict.fromkeys([budget, *budgets]))
+    kl, rec = [], {(m, C): [] for m in HELDOUT_METHODS for C in Cs}
     for cache, gt, extra in heldout:
         S = len(cache)
         positions = torch.arange(S, device=cache.k[0].device)[None]  # (1, S)
         pred = lookahead_pass(model, module, cache, S, per_query_head=True)
         kl.append(kl_loss(gt, pred).item())
         true = group_mean(gt, Hkv)
-        lookahead = stack(group_mean(pred, Hkv))
-        scores = dict(lookahead=lookahead, lookahead_nopool=lookahead, snapkv=stack(extra["snapkv"]),
-                      h2o=stack(extra["h2o"]))
-        for method in rec:
-            pool = "none" if method == "lookahead_nopool" else None
-            eviction = EvictConfig(method.removesuffix("_nopool"), budget, window=window, pool=pool)
-            scorer = make_scorer(eviction, module=module)
-            if method == "streaming":  # scores from positions alone
-                run = Prefilled(cache, None, None, positions, positions[:, -1] + 1, None)
-                scores[method] = scorer.score(model, run)
-            rec[method].append(recall_of_kept(scorer.evict(scores[method], positions), true))
-    return dict(kl=sum(kl) / len(kl), **{f"recall_{m}": sum(v) / len(v) for m, v in rec.items()})
+        lookahead, snap = stack(group_mean(pred, Hkv)), stack(extra["snapkv"])
+        scores = dict(oracle=stack(true), lookahead=lookahead, lookahead_nopool=lookahead, snapkv=snap,
+                      pyramidkv=snap, h2o=stack(extra["h2o"]))
+        for (method, C), r in rec.items():
+            pool = "none" if method in ("lookahead_nopool", "oracle") else None
+            if method == "oracle":  # the oracle scorer needs a response to run; its eviction is a plain top C
+                kept = list(select(scores["oracle"], C))
+            else:
+                eviction = EvictConfig(method.removesuffix("_nopool"), C, window=window, pool=pool)
+                scorer = make_scorer(eviction, module=module)
+                if method == "streaming":  # scores from positions alone
+                    run = Prefilled(cache, None, None, positions, positions[:, -1] + 1, None)
+                    scores[method] = scorer.score(model, run)
+                kept = scorer.evict(scores[method], positions)
+            r.append(recall_of_kept(kept, true))
+    out = dict(kl=sum(kl) / len(kl))
+    for (m, C), v in rec.items():
+        out[f"recall_{m}@{C}"] = sum(v) / len(v)
+        if C == budget:
+            out[f"recall_{m}"] = out[f"recall_{m}@{C}"]
+    return out
 
 
 # -----------------------------------------------------------------------------
@@ -373,6 +389,7 @@ def get_args(argv=None):
     a("--warmup", type=float, default=0.02, help="fraction of steps with linear warmup, then cosine to 0")
     a("--clip", type=float, default=1.0)
     a("--budget", type=int, default=128, help="C for the held-out recall")
+    a("--budgets", default="64,128,256", help="--eval-only: also a table of recall at these C (comma-separated)")
     a("--window", type=int, default=32, help="the held-out SnapKV / H2O rows: last prompt tokens always kept")
     a("--eval-every", type=int, default=10, help="optimiser steps between held-out evals")
     a("--save-every", type=int, default=10, help="optimiser steps between checkpoints")
@@ -465,10 +482,32 @@ def eval_only(model, module, held_rows, args):
     heldout = [ground_truth(model, r, window=args.window) for r in tqdm(held_rows, desc="held-out ground truth")]
     adapters = [("untrained", module)] + [(path, LookaheadModule.load(path, model.config, args.device))
                                           for path in args.eval_only.split(",")]
+    Cs = [int(c) for c in args.budgets.split(",")] if args.budgets else []
+    table = []
     for i, (name, m) in enumerate(adapters):
         label = "untrained" if i == 0 else ("adapter" if len(adapters) == 2 else name)
-        result = evaluate(model, m, heldout, args.budget, args.window)
+        result = evaluate(model, m, heldout, args.budget, args.window, Cs)
         print_heldout(f"{label:9s} ({len(heldout)})", result, args.budget)
+        table.append((label, m.pool, result))
+    if not Cs:
+        return
+    # one markdown table: the prompt-only baselines once, then each adapter pooled as its .json says and unpooled
+    row = lambda name, r, m, kl="": f"| {name} | " + " | ".join(f"{r[f'recall_{m}@{C}']:.3f}" for C in Cs) + f" | {kl} |"
+    first = table[0][2]
+    print(f"\n| recall@C ({len(heldout)} held-out) | " + " | ".join(f"C={C}" for C in Cs) + " | KL(gt ‖ pred) |")
+    print("|---" * (len(Cs) + 2) + "|")
+    for m in ("oracle", "snapkv", "pyramidkv", "h2o", "streaming"):
+        print(row(m, first, m))
+    for label, pool, r in table:
+        if pool != "none":
+            print(row(f"{label}, pool {pool}", r, "lookahead", f"{r['kl']:.4f}"))
+        print(row(f"{label}, unpooled", r, "lookahead_nopool", f"{r['kl']:.4f}"))
+    gap = lambda r, m, C: (r[f"recall_{m}@{C}"] - first[f"recall_snapkv@{C}"]) / max(
+        1e-9, first[f"recall_oracle@{C}"] - first[f"recall_snapkv@{C}"])
+    for label, pool, r in table:
+        print(f"{label}: share of the SnapKV-to-oracle gap closed, as shipped ({pool}): "
+              + ", ".join(f"C={C} {gap(r, 'lookahead', C):.0%}" for C in Cs)
+              + "; unpooled: " + ", ".join(f"C={C} {gap(r, 'lookahead_nopool', C):.0%}" for C in Cs))
 
 
 def adapter_metadata(args, n_train, n_held, step, total, stopped_early, log, init_info):

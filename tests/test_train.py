@@ -445,6 +445,15 @@ def test_eval_only_reports_the_untrained_init_and_the_adapter(model_dir, tmp_pat
     lines = [l for l in capsys.readouterr().out.splitlines() if "heldout" in l]
     assert len(lines) == 3 and lines[1].startswith(str(out / "adapter.safetensors"))
     assert lines[1][-60:] == lines[2][-60:]
+    # --budgets: one markdown table, the baselines once and each adapter pooled / unpooled, and the gap closed
+    train.main(argv(model_dir, out, "--eval-only", str(out / "adapter.safetensors"), "--budgets", "8,16"))
+    text = capsys.readouterr().out
+    table = [l for l in text.splitlines() if l.startswith("| ")]
+    assert table[0].startswith("| recall@C (2 held-out) | C=8 | C=16 |")
+    names = [l.split(" | ")[0][2:] for l in table[1:]]
+    assert names == ["oracle", "snapkv", "pyramidkv", "h2o", "streaming", "untrained, pool avg", "untrained, unpooled",
+                     "adapter, pool avg", "adapter, unpooled"]
+    assert f"{log[-1]['kl']:.4f}" in table[-1] and "gap closed" in text
 
 
 def test_init_continues_an_adapter_and_keeps_its_untrained_reference(model_dir, tmp_path, stub_prompts):
@@ -577,3 +586,19 @@ def test_heldout_eval_reports_lookahead_with_and_without_its_pooling():
     p = train.evaluate(model, pooled, heldout, budget=12, window=4)
     assert p["recall_lookahead_nopool"] == r["recall_lookahead_nopool"] and p["kl"] == r["kl"]  # same module
     assert p["recall_lookahead"] != p["recall_lookahead_nopool"]
+
+
+def test_heldout_eval_scores_once_for_several_budgets_under_the_oracle():
+    model = tiny_model()
+    rows = [dict(prompt_ids=rand_list(n, n), response_ids=rand_list(5, 100 + n)) for n in (40, 52)]
+    heldout = [train.ground_truth(model, r, window=4) for r in rows]
+    torch.manual_seed(0)
+    module = LookaheadModule(model.config, n_tokens=4, embed_std=0.5, pool="avg", kernel=5)
+    r = train.evaluate(model, module, heldout, budget=12, window=4, budgets=(8, 12, 24))
+    assert r == {**r, **train.evaluate(model, module, heldout, budget=12, window=4)}  # the same numbers at C = 12
+    for m in ("lookahead", "lookahead_nopool", "snapkv", "h2o", "streaming"):  # equal budgets in every layer
+        assert r[f"recall_{m}"] == r[f"recall_{m}@12"]
+        for C in (8, 12, 24):
+            assert 0 < r[f"recall_{m}@{C}"] <= r[f"recall_oracle@{C}"] + 1e-6  # the exact top C is the ceiling
+        assert r[f"recall_{m}@8"] <= r[f"recall_{m}@12"] <= r[f"recall_{m}@24"]
+    assert r["recall_oracle@8"] < r["recall_oracle@24"] < 1
