@@ -1,11 +1,12 @@
 """
 Speed of LookaheadKV and the baselines, printed as RATIOS: medians over --repeats rounds after
-one warm-up round (CUDA: torch.cuda.Event; CPU: wall time, or --clock cpu). Four modes:
+one warm-up round (CUDA: torch.cuda.Event; CPU: wall time, or --clock cpu). Five modes:
 
     python bench.py --mode overhead --lengths 1024,2048 --budget 128  # eviction cost / prefill
     python bench.py --mode decode                      # decode tok/s, evicted vs full cache
     python bench.py --mode prefill-vs-hf               # our prefill / transformers' (SDPA)
     python bench.py --mode train-cost                  # training: M-row pass vs whole sequence
+    python bench.py --mode decode-cost --lengths 128,512 --every 32   # beyond the paper: below
     python bench.py --quick --json out/bench.json      # the H200 preset, about 2-3 minutes
 
 Without --model it loads weights/SmolLM2-135M-Instruct; --random-init configs/llama-3.1-8b.json
@@ -32,6 +33,15 @@ On a shared CPU, --threads 1 --clock cpu counts only this process's CPU time. Fo
 
 Same conditions: prefill-vs-hf ours / theirs 1.01 at 1K, 0.97 at 2K; train-cost efficient / naive
 14.3x at 1K (1.58 vs 0.11 samples/s).
+
+decode-cost (beyond the paper: lookaheadkv.DecodeEviction): what holding the cache to C_d while decoding
+costs per generated token. --lengths are the decode budgets C_d here: the cache starts with C_d slots (a
+random prompt of C_d tokens, prefilled whole) and every method decodes periods x every tokens, evicting back
+to C_d each time it holds C_d + every slots, so its forwards see C_d + 1 .. C_d + every slots over and over.
+"plain" is decode() without eviction over one such period (every tokens from C_d slots): the same cache
+sizes, no scoring. overhead per token = method's ms per token - plain's; per eviction = that x every.
+The lookahead refresh is one M-row forward per eviction (lookahead_pass). On the GPU with the 8B shapes:
+python bench.py --mode decode-cost --random-init configs/llama-3.1-8b.json --lengths 512,4096
 """
 
 import argparse
@@ -43,7 +53,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from lookaheadkv import METHODS, EvictConfig, LookaheadHook, LookaheadModule, compress, decode
+from lookaheadkv import (DECODE_METHODS, METHODS, DecodeEviction, EvictConfig, LookaheadHook, LookaheadModule, compress,
+                         decode)
 from model import ModelConfig, Transformer, default_dtype, load_model
 
 # row name -> EvictConfig fields; any other name in lookaheadkv.METHODS runs as itself
@@ -53,7 +64,8 @@ VARIANTS = {
     "full-1chunk": dict(method="full", chunk_size=1 << 30),  # prefill in one chunk (a diagnostic)
 }
 DEFAULT_LENGTHS = {"overhead": ([1024, 2048], [8192, 32768]), "decode": ([1024], [8192]),  # (CPU, CUDA)
-                   "prefill-vs-hf": ([1024, 2048], [1024, 2048]), "train-cost": ([1024], [1024])}
+                   "prefill-vs-hf": ([1024, 2048], [1024, 2048]), "train-cost": ([1024], [1024]),
+                   "decode-cost": ([128, 512], [512, 4096])}  # decode-cost: the decode budgets C_d
 CONFIGS = Path(__file__).resolve().parent / "configs"
 QUICK = [(CONFIGS / "llama-3.1-8b.json", [8192, 32768]), (CONFIGS / "qwen3-8b.json", [8192])]
 COLUMNS = {  # mode -> (row key, header) of the printed table; --json has every key
@@ -70,6 +82,9 @@ COLUMNS = {  # mode -> (row key, header) of the printed table; --json has every 
                    ("efficient_samples_s", "efficient samples/s"), ("naive_samples_s", "naive samples/s"),
                    ("speedup", "efficient / naive"), ("loss_efficient", "loss efficient"),
                    ("loss_naive", "loss naive")],
+    "decode-cost": [("method", "method"), ("budget", "C_d"), ("every", "every"), ("plain_ms_tok", "plain ms/tok"),
+                    ("ms_tok", "ms/tok"), ("overhead_ms_tok", "overhead ms/tok"), ("overhead_pct", "overhead %"),
+                    ("ms_per_eviction", "ms/eviction")],
 }
 med = statistics.median
 
@@ -296,6 +311,37 @@ def run_prefill_vs_hf(args, lengths, emit):
                   logits_diff=(out["ours"] - out["transformers"]).abs().max().item()))
 
 
+@torch.inference_mode()
+def run_decode_cost(model, args, lengths, emit):
+    methods = [m for m in args.methods if m in DECODE_METHODS]
+    if not methods:
+        raise ValueError(f"--mode decode-cost times {', '.join(DECODE_METHODS)}: pick some with --methods")
+    module = get_module(model, args) if "lookahead" in methods else None
+    N, k = args.every, args.periods
+    describe(model, args, module, note=f"{k} x every={N} decode steps with eviction per round; plain: {N} steps "
+             f"without, from the same C_d slots; window {args.window}")
+    for C in lengths:
+        ids = random_ids(model, 1, C, args.seed)
+        cache, logits, pos, _ = compress(model, ids, EvictConfig("full", chunk_size=args.chunk_size))  # C slots
+
+        def steps(n, evict=None):  # a copy: every round starts from the same C slots
+            for _ in decode(model, cache.copy(), logits, pos, n + 1, evict=evict):  # n forwards
+                pass
+
+        for m in methods:  # its checks (window, every) before any timing
+            DecodeEviction(m, C, N, args.window, module)
+        fns = dict(plain=lambda: steps(N))
+        for m in methods:
+            fns[m] = lambda m=m: steps(k * N, DecodeEviction(m, C, N, args.window, module))
+        times, _, _ = time_rounds(fns, args.repeats, args.device, f"decode-cost C_d={C}", args.clock)
+        plain = med(times["plain"]) / N
+        for m in methods:
+            over = med([t / (k * N) - p / N for t, p in zip(times[m], times["plain"])])  # paired: drift cancels
+            emit(dict(mode="decode-cost", model=model.config.name, method=m, budget=C, every=N, periods=k,
+                      plain_ms_tok=plain, ms_tok=med(times[m]) / (k * N), overhead_ms_tok=over,
+                      overhead_pct=100 * over / plain, ms_per_eviction=over * N))
+
+
 def run_train_cost(model, args, lengths, emit):
     from lookaheadkv import lookahead_pass
     from train import ground_truth, kl_loss
@@ -380,8 +426,9 @@ def get_args(argv=None):
     a("--model", default=None, help="HF folder (default: weights/SmolLM2-135M-Instruct, prepared if missing)")
     a("--random-init", default=None, metavar="CONFIG", help="a config.json: random weights of that shape instead")
     a("--adapter", default=None, help="lookahead adapter .safetensors (default: an untrained module, same speed)")
-    a("--methods", default="full,snapkv,h2o,laq,lookahead,lookahead-2pass",
-      help=f"overhead rows, any of: {', '.join(m for m in METHODS if m != 'oracle')}, {', '.join(VARIANTS)}")
+    a("--methods", default=None,
+      help=f"overhead rows, any of: {', '.join(m for m in METHODS if m != 'oracle')}, {', '.join(VARIANTS)} (default "
+      f"full,snapkv,h2o,laq,lookahead,lookahead-2pass); decode-cost rows: {', '.join(DECODE_METHODS)} (default all)")
     a("--lengths", default=None, help="prompt lengths, comma-separated (default, CPU / CUDA: "
       + "; ".join(f"{m} {c[0]} / {c[1]}" for m, c in DEFAULT_LENGTHS.items()) + ")")
     a("--budget", type=int, default=128, help="C: KV slots kept per (layer, KV head)")
@@ -390,6 +437,9 @@ def get_args(argv=None):
     a("--batches", default="1,4,16", help="decode: batch sizes")
     a("--new-tokens", type=int, default=32, help="decode: steps timed")
     a("--decode-method", default="snapkv", choices=["snapkv", "lookahead"], help="decode: the evicted cache")
+    a("--every", type=int, default=32, help="decode-cost: evict each time the cache holds C_d + every slots")
+    a("--periods", type=int, default=4, help="decode-cost: evictions timed per round (periods x every tokens)")
+    a("--window", type=int, default=32, help="decode-cost: the last slots always kept")
     a("--response-tokens", type=int, default=128, help="train-cost: answer length of the ground truth")
     a("--gen-batch", type=int, default=8, help="train-cost: prompts answered together (train.py --gen-batch)")
     a("--micro-batch", type=int, default=8, help="train-cost: samples per lookahead forward (train.py --micro-batch)")
@@ -405,6 +455,9 @@ def get_args(argv=None):
     a("--json", default=None, metavar="OUT", help="write every row to this JSON file")
     a("--markdown", action="store_true", help="print markdown tables")
     args = p.parse_args(argv)
+    if args.methods is None:  # each mode's rows
+        decode_cost = args.mode == "decode-cost"
+        args.methods = ",".join(DECODE_METHODS) if decode_cost else "full,snapkv,h2o,laq,lookahead,lookahead-2pass"
     args.methods = args.methods.split(",")
     bad = [m for m in args.methods if m not in VARIANTS and (m not in METHODS or m == "oracle")]
     if bad:
@@ -454,7 +507,8 @@ def run(args, jobs):
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(dict(torch=torch.__version__, rows=rows), indent=1))
 
-    runs = dict(overhead=run_overhead, decode=run_decode, **{"train-cost": run_train_cost})
+    runs = {"overhead": run_overhead, "decode": run_decode, "train-cost": run_train_cost,
+            "decode-cost": run_decode_cost}
     for config_path, lengths in jobs:
         if args.mode == "prefill-vs-hf":
             run_prefill_vs_hf(args, lengths, emit)

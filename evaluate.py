@@ -58,6 +58,26 @@ FullKV's accuracy. E.g. the 1K suite (12 prompts, README section 2; 13.5 min on 
 and writes OUT/results.md (these tables, plus accuracy per task) and OUT/results.json (one
 entry per (sample, method, budget)). Rerunning the same command skips every entry already in
 results.json, so a killed run continues where it stopped; new methods or budgets are added.
+
+Beyond the paper, two modes hold the cache to C after the prefill too (lookaheadkv.DecodeEviction:
+each time it holds C + --every slots, every slot is re-scored and the last --window always kept;
+methods full, streaming, snapkv, h2o, lookahead, lookahead-untrained):
+
+    python evaluate.py --mode decode --untrained --threads 1 --lengths 1024,2048 --per-task 1 \
+        --budgets 128,256 --every 32 --max-new-tokens 384 --plot runs/eval-decode/plot.png
+    python evaluate.py --mode conversation --untrained --threads 1 --lengths 1024 --per-task 8 \
+        --budgets 128,256,512 --every 32 --first-answer-tokens 96 --max-new-tokens 24
+
+decode: long answers (long_answer_suite: detailed explanations of speeches and essays, step by step
+ones of stdlib code). Each method compresses the prompt to C, then FullKV's greedy answer is
+teacher-forced through its cache while it is held to C, evicting on the very steps generation would
+(decode(..., force=)): answer_kl along the whole answer, head_fidelity (FullKV's first
+--fidelity-tokens tokens reproduced), peak_slots; --plot adds the cache size over the answer.
+conversation: two-turn chats (conversation_suite: a document with one planted fact and a request for
+a summary, then a question about the fact). FullKV's turn-1 answer is teacher-forced (held to C), turn
+2 is added on top and all slots evicted to C (add_turn); accuracy, fidelity and answer_kl of turn 2
+against FullKV on the whole conversation. Both run token by token: a row costs about one decode step
+per answer token (bench.py --mode decode-cost measures the eviction's share).
 """
 
 import argparse
@@ -65,6 +85,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,8 +95,9 @@ from tqdm import tqdm
 
 import data
 from generate import resolve_model
-from lookaheadkv import (METHODS, EvictConfig, LookaheadModule, Prefilled, Stopwatch, decode, default_adapter_path,
-                         make_scorer, oracle_scores, prefill_and_score, recall_of_kept)
+from lookaheadkv import (DECODE_METHODS, METHODS, DecodeEviction, EvictConfig, LookaheadModule, Prefilled, Stopwatch,
+                         add_turn, decode, default_adapter_path, make_scorer, oracle_scores, prefill_and_score,
+                         recall_of_kept)
 from model import Tokenizer, load_model
 
 UNTRAINED = "lookahead-untrained"
@@ -92,7 +114,16 @@ METRICS = {  # name -> (title, format)
                    "{:.0f}"),
     "score_ms": ("score_ms: scoring + eviction after the prefill, ms (oracle: + the full-cache answer it needs)",
                  "{:.1f}"),
+    # --mode decode and conversation (beyond the paper: the cache held to C while the answers grow)
+    "head_fidelity": ("head_fidelity: share of FullKV's first --fidelity-tokens greedy tokens reproduced before the "
+                      "first divergence", "{:.3f}"),
+    "peak_slots": ("peak_slots: the most KV slots per (layer, KV head) the cache held", "{:.0f}"),
+    "answer_tokens": ("answer_tokens: length of FullKV's answer, the one every method is teacher-forced along",
+                      "{:.0f}"),
 }
+MODE_METRICS = {"prefill": ["accuracy", "answer_kl", "fidelity", "exact", "recall", "prefill_ms", "score_ms"],
+                "decode": ["answer_kl", "head_fidelity", "peak_slots", "answer_tokens"],
+                "conversation": ["accuracy", "answer_kl", "fidelity", "peak_slots"]}
 REACH = 0.9  # "reaches FullKV": the smallest budget with at least this share of FullKV's accuracy
 
 # -----------------------------------------------------------------------------
@@ -151,26 +182,29 @@ def reach_table(results, methods, budgets):
     return "\n".join(lines)
 
 
-def report(results, methods, budgets, per_task=False):
+def report(results, methods, budgets, per_task=False, metrics=MODE_METRICS["prefill"]):
     n = len({r["id"] for r in results})
-    parts = [f"### {METRICS[m][0]} ({n} samples)\n\n{table(results, m, methods, budgets)}\n" for m in METRICS]
+    parts = [f"### {METRICS[m][0]} ({n} samples)\n\n{table(results, m, methods, budgets)}\n" for m in metrics]
     full = [r["accuracy"] for r in results if r["method"] == "full" and r.get("accuracy") is not None]
     if full:  # only prompts with expected answers have an accuracy
         parts.append(f"### the smallest budget at which each method reaches {REACH:.0%} of FullKV's accuracy "
                      f"({sum(full) / len(full):.3f}; '-': not within these budgets)\n\n"
                      f"{reach_table(results, methods, budgets)}\n")
-    for task in sorted({r["task"] for r in results}) if per_task else []:
+    for task in sorted({r["task"] for r in results}) if per_task and "accuracy" in metrics else []:
         rows = [r for r in results if r["task"] == task]
         parts.append(f"### accuracy, task {task} ({len({r['id'] for r in rows})} samples)\n\n"
                      f"{table(rows, 'accuracy', methods, budgets)}\n")
     return "\n".join(parts)
 
 
-def plot(results, methods, budgets, path):
-    """Recall, answer KL (log axis) and accuracy against the budget, one line per method."""
+def plot(results, methods, budgets, path, metrics=("recall", "answer_kl", "accuracy"), sizes=False):
+    """Recall, answer KL (log axis) and accuracy (or `metrics`) against the budget, one line per method;
+    sizes: first a panel of the cache size over the generated tokens (--mode decode)."""
     plt = need_matplotlib()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, metric in zip(axes, ("recall", "answer_kl", "accuracy")):
+    fig, axes = plt.subplots(1, len(metrics) + sizes, figsize=(5 * (len(metrics) + sizes), 4))
+    if sizes:
+        size_panel(axes[0], results, budgets)
+    for ax, metric in zip(axes[sizes:], metrics):
         for m in methods:
             ys = [mean_of(results, metric, m, b) for b in budgets]
             if metric == "answer_kl":  # FullKV's 0 (and any budget >= S) has no place on a log axis
@@ -184,10 +218,29 @@ def plot(results, methods, budgets, path):
         ax.set_xlabel("budget C (KV slots per layer and KV head)")
         ax.set_ylabel(metric + (" (nats, log)" if metric == "answer_kl" else ""))
         ax.grid(alpha=0.3)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(methods), fontsize=8)
+    fig.legend(*axes[-1].get_legend_handles_labels(), loc="lower center", ncol=len(methods), fontsize=8)
     fig.tight_layout(rect=(0, 0.08, 1, 1))  # room for the legend below the plots
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)
+
+
+def size_panel(ax, results, budgets):
+    """KV slots per (layer, KV head) when each answer token is generated, on the first prompt: FullKV's
+    cache grows by one a token; held to C it saws between C and C + every. Every method evicts on the
+    same steps (the schedule depends only on the cache's size), so one line per budget stands for all."""
+    first = results[0]["id"]
+    rows = [r for r in results if r["id"] == first and r.get("sizes")]
+    full = next((r for r in rows if r["method"] == "full"), None)
+    if full:
+        ax.plot(full["sizes"], "k--", label="full")
+    for b in budgets:
+        r = next((r for r in rows if r["method"] != "full" and r["budget"] == b), None)
+        if r:
+            ax.plot(r["sizes"], label=f"C={b} (every method)")
+    ax.set_xlabel(f"generated token ({first})")
+    ax.set_ylabel("KV slots per (layer, KV head)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def need_matplotlib():
@@ -349,26 +402,200 @@ def run_sample(model, tok, row, ids, todo, modules, args, progress=None):
     return results
 
 # -----------------------------------------------------------------------------
+# Beyond the paper: long answers and conversations on a cache held to C (--mode decode, conversation)
+
+LONG_ASKS = {  # instructions whose answers run to hundreds of tokens
+    "text": data.SIMPLE["detailed"],
+    "code": ["Explain step by step what this code does, part by part.",
+             "Explain every function and class in this code in detail: what it does, what it takes and returns, "
+             "and how they work together.",
+             "Write a detailed tutorial on how to use this code, with examples."],
+}
+
+
+def long_answer_suite(tok, lengths, per_task, seed, split="eval", docs=None):
+    """--mode decode's prompts: per length, per_task documents of text (speeches, essays) and per_task of
+    code (the stdlib), cut to ~length tokens with data.take_tokens and followed by a request for a long,
+    detailed answer (data.py's "detailed" instructions, step-by-step explanations of code)."""
+    docs = data.split_documents(data.load_documents() if docs is None else docs, split)
+    pools = {"text": [d for d in docs if d.source != "stdlib"], "code": [d for d in docs if d.source == "stdlib"]}
+    rows = []
+    for length in lengths:
+        for kind in [k for k in pools if pools[k]]:
+            for i in range(per_task):
+                key = f"long_{kind}/{length}/{seed}-{i}"
+                rng = random.Random(key)
+                ask = rng.choice(LONG_ASKS[kind])
+                ctx = data.take_tokens(tok, pools[kind], rng, length - len(tok.encode(ask)) - 40)[0]  # 40: the template
+                rows.append(dict(id=key, task=f"long_{kind}", prompt=f"{ctx}\n\n{ask}", answers=[]))
+    return rows
+
+
+def conversation_suite(tok, lengths, per_task, seed, split="eval", docs=None):
+    """--mode conversation's two-turn chats: turn 1 is a ~length-token text (speeches, essays) with one
+    made-up fact planted in it (data.FACTS) and a request for a summary; turn 2 asks for the fact, which
+    only turn 1 holds: whatever the eviction after turn 1 and during its answer dropped is gone."""
+    docs = [d for d in data.split_documents(data.load_documents(("sotu", "essays")) if docs is None else docs, split)
+            if d.source != "stdlib"]
+    rows = []
+    for length in lengths:
+        for i in range(per_task):
+            key = f"conversation/{length}/{seed}-{i}"
+            rng = random.Random(key)
+            statement, question, answer = data.fact(rng, rng.choice(data.FACTS))
+            ask = rng.choice(data.SIMPLE["summary"])
+            ctx = data.plant(data.take_tokens(tok, docs, rng, length - 40)[0], [(rng.uniform(0.1, 0.9), statement)])
+            turns = [f"{ctx}\n\n{ask}", f"{question} Answer in a few words."]
+            rows.append(dict(id=key, task="conversation", turns=turns, answers=[answer]))
+    return rows
+
+
+def forced(model, cache, logits, next_pos, response, evictor):
+    """FullKV's answer `response` (1, R) teacher-forced through `cache`, held to its budget by `evictor`
+    exactly as generation holds it (decode(..., force=)). Returns (R, V) float32 log-probs of each next
+    token and the cache's size (slots per layer and KV head) as each answer token is generated."""
+    record, sizes = [], []
+    for _ in decode(model, cache, logits, next_pos, response.shape[1], evict=evictor, force=response, record=record):
+        sizes.append(len(cache))
+    return torch.cat(record).float().log_softmax(-1), sizes
+
+
+def peak_of(sizes):
+    """The most slots a forward saw: each fed token adds one to the size it was generated at (the last
+    token is never fed), and an eviction follows at once when the cache is full."""
+    return max([sizes[0]] + [s + 1 for s in sizes[:-1]])
+
+
+def head_fidelity(logp, ref, n):
+    """Share of ref's first n tokens reproduced before the first divergence. Greedy decoding repeats
+    ref, evictions included, up to the first step where the teacher-forced argmax leaves it (as in answer())."""
+    d = next((i for i, (a, b) in enumerate(zip(logp.argmax(-1).tolist(), ref)) if a != b), len(ref))
+    n = min(n, len(ref))
+    return min(d, n) / n
+
+
+def start_caches(model, ids, method, budgets, full, modules, args):
+    """{C: (first-token logits, next position, cache)}: the prompt compressed to C by the method's own
+    prefill eviction, one prefill for every budget (compact_caches); C >= S keeps FullKV's cache."""
+    out = {C: (full.run.logits, full.run.next_pos, full.run.cache.copy()) for C in budgets if C >= ids.shape[1]}
+    evicting = [C for C in budgets if C < ids.shape[1]]
+    for C, run, cache, *_ in compact_caches(model, ids, method, evicting, full, modules, args) if evicting else []:
+        out[C] = run.logits, run.next_pos, cache
+    return out
+
+
+def decode_evictor(method, budget, modules, args):
+    name = "lookahead" if method == UNTRAINED else method
+    return DecodeEviction(name, budget, args.every, args.window, modules.get(method), args.pool, args.kernel)
+
+
+@torch.no_grad()
+def run_long_answer(model, tok, row, ids, todo, modules, args, progress=None):
+    """--mode decode, one prompt: FullKV's greedy answer (up to --max-new-tokens, the stop token kept),
+    then per (method, budget C) the prompt compressed to C and that answer teacher-forced with the cache
+    held to C, evicting each time it holds C + --every slots. Metrics: answer KL against FullKV, the
+    fidelity of the first --fidelity-tokens tokens, the peak slots, and the size at every step."""
+    ids = torch.tensor([ids], device=model.lm_head.weight.device)  # (1, S)
+    full = reference(model, ids, args.max_new_tokens, tok.stop_ids)
+    S, R = ids.shape[1], len(full.ref)
+
+    def result(method, budget, kl, fid, sizes):
+        return dict(id=row["id"], task=row["task"], method=method, budget=budget, prompt_tokens=S, answer_tokens=R,
+                    answer_kl=kl, head_fidelity=fid, peak_slots=peak_of(sizes), sizes=sizes)
+
+    results = []
+    for method in dict.fromkeys(m for m, _ in todo):
+        budgets = [b for m, b in todo if m == method]
+        if method == "full":  # the reference: its cache grows by one slot per token
+            results += [result(method, b, 0.0, 1.0, list(range(S, S + R))) for b in budgets]
+        else:
+            starts = start_caches(model, ids, method, budgets, full, modules, args)
+            for C in budgets:
+                logits, pos, cache = starts[C]
+                logp, sizes = forced(model, cache, logits, pos, full.response, decode_evictor(method, C, modules, args))
+                results.append(result(method, C, answer_kl(full.logp, logp),
+                                      head_fidelity(logp, full.ref, args.fidelity_tokens), sizes))
+        if progress:
+            progress(len(budgets))
+    return results
+
+
+@torch.no_grad()
+def run_conversation(model, tok, row, ids, todo, modules, args, progress=None):
+    """--mode conversation, one two-turn chat (ids: turn 1 in the chat format). FullKV answers turn 1
+    (up to --first-answer-tokens), and FullKV on the whole conversation (turn 1, that answer, turn 2,
+    token for token) gives the reference answer to turn 2. Per (method, budget C): turn 1 compressed to C,
+    FullKV's turn-1 answer teacher-forced with the cache held to C (every method continues the same
+    conversation), turn 2 added on top and everything evicted to C (add_turn), then the method's own
+    greedy answer (accuracy, fidelity) and FullKV's teacher-forced (answer KL), both held to C."""
+    dev = model.lm_head.weight.device
+    ids = torch.tensor([ids], device=dev)  # (1, S1)
+    first = reference(model, ids, args.first_answer_tokens, tok.stop_ids)
+    a1 = first.ref  # the last token is never fed: it opens turn 2 unless it is a stop token
+    turn2 = ([] if a1[-1] in tok.stop_ids else a1[-1:]) + tok.encode(tok.next_turn(row["turns"][1]))
+    whole = torch.tensor([ids[0].tolist() + a1[:-1] + turn2], device=dev)  # the conversation, token for token
+    second = reference(model, whole, args.max_new_tokens, tok.stop_ids)
+
+    def result(method, budget, out, kl, peak):
+        text = tok.decode([i for i in out if i not in tok.stop_ids])
+        return dict(id=row["id"], task=row["task"], method=method, budget=budget, prompt_tokens=ids.shape[1],
+                    conversation_tokens=whole.shape[1], accuracy=data.is_correct(text, row["answers"]), answer_kl=kl,
+                    fidelity=fidelity(out, second.ref)[0], peak_slots=peak, output=text)
+
+    results = []
+    for method in dict.fromkeys(m for m, _ in todo):
+        budgets = [b for m, b in todo if m == method]
+        if method == "full":
+            results += [result(method, b, second.ref, 0.0, whole.shape[1] + len(second.ref) - 1) for b in budgets]
+        else:
+            starts = start_caches(model, ids, method, budgets, first, modules, args)
+            for C in budgets:
+                logits, pos, cache = starts[C]
+                ev = decode_evictor(method, C, modules, args)
+                _, sizes1 = forced(model, cache, logits, pos, first.response, ev)  # turn 1's answer, held to C
+                prefilled = len(cache) + len(turn2)
+                logits, pos = add_turn(model, cache, torch.tensor([turn2], device=dev), pos + len(a1) - 1, ev, C)
+                ev_forced, cache_forced = ev.fork(), cache.copy()  # two answers from here
+                out = [t[0].item() for t in decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids,
+                                                   evict=ev)]
+                logp, sizes2 = forced(model, cache_forced, logits, pos, second.response, ev_forced)
+                results.append(result(method, C, out, answer_kl(second.logp, logp),
+                                      max(peak_of(sizes1), prefilled, peak_of(sizes2))))
+        if progress:
+            progress(len(budgets))
+    return results
+
+# -----------------------------------------------------------------------------
 # Command line
 
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--methods", default=",".join(METHODS),
-      help=f"comma-separated, from {', '.join(METHODS)}, {UNTRAINED} (full always runs: it is the reference)")
+    a("--mode", default="prefill", choices=list(MODE_METRICS),
+      help="prefill: evict once after the prompt (the paper); decode: long answers with the cache held to C "
+      "while they grow; conversation: two-turn chats held to C (beyond the paper)")
+    a("--methods", default=None,
+      help=f"comma-separated, from {', '.join(METHODS)}, {UNTRAINED} (decode, conversation: "
+      f"{', '.join(DECODE_METHODS)}, {UNTRAINED}; default: all; full always runs: it is the reference)")
     a("--budgets", default="64,128,256,512", help="comma-separated budgets C (KV slots kept per layer and KV head)")
-    a("--tasks", default=None, help='JSON lines {"id", "task", "prompt", "answers"} (default: the built-in suite)')
+    a("--tasks", default=None, help='JSON lines {"id", "task", "prompt", "answers"}; conversation: "turns" (two user '
+      'messages) instead of "prompt" (default: the built-in suite of the mode)')
     a("--lengths", default="2048", help="built-in suite: prompt lengths in tokens, comma-separated")
     a("--per-task", type=int, default=4, help="built-in suite: prompts per (task, length)")
     a("--limit", type=int, default=None, help="evaluate only the first N prompts")
-    a("--max-new-tokens", type=int, default=64, help="length cap of every answer")
-    a("--out", default="runs/eval", help="folder for results.json and results.md")
+    a("--max-new-tokens", type=int, default=64, help="length cap of every answer (conversation: of turn 2's)")
+    a("--every", type=int, default=32, help="decode, conversation: evict each time the cache holds C + every slots")
+    a("--fidelity-tokens", type=int, default=64, help="decode: fidelity over FullKV's first this many tokens")
+    a("--first-answer-tokens", type=int, default=64, help="conversation: length cap of the answer to turn 1")
+    a("--out", default=None, help="folder for results.json and results.md (default: runs/eval, runs/eval-decode, "
+      "runs/eval-conversation)")
     a("--plot", default=None,
       help="save recall, answer KL and accuracy against budget to this image (needs matplotlib)")
     a("--adapter", default=None, help="lookahead adapter .safetensors (default: the one shipped for the model)")
     a("--untrained", action="store_true", help=f"add {UNTRAINED}: same M/rank/targets, fresh seeded init, LoRA B = 0")
-    a("--window", type=int, default=32, help="snapkv/pyramidkv/h2o/laq: last prompt tokens always kept")
+    a("--window", type=int, default=32, help="snapkv/pyramidkv/h2o/laq: last prompt tokens always kept; decode, "
+      "conversation: every method's last slots kept at each eviction after the prefill")
     a("--pool", default=None, choices=["avg", "max", "none"],
       help="score pooling for every method (default: each method's own: avg for attention scores, the adapter's "
       "for lookahead, none for the oracle)")
@@ -394,14 +621,16 @@ def load_modules(args, model, methods, folder):
     """{method: LookaheadModule} for lookahead (the adapter) and lookahead-untrained."""
     cfg, dev, dtype = model.config, args.device, model.lm_head.weight.dtype
     modules = {}
+    path = Path(args.adapter) if args.adapter else default_adapter_path(cfg)
     if "lookahead" in methods:
-        path = Path(args.adapter) if args.adapter else default_adapter_path(cfg)
         if not path.exists():
             raise ValueError(f"no lookahead adapter at {path}: train one with python train.py --model {folder} "
                              f"--adapter-out {path}, pass --adapter, or drop lookahead from --methods")
         modules["lookahead"] = LookaheadModule.load(path, cfg, dev)
     if UNTRAINED in methods:
         like = modules.get("lookahead")
+        if like is None and path.exists():  # the untrained row alone: still the adapter's shape and pooling
+            like = LookaheadModule.load(path, cfg, dev)
         kw = dict(n_tokens=like.n_tokens, rank=like.rank, alpha=like.alpha, targets=like.targets, pool=like.pool,
                   kernel=like.kernel, window=like.window) if like else {}
         torch.manual_seed(args.seed)  # the same draw on every run: P ~ N(0, std of the token embeddings)
@@ -425,10 +654,12 @@ def main(argv=None):
 
 def evaluate(args):
     t_start = time.perf_counter()
-    methods = parse_list(args.methods, "--methods")
-    bad = [m for m in methods if m not in METHODS + (UNTRAINED,)]
+    prefill_mode = args.mode == "prefill"
+    known = (METHODS if prefill_mode else ("full",) + DECODE_METHODS) + (UNTRAINED,)
+    methods = parse_list(args.methods or ",".join(known[:-1]), "--methods")
+    bad = [m for m in methods if m not in known]
     if bad:
-        raise ValueError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(METHODS + (UNTRAINED,))}")
+        raise ValueError(f"unknown method(s) {', '.join(bad)} for --mode {args.mode}; choose from {', '.join(known)}")
     methods = list(dict.fromkeys(["full"] + methods + ([UNTRAINED] if args.untrained else [])))  # full first
     budgets = parse_list(args.budgets, "--budgets", int)
     if not budgets or min(budgets) <= 0:
@@ -436,8 +667,12 @@ def evaluate(args):
     for m in methods:  # each method's own checks (budget vs its protected tokens, pooling width), before any work
         if m not in ("lookahead", UNTRAINED, "oracle"):  # those need their adapter / answer: checked when they run
             make_scorer(eviction_config(m, min(budgets), args))
-    if args.max_new_tokens < 1:
-        raise ValueError("--max-new-tokens must be at least 1")
+            if not prefill_mode and m != "full":  # the decode-phase form's own: window, --every
+                decode_evictor(m, min(budgets), {}, args)
+    if args.max_new_tokens < 1 or args.first_answer_tokens < 1:
+        raise ValueError("--max-new-tokens and --first-answer-tokens must be at least 1")
+    if args.every < 1 or args.fidelity_tokens < 1:
+        raise ValueError(f"--every {args.every}, --fidelity-tokens {args.fidelity_tokens}: both must be at least 1")
     if args.plot:
         need_matplotlib()  # fail now, not after the whole run
 
@@ -448,27 +683,42 @@ def evaluate(args):
     tok = Tokenizer(args.model, model.config)
     modules = load_modules(args, model, methods, args.model)
     chat = args.chat if args.chat is not None else tok.format is not None
+    conversation = args.mode == "conversation"
+    if conversation and not chat:
+        raise ValueError("--mode conversation needs the chat format (ChatML or Llama-3): drop --no-chat")
 
     if args.tasks:
-        rows = data.read_jsonl(args.tasks, required=data.EVAL_KEYS)
+        keys = ("id", "task", "turns", "answers") if conversation else data.EVAL_KEYS
+        rows = data.read_jsonl(args.tasks, required=keys)
+        for r in rows if conversation else []:
+            turns = r["turns"]
+            if not (isinstance(turns, list) and len(turns) == 2 and all(isinstance(t, str) for t in turns)):
+                raise ValueError(f"{args.tasks}: {r['id']}: 'turns' must be a list of two user messages")
     else:
         lengths = parse_list(args.lengths, "--lengths", int)
-        rows = data.make_eval_suite(tok, lengths, args.per_task, args.seed)
+        suite = dict(prefill=data.make_eval_suite, decode=long_answer_suite, conversation=conversation_suite)[args.mode]
+        rows = suite(tok, lengths, args.per_task, args.seed)
     rows = rows[:args.limit] if args.limit else rows
     if len({r["id"] for r in rows}) < len(rows):
         raise ValueError(f"{args.tasks}: ids must be unique (they key the results for resuming)")
-    prompts = [tok.encode(tok.chat(r["prompt"]) if chat else r["prompt"]) for r in rows]
+    first = [r["turns"][0] if conversation else r["prompt"] for r in rows]
+    prompts = [tok.encode(tok.chat(text) if chat else text) for text in first]
     ctx = model.config.max_context
     for r, ids in zip(rows, prompts):
-        if len(ids) + args.max_new_tokens > ctx:
-            raise ValueError(f"prompt {r['id']} is {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} "
-                             f"it exceeds the model's context of {ctx}: shorten it or lower --max-new-tokens")
+        more = args.first_answer_tokens + len(tok.encode(tok.next_turn(r["turns"][1]))) if conversation else 0
+        if len(ids) + more + args.max_new_tokens > ctx:
+            raise ValueError(f"prompt {r['id']} is {len(ids)} tokens" + (f" (+ {more}: turn 2)" if more else "")
+                             + f"; with --max-new-tokens {args.max_new_tokens} it exceeds the model's context of "
+                             f"{ctx}: shorten it or lower --max-new-tokens")
 
     # resume: entries already in results.json are kept, if they were made with the same settings
-    out = Path(args.out)
+    out = Path(args.out or {"prefill": "runs/eval"}.get(args.mode, f"runs/eval-{args.mode}"))
     out.mkdir(parents=True, exist_ok=True)
     settings = dict(model=model.config.name, fingerprint=model.config.fingerprint(), max_new_tokens=args.max_new_tokens,
                     window=args.window, pool=args.pool, kernel=args.kernel, chat=chat, seed=args.seed)
+    if not prefill_mode:
+        settings.update(mode=args.mode, every=args.every, fidelity_tokens=args.fidelity_tokens,
+                        first_answer_tokens=args.first_answer_tokens)
     if "lookahead" in modules:
         adapter = Path(args.adapter or default_adapter_path(model.config)).read_bytes()
         settings["adapter"] = hashlib.sha256(adapter).hexdigest()[:16]  # a retrained adapter needs a new --out
@@ -493,19 +743,24 @@ def evaluate(args):
             for row, ids in zip(rows, prompts)]
     work = [w for w in work if w[2]]
 
+    runner = dict(prefill=run_sample, decode=run_long_answer, conversation=run_conversation)[args.mode]
     bar = tqdm(total=sum(len(todo) for _, _, todo in work), desc="evaluating", unit="run")
     for row, ids, todo in work:
         bar.set_postfix_str(f"{row['id']} ({len(ids)} tokens)")
-        saved["results"] += run_sample(model, tok, row, ids, todo, modules, args, progress=bar.update)
+        saved["results"] += runner(model, tok, row, ids, todo, modules, args, progress=bar.update)
         save_json(saved, path)  # after every prompt: a killed run loses one prompt at most
     bar.close()
 
     wanted = {(r["id"], m, b) for r in rows for m in methods for b in budgets}
     results = [r for r in saved["results"] if (r["id"], r["method"], r["budget"]) in wanted]
-    print(report(results, methods, budgets))
-    (out / "results.md").write_text(report(results, methods, budgets, per_task=True))
-    if args.plot:
+    metrics = MODE_METRICS[args.mode]
+    print(report(results, methods, budgets, metrics=metrics))
+    (out / "results.md").write_text(report(results, methods, budgets, per_task=True, metrics=metrics))
+    if args.plot and prefill_mode:
         plot(results, methods, budgets, args.plot)
+    elif args.plot:  # the cache's size over the answer (decode), then the answer's metrics against C
+        shown = [m for m in metrics if m not in ("peak_slots", "answer_tokens")]
+        plot(results, methods, budgets, args.plot, metrics=shown, sizes=args.mode == "decode")
     print(f"wrote {out / 'results.md'} and {path}" + (f", {args.plot}" if args.plot else "")
           + f" in {time.perf_counter() - t_start:.0f} s ({len(work)} of {len(rows)} prompts had work left)")
     return results

@@ -44,10 +44,15 @@ P and the LoRA so that s matches the attention the model's real answer pays to t
     cache, logits, pos, stats = compress(model, ids, EvictConfig("snapkv", budget=128))
     for tok in decode(model, cache, logits, pos, 64): ...
 
+Beyond the paper, DecodeEviction and add_turn hold the cache to a budget after the prefill too: while a
+long answer grows it (decode(..., evict=)) and at each new turn of a chat, re-scoring every slot with the
+method's decode-phase form (streaming, snapkv, h2o and lookahead: its M rows on top of the current cache).
+
 No S x S attention matrix is ever built here: scores need only (queries x S) per layer.
 Library errors are exceptions (ValueError, FileNotFoundError); the scripts turn them into one line.
 """
 
+import copy
 import json
 import math
 import time
@@ -156,6 +161,45 @@ class H2OHook(Hook):
         valid = torch.ones(1, 1, S, device=self.sums[0].device) if key_valid is None else key_valid.float()
         seen_by = valid.flip(-1).cumsum(-1).flip(-1) * G  # real queries at or after each slot, x group
         return {l: s / seen_by.clamp(min=1) for l, s in self.sums.items()}
+
+
+class RecentQueries(Hook):
+    """The queries of the last `n` tokens run, per layer, across forwards: decode steps and new turns
+    (SnapKV's decode-phase form scores with them)."""
+
+    def __init__(self, n):
+        self.n, self.q = n, {}
+
+    def attn(self, layer, q, k, key_valid):
+        prev = self.q.get(layer)
+        self.q[layer] = (q if prev is None else torch.cat([prev, q], dim=2))[:, :, -self.n:]  # (B, H, <=n, D)
+
+
+class RunningH2O(H2OHook):
+    """H2O's decode-phase form: H2OHook's running sums of the attention each slot has received, over every
+    forward watched since (decode steps, new turns), and how many queries saw each slot (x the group). Both
+    travel with their slots when the cache is gathered; the score is their ratio, as in the prefill form."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+
+    def attn(self, layer, q, k, key_valid):
+        super().attn(layer, q, k, key_valid)  # self.sums[layer]: (B, H_kv, Tk), the earlier sums on their slots
+        Tq, Tk, G = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+        # the chunk's queries sit at the last Tq slots: slot j is seen by min(Tq, Tk - j) of them
+        seen = torch.zeros_like(self.sums[layer]) + (Tk - torch.arange(Tk, device=k.device)).clamp(max=Tq) * G
+        prev = self.seen.get(layer)
+        if prev is not None:
+            seen[..., : prev.shape[-1]] += prev
+        self.seen[layer] = seen
+
+    def per_query_scores(self):
+        return {l: s / self.seen[l] for l, s in self.sums.items()}
+
+    def gather(self, layer, idx):
+        self.sums[layer] = self.sums[layer].gather(-1, idx)
+        self.seen[layer] = self.seen[layer].gather(-1, idx)
 
 
 # -----------------------------------------------------------------------------
@@ -421,6 +465,15 @@ class Scorer:
             return list(select(scores, budgets[0], valid, protect))
         return [select(scores[l], b, valid, protect) for l, b in enumerate(budgets)]
 
+    # beyond the paper, the decode-phase form (DecodeEviction): what watches the forwards after the
+    # prefill, and the scores of every slot of a cache that decoding (or a new turn) has grown
+    def decode_hook(self):
+        return None
+
+    def decode_scores(self, model, cache, hook, next_pos):  # (L, B, H_kv, n) for the n slots of `cache`
+        raise ValueError(f"method {self.eviction.method} has no decode-phase form here: "
+                         f"use one of {', '.join(DECODE_METHODS)}")
+
 
 def stack(scores):
     """{layer: (B, H_kv, S)} -> (L, B, H_kv, S)."""
@@ -448,6 +501,10 @@ class StreamingLLM(Scorer):
         S, L, Hkv = run.positions.shape[1], len(run.cache.k), run.cache.k[0].shape[1]
         slot = torch.arange(S, device=run.positions.device).float()
         return slot.expand(L, run.positions.shape[0], Hkv, S)  # recency
+
+    def decode_scores(self, model, cache, hook, next_pos):  # slots stay in position order: recency again
+        (B, Hkv, n), L = cache.k[0].shape[:3], len(cache.k)
+        return torch.arange(n, device=cache.k[0].device).float().expand(L, B, Hkv, n)
 
 
 class RandomKV(Scorer):
@@ -477,6 +534,15 @@ class SnapKV(Scorer):
     def score(self, model, run):
         return stack(run.hook.scores)
 
+    def decode_hook(self):
+        return RecentQueries(self.window)
+
+    def decode_scores(self, model, cache, hook, next_pos):
+        # the last `window` tokens' queries (the latest generated ones, or a new turn's last ones) over every
+        # slot; those tokens are the last slots (the window is always kept), so causal alignment holds
+        return torch.stack([group_attention(hook.q[l], cache.k[l], cache.valid[l]).mean(dim=2)
+                            for l in range(len(cache.k))])
+
 
 class PyramidKV(SnapKV):
     """PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
@@ -504,6 +570,12 @@ class H2O(Scorer):
     def score(self, model, run):
         cfg = model.config
         return stack(run.hook.scores(run.valid, cfg.num_attention_heads // cfg.num_key_value_heads))
+
+    def decode_hook(self):
+        return RunningH2O()
+
+    def decode_scores(self, model, cache, hook, next_pos):
+        return stack(hook.per_query_scores())
 
 
 class LAQ(SnapKV):
@@ -570,6 +642,11 @@ class LookaheadKV(Scorer):
         if self.eviction.one_pass:
             return stack(run.hook.scores)
         return stack(lookahead_pass(model, self.module, run.cache, run.next_pos))
+
+    def decode_scores(self, model, cache, hook, next_pos):
+        # nothing new: the M rows at the next positions on top of whatever the cache now holds (LoRA on),
+        # their mean attention over its slots; their K/V go with the copy lookahead_pass runs them on
+        return stack(lookahead_pass(model, self.module, cache, next_pos))
 
 
 SCORERS = {"full": FullKV, "streaming": StreamingLLM, "random": RandomKV, "snapkv": SnapKV, "pyramidkv": PyramidKV,
@@ -740,19 +817,31 @@ class QueryRecorder(Hook):
 
 
 @torch.no_grad()
-def decode(model, cache, logits, next_pos, max_new_tokens, stop_ids=(), temperature=0.0, top_p=1.0, generator=None):
+def decode(model, cache, logits, next_pos, max_new_tokens, stop_ids=(), temperature=0.0, top_p=1.0, generator=None,
+           evict=None, force=None, record=None):
     """Generate from first-token logits (B, V) on `cache`, yielding token ids (B,) step by step.
-    Rows that hit a stop token keep being fed it (batch decoding); the caller stops reading them."""
+    Rows that hit a stop token keep being fed it (batch decoding); the caller stops reading them.
+
+    Beyond the paper: `evict`, a DecodeEviction, holds the cache to its budget while it grows: its hook
+    watches every step and, whenever the cache holds budget + every slots, every slot is re-scored and the
+    cache evicted back to the budget. `force` (B, >= max_new_tokens) feeds those ids instead of sampling
+    (teacher forcing: evaluate.py runs FullKV's answer through the very path generation takes) and
+    `record`, a list, gets each step's logits (B, V)."""
     stop = torch.tensor(list(stop_ids) or [-1], device=logits.device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    hook = None if evict is None else evict.hook
     for t in range(max_new_tokens):
-        tok = sample(logits, temperature, top_p, generator)  # (B,)
+        if record is not None:
+            record.append(logits)
+        tok = sample(logits, temperature, top_p, generator) if force is None else force[:, t]  # (B,)
         tok = torch.where(done, stop[0].clamp(min=0), tok)
         yield tok
         done |= torch.isin(tok, stop)
         if done.all() or t == max_new_tokens - 1:
             return
-        logits = model(tok[:, None], positions=(next_pos + t)[:, None], cache=cache)[:, -1]
+        logits = model(tok[:, None], positions=(next_pos + t)[:, None], cache=cache, hook=hook)[:, -1]
+        if evict is not None and evict.due(cache):  # tok is in the cache: the next rows go at next_pos + t + 1
+            evict.evict(model, cache, next_pos + t + 1)
 
 
 def sample(logits, temperature=0.0, top_p=1.0, generator=None):
@@ -764,6 +853,100 @@ def sample(logits, temperature=0.0, top_p=1.0, generator=None):
         p[(p.cumsum(-1) - p) > top_p] = 0
         probs = torch.zeros_like(probs).scatter(-1, i, p)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+# -----------------------------------------------------------------------------
+# Beyond the paper: eviction while decoding, and across conversation turns
+
+DECODE_METHODS = ("streaming", "snapkv", "h2o", "lookahead")
+
+
+class DecodeEviction:
+    """The paper evicts once, after the prefill, and names what follows its main limitation: a long
+    answer grows the cache again by one slot per token, and in a chat every turn is prefilled on top of
+    all the turns before it. Here the cache is held to `budget` slots per (layer, KV head) throughout:
+    each time it holds budget + `every` slots (decode(..., evict=this)), and once per new turn
+    (add_turn), EVERY current slot is scored by the method's decode-phase form and the cache is gathered
+    back to the budget:
+
+        lookahead  the M lookahead rows, LoRA on, at the next positions on top of the current cache:
+                   their mean attention over its slots (lookahead_pass; their K/V are discarded)
+        snapkv     the queries of the last `window` tokens run (the generated ones) over every slot
+        h2o        the attention each slot has received from every query run since decoding began,
+                   per query that saw it (RunningH2O: H2O's native, accumulating decode form)
+        streaming  recency; the first n_sink slots (attention sinks) kept
+
+    The last `window` slots, the most recent tokens, are always kept (inside the budget); each method
+    pools its scores as it does after the prefill (over neighbouring slots now). Gathering keeps slots
+    in position order, so the last slots stay the latest tokens, and positions never change: RoPE was
+    applied before caching, so the next token is at S + t whatever was evicted. Written for batch size 1
+    (generate.py, the chat, evaluate.py, bench.py) and a cache without padding. every=None never evicts
+    while decoding (the hook still watches: a chat's next turn is scored with what it saw). `log` gets
+    (next position, slots before, slots after) per eviction."""
+
+    def __init__(self, method, budget, every=None, window=32, module=None, pool=None, kernel=None, n_sink=4):
+        if method not in DECODE_METHODS:
+            raise ValueError(f"method {method} has no decode-phase eviction here: use one of "
+                             f"{', '.join(DECODE_METHODS)}")
+        if every is not None and every < 1:
+            raise ValueError(f"evict every {every} tokens: must be at least 1, e.g. 32")
+        sinks = n_sink if method == "streaming" else 0
+        if budget <= window + sinks:
+            kept = f"the last {window} slots" + (f" and {sinks} sinks" if sinks else "")
+            raise ValueError(f"decode budget {budget} leaves no room to choose: it always keeps {kept}; "
+                             f"use a budget > {window + sinks} or a smaller window")
+        self.scorer = make_scorer(EvictConfig(method, budget, window=window, pool=pool, kernel=kernel, n_sink=n_sink),
+                                  module)  # the method's pooling (lookahead: its adapter's)
+        self.budget, self.every, self.window, self.sinks = budget, every, window, sinks
+        self.hook = self.scorer.decode_hook()  # watches every forward on the cache from now on
+        self.log = []
+
+    def due(self, cache):
+        return self.every is not None and len(cache) >= self.budget + self.every
+
+    @torch.no_grad()
+    def evict(self, model, cache, next_pos, budget=None):
+        """Score the n slots of `cache` and keep `budget` (default: the decode budget) per (layer, KV head).
+        next_pos: the position of the next token (where the lookahead rows go). Returns the kept slots
+        per layer (B, H_kv, budget), in slot order."""
+        budget = self.budget if budget is None else budget
+        n = len(cache)
+        scores = self.scorer.decode_scores(model, cache, self.hook, next_pos)  # (L, B, H_kv, n)
+        scores = pool_scores(scores, self.scorer.pool, self.scorer.kernel, self.window)
+        slot = torch.arange(n, device=scores.device)
+        protect = (slot >= n - self.window) | (slot < self.sinks)  # (n,): the latest tokens, streaming's sinks
+        kept = select(scores, budget, protect=protect)  # (L, B, H_kv, budget)
+        for l, idx in enumerate(kept):
+            cache.gather(l, idx)
+            if hasattr(self.hook, "gather"):  # H2O's running sums travel with their slots
+                self.hook.gather(l, idx)
+        self.log.append((int(next_pos[0]), n, len(cache)))
+        return list(kept)
+
+    def fork(self):
+        """A copy with its own hook state: two answers from one cache (evaluate.py: greedy and forced)."""
+        other = copy.copy(self)
+        other.hook, other.log = copy.deepcopy(self.hook), list(self.log)
+        return other
+
+
+@torch.no_grad()
+def add_turn(model, cache, ids, next_pos, evictor=None, budget=None, chunk_size=4096):
+    """Beyond the paper: one more conversation turn on top of a compressed cache. ids (1, T): the end of
+    the previous answer, the next user message and the assistant's header, in the chat format
+    (Tokenizer.next_turn); prefilled at positions next_pos .. next_pos+T-1 with the evictor's hook
+    watching. Then every slot, old turns and the new one alike, is scored by the method's decode-phase
+    form and the cache is evicted to `budget` (default: the evictor's; evictor None: FullKV, nothing
+    evicted). Returns the first answer token's logits (1, V) and the next position (1,)."""
+    T = ids.shape[1]
+    positions = next_pos[:, None] + torch.arange(T, device=ids.device)  # (1, T)
+    hook = None if evictor is None else evictor.hook
+    chunk = max(chunk_size, 0 if evictor is None else evictor.window)  # the last chunk holds the whole window
+    logits = prefill(model, model.model.embed_tokens(ids), positions, cache, hook=hook, chunk_size=chunk)[:, -1]
+    next_pos = next_pos + T
+    if evictor is not None and len(cache) > (evictor.budget if budget is None else budget):
+        evictor.evict(model, cache, next_pos, budget)
+    return logits, next_pos
 
 
 def attention_recall(pred_scores, true_scores, budget, protect=None):

@@ -503,3 +503,14 @@ class Tokenizer:
             s = h("system") + system + "<|eot_id|>" if system else ""
             return self.bos + s + h("user") + user + "<|eot_id|>" + h("assistant")
         raise ValueError("this tokenizer has no chat format we know (ChatML or Llama-3): use --no-chat")
+
+    def next_turn(self, user):
+        """The text that follows an assistant's answer: its end-of-turn token (decoding stops at a stop
+        token without feeding it), then the next user turn, ready for the next answer. So
+        chat(u1) + answer + next_turn(u2) is the template's own rendering of the conversation."""
+        if self.format == "chatml":
+            return f"<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+        if self.format == "llama3":
+            h = lambda role: f"<|start_header_id|>{role}<|end_header_id|>\n\n"
+            return "<|eot_id|>" + h("user") + user + "<|eot_id|>" + h("assistant")
+        raise ValueError("this tokenizer has no chat format we know (ChatML or Llama-3): a conversation needs one")

@@ -150,3 +150,18 @@ def test_quick_preset_runs_on_cpu_with_shrunk_8b_shapes(tmp_path, monkeypatch):
         kept = r["S"] if r["method"].startswith("full") else 64
         assert r["kv_mib"] * 2**20 == full_kv * kept // r["S"]
         assert math.isfinite(r["overhead_pct"])
+
+
+def test_decode_cost_rows(tiny_config, capsys):
+    """Beyond the paper: per-token cost of holding the cache to C_d while decoding, each decode-phase scorer
+    against plain decoding over the same cache sizes."""
+    rows = run(tiny_config, "--mode", "decode-cost", "--lengths", "40,64", "--every", "4", "--periods", "2",
+               "--window", "4")
+    assert [(r["method"], r["budget"]) for r in rows] == [
+        (m, C) for C in (40, 64) for m in ("streaming", "snapkv", "h2o", "lookahead")]
+    for r in rows:
+        assert r["every"] == 4 and r["plain_ms_tok"] > 0 and r["ms_tok"] > 0
+        assert math.isfinite(r["overhead_ms_tok"]) and r["ms_per_eviction"] == pytest.approx(4 * r["overhead_ms_tok"])
+    assert "overhead ms/tok" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="decode budget 4 leaves no room"):
+        run(tiny_config, "--mode", "decode-cost", "--lengths", "4", "--window", "4", "--methods", "snapkv")

@@ -174,3 +174,69 @@ def test_library_functions_raise_not_exit(tmp_path):
     with pytest.raises(ValueError, match="bad.jsonl line 2: not valid JSON") as e:
         data.read_jsonl(tmp_path / "bad.jsonl")
     assert not str(e.value).startswith("error:")  # the script adds it
+
+
+# ----------------------------------------------------------------------------- beyond the paper: decode budget, chat
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--every", "0"], "--every 0: evict at most once per generated token"),
+    (["--decode-budget", "32"], "--decode-budget 32: it always keeps the last --window 32 slots; use more than 32"),
+    (["--decode-budget", "36", "--method", "streaming"], "slots and 4 sinks; use more than 36"),
+    (["--decode-budget", "100", "--budget", "128"], "--decode-budget 100 is below --budget 128"),
+    (["--decode-budget", "256", "--method", "pyramidkv"], "use --method streaming, snapkv, h2o, lookahead"),
+    (["--decode-budget", "256", "--method", "full"], "use --method streaming, snapkv, h2o, lookahead"),
+])
+def test_bad_decode_eviction_values(argv, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        generate_py.check_args(generate_py.get_args(["--prompt", "p.txt", *argv]))
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([], "give one of --prompt FILE, --turns FILE.json"),
+    (["--prompt", "p.txt", "--chat-loop"], "give one of"),
+    (["--turns", "t.json", "--chat-loop"], "give one of"),
+    (["--chat-loop", "--method", "laq"], "a chat re-scores the whole cache at each turn"),
+    (["--turns", "t.json", "--budget", "32"], "--budget 32: each turn keeps the last --window 32 slots"),
+])
+def test_bad_chat_values(argv, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        generate_py.check_args(generate_py.get_args(argv))
+
+
+def test_good_decode_and_chat_values_pass_the_checks():
+    for argv in (["--prompt", "p", "--decode-budget", "128", "--every", "1"], ["--chat-loop", "--method", "full"],
+                 ["--turns", "t.json", "--budget", "37", "--method", "streaming", "--window", "32"]):
+        generate_py.check_args(generate_py.get_args(argv))
+
+
+@pytest.mark.parametrize("text, needle", [("[]", "non-empty JSON list"), ('["a", 3]', "non-empty JSON list"),
+                                          ('{"a": 1}', "non-empty JSON list"), ('["a", ', "is not valid JSON")])
+def test_bad_turns_files(tmp_path, text, needle):
+    p = tmp_path / "t.json"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        generate_py.read_turns(p)
+
+
+def test_decode_budget_error_is_one_line(prompt):
+    assert_one_line_error(generate("--prompt", str(prompt), "--model", NOWHERE, "--decode-budget", "8"),
+                          "--decode-budget 8", "smaller --window")
+
+
+def test_missing_turns_file_and_chat_without_a_chat_format(tmp_path, tiny_model):
+    with pytest.raises(SystemExit, match="error: turns file .*none.json not found: pass a JSON list"):
+        generate_py.main(["--turns", str(tmp_path / "none.json"), "--model", NOWHERE])
+    p = tmp_path / "t.json"
+    p.write_text('["what is two ?"]')
+    with pytest.raises(SystemExit, match="error: a chat needs a chat format"):
+        generate_py.main(["--turns", str(p), "--model", str(tiny_model), "--method", "full", "--device", "cpu"])
+
+
+def test_decode_budget_runs_and_reports(prompt, tiny_model, capsys):
+    out = generate_py.main(["--prompt", str(prompt), "--model", str(tiny_model), "--method", "snapkv", "--budget", "4",
+                            "--window", "2", "--decode-budget", "5", "--every", "2", "--max-new-tokens", "12",
+                            "--device", "cpu", "--json"])
+    slot_bytes = 2 * 8 * 4  # K and V of one layer, one KV head, head_dim 8, float32
+    assert out["decode_budget"] == 5 and out["decode_evictions"] == 5  # 4 slots, 11 fed: 7 -> 5 every 2
+    assert out["peak_slots"] == 5 + 2 and out["kv_bytes_end"] == 5 * slot_bytes
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out

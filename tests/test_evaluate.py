@@ -270,3 +270,108 @@ def test_bad_task_files(tiny, text, message):
     args[args.index("--tasks") + 1] = str(bad)
     with pytest.raises(SystemExit, match=message):
         evaluate.main(args)
+
+# -----------------------------------------------------------------------------
+# beyond the paper: --mode decode (long answers held to C) and --mode conversation (two turns held to C)
+
+
+def decode_argv(root, mode, out, *extra):
+    return ["--mode", mode, "--model", str(root / "tiny-llama"), "--adapter", str(root / "adapter.safetensors"),
+            "--budgets", "12,400", "--every", "4", "--window", "4", "--max-new-tokens", "16", "--device", "cpu",
+            "--methods", "streaming,snapkv,h2o,lookahead", "--out", str(root / out), *extra]
+
+
+def test_decode_mode_end_to_end(tiny, tmp_path, capsys):
+    plot = tmp_path / "decode.png" if _has_matplotlib() else None
+    args = decode_argv(tiny, "decode", "out-decode", "--tasks", str(tiny / "tasks.jsonl"), "--limit", "2",
+                       "--fidelity-tokens", "8", *(["--plot", str(plot)] if plot else []))
+    results = evaluate.main(args)
+    assert len(results) == 2 * 5 * 2
+    by = {(r["id"], r["method"], r["budget"]): r for r in results}
+    for (i, m, b), r in by.items():
+        S, R = r["prompt_tokens"], r["answer_tokens"]
+        full = by[i, "full", b]
+        assert full["sizes"] == list(range(S, S + R)) and full["peak_slots"] == S + R - 1 and full["answer_kl"] == 0
+        if b == 400:  # holds the prompt and the answer: nothing evicted, FullKV's numbers
+            assert r["sizes"] == full["sizes"] and r["answer_kl"] == pytest.approx(0, abs=1e-5), (i, m)
+            assert r["head_fidelity"] == 1.0
+        elif m != "full":  # compressed to 12 after the prompt, then 12 .. 16 slots while the answer grows
+            assert r["sizes"][0] == 12 and max(r["sizes"]) <= 15 and r["peak_slots"] == min(16, 12 + R - 1)
+            assert r["answer_kl"] > 0 and 0 <= r["head_fidelity"] <= 1
+    printed = capsys.readouterr().out
+    assert "### answer_kl" in printed and "### head_fidelity" in printed and "### peak_slots" in printed
+    assert "### answer_tokens" in printed
+    assert "### recall" not in printed
+    if plot:
+        assert plot.stat().st_size > 0
+    t0 = time.perf_counter()
+    assert evaluate.main(args) == results and time.perf_counter() - t0 < 5  # resumed: nothing left to do
+
+
+def _has_matplotlib():
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def test_conversation_mode_end_to_end(tiny):
+    rng = random.Random(1)
+    rows = []
+    for i in range(2):
+        doc = [rng.choice(WORDS) for _ in range(50)]
+        rows.append(dict(id=f"c{i}", task="conversation", turns=[" ".join(doc), " ".join(doc[20:23])],
+                         answers=[doc[23]]))
+    data.write_jsonl(rows, tiny / "conversations.jsonl")
+    results = evaluate.main(decode_argv(tiny, "conversation", "out-conv", "--tasks", str(tiny / "conversations.jsonl"),
+                                        "--first-answer-tokens", "10", "--max-new-tokens", "6"))
+    assert len(results) == 2 * 5 * 2
+    by = {(r["id"], r["method"], r["budget"]): r for r in results}
+    for (i, m, b), r in by.items():
+        full = by[i, "full", b]
+        assert r["accuracy"] is not None and r["conversation_tokens"] > r["prompt_tokens"] + 10
+        if b == 400 or m == "full":  # nothing evicted: the same answer as FullKV on the whole conversation
+            assert r["answer_kl"] == pytest.approx(0, abs=1e-5) and r["fidelity"] == 1.0, (i, m, b)
+            assert r["output"] == full["output"] and r["accuracy"] == full["accuracy"]
+        else:  # turn 2 added on top of 12 .. 16 slots, and all of it evicted to 12
+            assert r["peak_slots"] > 16 and r["answer_kl"] > 0, (i, m)
+
+
+@pytest.mark.parametrize("mode, extra, message", [
+    ("decode", ["--methods", "pyramidkv"], "unknown method\\(s\\) pyramidkv for --mode decode"),
+    ("decode", ["--every", "0"], "every 0 tokens: must be at least 1"),
+    ("decode", ["--budgets", "4,12", "--methods", "h2o"], "budget 4 is too small for h2o"),
+    ("conversation", ["--budgets", "8"], "decode budget 8 leaves no room to choose"),
+    ("conversation", ["--no-chat"], "needs the chat format"),
+])
+def test_decode_mode_errors(tiny, mode, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        evaluate.main(decode_argv(tiny, mode, "out-bad", "--tasks", str(tiny / "tasks.jsonl"), *extra))
+
+
+def test_conversation_turns_must_be_two_messages(tiny):
+    (tiny / "conv-bad.jsonl").write_text('{"id": "a", "task": "x", "turns": ["ba"], "answers": []}\n')
+    with pytest.raises(SystemExit, match="'turns' must be a list of two user messages"):
+        evaluate.main(decode_argv(tiny, "conversation", "out-bad", "--tasks", str(tiny / "conv-bad.jsonl")))
+
+
+def test_built_in_long_answer_and_conversation_suites(tiny):
+    from model import Tokenizer
+
+    tok = Tokenizer(tiny / "tiny-llama")
+    rng = random.Random(2)
+    text = lambda: ". ".join(" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(120)) + "."
+    docs = [data.Document(src, f"{src}{i}", text()) for src in ("sotu", "essays") for i in range(7)]
+    docs += [data.Document("stdlib", f"m{i}.py", "def f(x):\n    return x\n" * 200) for i in range(7)]
+    long = evaluate.long_answer_suite(tok, [300, 600], 2, seed=0, docs=docs)
+    assert [r["task"] for r in long] == ["long_text"] * 2 + ["long_code"] * 2 + ["long_text"] * 2 + ["long_code"] * 2
+    assert len({r["id"] for r in long}) == 8 and all(r["answers"] == [] for r in long)
+    for r in long:
+        ask = r["prompt"].rsplit("\n\n", 1)[1]
+        assert ask in evaluate.LONG_ASKS[r["task"][5:]]
+        assert len(tok.encode(tok.chat(r["prompt"]))) <= int(r["id"].split("/")[1])
+    conv = evaluate.conversation_suite(tok, [300], 3, seed=0, docs=docs)
+    assert len(conv) == 3 and len({r["id"] for r in conv}) == 3
+    for r in conv:
+        first, second = r["turns"]
+        assert second.endswith("Answer in a few words.") and len(r["answers"]) == 1
+        assert r["answers"][0] in first and r["answers"][0] not in second  # only turn 1 holds the fact
