@@ -2,8 +2,10 @@
 Train the lookahead module (M embeddings + a LoRA on their rows) with the KL loss, the base
 model frozen: the module learns to attend to the prompt the way the model's own answer will.
 
-CPU recipe (2 cores, float32; see README.md for what it printed and how long it took):
-    python train.py --out runs/cpu --n-train 1000 --n-heldout 64 --max-new-tokens 128 --epochs 4 \
+CPU recipe, the shipped adapter (2 cores, float32; README.md says what it printed and how long it took;
+rerun the same command after a kill, adding --resume once training has begun):
+    python train.py --out runs/cpu --n-train 1000 --n-heldout 64 --max-new-tokens 128 --long-frac 0.05 \
+        --gen-batch 16 --epochs 3 --eval-every 25 --save-every 5 \
         --adapter-out weights/SmolLM2-135M-Instruct.lookahead.safetensors
 One GPU, paper-like scale (longer prompts and answers, more of them):
     python train.py --out runs/gpu --n-train 8000 --n-heldout 128 --max-tokens 4096 --max-new-tokens 256 \
@@ -377,7 +379,8 @@ def get_args(argv=None):
     a("--alpha", type=float, default=32)
     a("--targets", default="q_proj,k_proj", help="LoRA targets, any of q,k,v,o,gate,up,down _proj "
       "(the paper's release: all seven; '' or none: the embeddings alone)")
-    a("--pool", default="avg", choices=["avg", "max", "none"], help="scoring pooling the adapter will use")
+    a("--pool", default="none", choices=["avg", "max", "none"],
+      help="scoring pooling the adapter will use (none: pooling blurs its sharp scores; README section 1)")
     a("--kernel", type=int, default=5)
     a("--lookahead-window", type=int, default=0, help="last prompt tokens the adapter always keeps (SnapKV keeps 32)")
     # optimisation
