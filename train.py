@@ -3,9 +3,9 @@ Train the lookahead module (M embeddings + a LoRA on their rows) with the KL los
 model frozen: the module learns to attend to the prompt the way the model's own answer will.
 
 CPU recipe, the shipped adapter (2 cores, float32; README.md says what it printed and how long it took;
-rerun the same command after a kill, adding --resume once training has begun):
+after a kill, rerun the same command: the data stage keeps what it wrote, --resume the training checkpoint):
     python train.py --out runs/cpu --n-train 1000 --n-heldout 64 --max-new-tokens 128 --long-frac 0.05 \
-        --gen-batch 16 --epochs 3 --eval-every 25 --save-every 5 \
+        --gen-batch 16 --epochs 2 --eval-every 25 --save-every 5 --resume \
         --adapter-out weights/SmolLM2-135M-Instruct.lookahead.safetensors
 One GPU, paper-like scale (longer prompts and answers, more of them):
     python train.py --out runs/gpu --n-train 8000 --n-heldout 128 --max-tokens 4096 --max-new-tokens 256 \
