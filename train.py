@@ -379,8 +379,8 @@ def get_args(argv=None):
     a("--alpha", type=float, default=32)
     a("--targets", default="q_proj,k_proj", help="LoRA targets, any of q,k,v,o,gate,up,down _proj "
       "(the paper's release: all seven; '' or none: the embeddings alone)")
-    a("--pool", default="none", choices=["avg", "max", "none"],
-      help="scoring pooling the adapter will use (none: pooling blurs its sharp scores; README section 1)")
+    a("--pool", default="avg", choices=["avg", "max", "none"],
+      help="scoring pooling the adapter will use at eviction (the loss never pools; README section 2)")
     a("--kernel", type=int, default=5)
     a("--lookahead-window", type=int, default=0, help="last prompt tokens the adapter always keeps (SnapKV keeps 32)")
     # optimisation

@@ -447,13 +447,13 @@ def test_eval_only_reports_the_untrained_init_and_the_adapter(model_dir, tmp_pat
     assert lines[1][-60:] == lines[2][-60:]
     # --budgets: one markdown table, the baselines once and each adapter pooled / unpooled, and the gap closed
     train.main(argv(model_dir, out, "--eval-only", str(out / "adapter.safetensors"), "--budgets", "8,16",
-                    "--pool", "avg"))  # the untrained init pooled; the adapter keeps its own (none)
+                    "--pool", "avg"))
     text = capsys.readouterr().out
     table = [l for l in text.splitlines() if l.startswith("| ")]
     assert table[0].startswith("| recall@C (2 held-out) | C=8 | C=16 |")
     names = [l.split(" | ")[0][2:] for l in table[1:]]
     assert names == ["oracle", "snapkv", "pyramidkv", "h2o", "streaming", "untrained, pool avg", "untrained, unpooled",
-                     "adapter, unpooled"]
+                     "adapter, pool avg", "adapter, unpooled"]
     assert f"{log[-1]['kl']:.4f}" in table[-1] and "gap closed" in text
 
 
