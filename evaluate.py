@@ -38,21 +38,19 @@ costs one forward, not R. A budget C >= S evicts nothing: that row is FullKV's o
 
 Prints a tqdm bar, then a markdown table per metric (accuracy, answer_kl, fidelity, exact,
 recall, prefill_ms, score_ms) and, per method, the smallest budget at which it reaches 90% of
-FullKV's accuracy. E.g. the 1K suite (12 prompts, README section 2; 13.5 min on 1 CPU core):
+FullKV's accuracy. E.g. the shipped adapter, avg-pooled as it ships, on the first 15 prompts of
+the 2K suite (README section 2; 11 min on 2 CPU threads):
 
-    $ python evaluate.py --untrained --threads 1 --lengths 1024 --per-task 2 --budgets 64,128,256 \\
-          --max-new-tokens 32 --out runs/eval1k --plot examples/eval-plot.png
+    $ python evaluate.py --methods lookahead,lookahead-untrained --pool avg --kernel 5 --threads 2 \
+          --limit 15 --out runs/eval2k-avg
     ...
     ### answer_kl: mean KL(FullKV || method) of the next-token distributions along FullKV's answer, ...
 
-    | method | C=64 | C=128 | C=256 |
-    |---|---|---|---|
-    | full | 0.0000 | 0.0000 | 0.0000 |
-    | snapkv | 1.0938 | 0.8271 | 0.5227 |
-    | h2o | 1.0184 | 0.7832 | 0.5460 |
-    | oracle | 0.0420 | 0.0154 | 0.0057 |
-    | lookahead | 0.9076 | 0.6028 | 0.3446 |
-    | lookahead-untrained | 0.9999 | 0.6723 | 0.4173 |
+    | method | C=64 | C=128 | C=256 | C=512 |
+    |---|---|---|---|---|
+    | full | 0.0000 | 0.0000 | 0.0000 | 0.0000 |
+    | lookahead | 1.0960 | 0.8349 | 0.5630 | 0.2620 |
+    | lookahead-untrained | 1.0620 | 0.7632 | 0.3771 | 0.2136 |
     ...
 
 and writes OUT/results.md (these tables, plus accuracy per task) and OUT/results.json (one
