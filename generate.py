@@ -230,19 +230,8 @@ def run(args):
             evictor = DecodeEviction(args.method, args.decode_budget, args.every, args.window, module, args.pool,
                                      args.kernel)
         gen = torch.Generator(device=dev).manual_seed(args.seed)
-        out, t_first = [], None
-        printed = ""
-        steps = decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p, gen,
-                       evict=evictor)
-        for t_ in steps:
-            if t_first is None:
-                t_first = time.perf_counter()
-            i = t_[0].item()
-            if i in tok.stop_ids:
-                break
-            out.append(i)
-            if not args.json:
-                printed = print_new(tok, out, printed)
+        out, printed, _, _, t_first = stream(tok, decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids,
+                                                         args.temperature, args.top_p, gen, evict=evictor), args.json)
         t_end = time.perf_counter()
     n_dec = max(len(out) - 1, 0)
     stats = dict(
@@ -284,6 +273,22 @@ def load_adapter(args, model, folder):
         raise FileNotFoundError(f"no lookahead adapter for {model.config.name} ({adapter}): "
                                 f"train one with python train.py --model {folder}, or pass --adapter")
     return LookaheadModule.load(adapter, model.config, args.device).to(model.lm_head.weight.dtype)
+
+
+def stream(tok, steps, quiet=False):
+    """Read decode()'s tokens until a stop token, printing the new text as it comes (unless quiet).
+    Returns (answer ids, text printed, tokens read, the last token, time of the first token)."""
+    answer, printed, n, last, t_first = [], "", 0, None, None
+    for t_ in steps:
+        if t_first is None:
+            t_first = time.perf_counter()
+        n, last = n + 1, t_[0].item()
+        if last in tok.stop_ids:
+            break
+        answer.append(last)
+        if not quiet:
+            printed = print_new(tok, answer, printed)
+    return answer, printed, n, last, t_first
 
 
 def print_new(tok, out, printed):
@@ -368,17 +373,9 @@ def chat_loop(args, model, tok, module, eviction, turns):
         else:
             logits, pos = add_turn(model, cache, ids_t, pos, evictor, args.budget, eviction.chunk_size)
         kept, log_start = len(cache), len(evictor.log) if evictor else 0
-        answer, printed, steps, t_first = [], "", 0, None
-        for t_ in decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p,
-                         gen, evict=evictor):  # without --decode-budget it only watches (every=None)
-            if t_first is None:
-                t_first = time.perf_counter()
-            steps, last = steps + 1, t_[0].item()
-            if last in tok.stop_ids:
-                break
-            answer.append(last)
-            if not args.json:
-                printed = print_new(tok, answer, printed)
+        answer, printed, steps, last, t_first = stream(tok, decode(  # without --decode-budget it only watches
+            model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p, gen,
+            evict=evictor), args.json)
         t_end = time.perf_counter()
         pos, pending = pos + steps - 1, [] if last in tok.stop_ids else [last]  # steps - 1 tokens were fed
         grown = [b for _, b, _ in evictor.log[log_start:]] if evictor else []  # evictions while decoding

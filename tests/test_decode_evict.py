@@ -22,19 +22,10 @@ import lookaheadkv as lk
 import model as M
 from lookaheadkv import DecodeEviction, EvictConfig, add_turn, compress, decode
 from model import Hook, Tokenizer
-from test_lookaheadkv import rand_ids, random_module, tiny_model
+from test_lookaheadkv import _no_grad_one_thread, rand_ids, random_module, tiny_model  # noqa: F401 (autouse)
 
 W, C, N = 4, 16, 5  # window, (decode) budget, every
 ATOL = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def _no_grad_one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with torch.no_grad():
-        yield
-    torch.set_num_threads(n)
 
 
 def setup(method, S=40, layers=3, seed=0):
