@@ -248,9 +248,9 @@ def ground_truth(model, row, window=0):
     model(ids, positions=torch.arange(S + R, device=dev)[None], cache=cache, hook=hook, logits_at=-1)
     cache.truncate(S)  # keep the prompt's KV only: the answer is what the lookahead must predict
     G = model.config.num_attention_heads // model.config.num_key_value_heads
-    extra = {}
+    extra = dict(response=ids[:, S:])  # (1, R): the answer, for the held-out answer KL
     if window:
-        extra = dict(snapkv=hook.snapkv.scores, h2o=hook.h2o.scores(None, G))
+        extra.update(snapkv=hook.snapkv.scores, h2o=hook.h2o.scores(None, G))
     return cache, hook.gt.scores, extra
 
 
@@ -309,18 +309,31 @@ def group_mean(scores, n_kv_heads):
 HELDOUT_METHODS = ("oracle", "lookahead", "lookahead_nopool", "snapkv", "pyramidkv", "h2o", "streaming")
 
 
+def forced_answer(model, cache, response):
+    """(R-1, V) float32 log-probs of answer tokens 1..R-1, the answer (1, R) teacher-forced on a
+    copy of `cache` (its first token is predicted by the prompt's last row, under the full cache
+    for every method, so it is left out)."""
+    S, R = len(cache), response.shape[1]
+    positions = torch.arange(S, S + R - 1, device=response.device)[None]
+    return model(response[:, :-1], positions=positions, cache=cache.copy(), logits_at=None)[0].float().log_softmax(-1)
+
+
 @torch.no_grad()
-def evaluate(model, module, heldout, budget, window=32, budgets=()):
+def evaluate(model, module, heldout, budget, window=32, budgets=(), answer_kl=()):
     """Held-out KL and recall@C of lookahead, snapkv, pyramidkv, h2o and streaming, each kept by
     its own scorer's eviction step (pooling, protected tokens, per-layer budgets:
     lookaheadkv.Scorer.evict) from the scores of the ground-truth forward; lookahead unpooled
     ("lookahead_nopool"), since pooling may blur a sharp predictor; and the oracle (the exact top
     C of the truth), the ceiling. Keys: recall_<method> at `budget` (the training log's line) and
     recall_<method>@<C> for every C in `budgets` too: scores are computed once for all of them.
+    For the methods in `answer_kl`, also answer_kl_<method>@<C>: the base model's own answer
+    teacher-forced through the compressed cache, mean KL(full cache || compressed) of the next-token
+    distributions (one forward per method and C; what recall cannot see: which lost tokens matter).
     Items are (cache, gt, extra) from ground_truth(..., window)."""
     Hkv = model.config.num_key_value_heads
     Cs = list(dict.fromkeys([budget, *budgets]))
     kl, rec = [], {(m, C): [] for m in HELDOUT_METHODS for C in Cs}
+    akl = {(m, C): [] for m in answer_kl for C in Cs}
     for cache, gt, extra in heldout:
         S = len(cache)
         positions = torch.arange(S, device=cache.k[0].device)[None]  # (1, S)
@@ -330,6 +343,7 @@ def evaluate(model, module, heldout, budget, window=32, budgets=()):
         lookahead, snap = stack(group_mean(pred, Hkv)), stack(extra["snapkv"])
         scores = dict(oracle=stack(true), lookahead=lookahead, lookahead_nopool=lookahead, snapkv=snap,
                       pyramidkv=snap, h2o=stack(extra["h2o"]))
+        logp_full = forced_answer(model, cache, extra["response"]) if akl else None
         for (method, C), r in rec.items():
             pool = "none" if method in ("lookahead_nopool", "oracle") else None
             if method == "oracle":  # the oracle scorer needs a response to run; its eviction is a plain top C
@@ -342,11 +356,19 @@ def evaluate(model, module, heldout, budget, window=32, budgets=()):
                     scores[method] = scorer.score(model, run)
                 kept = scorer.evict(scores[method], positions)
             r.append(recall_of_kept(kept, true))
+            if (method, C) in akl:
+                small = cache.copy()
+                for l, idx in enumerate(kept):
+                    small.gather(l, idx)
+                logp = forced_answer(model, small, extra["response"])
+                akl[method, C].append((logp_full.exp() * (logp_full - logp)).sum(-1).clamp(min=0).mean().item())
     out = dict(kl=sum(kl) / len(kl))
     for (m, C), v in rec.items():
         out[f"recall_{m}@{C}"] = sum(v) / len(v)
         if C == budget:
             out[f"recall_{m}"] = out[f"recall_{m}@{C}"]
+    for (m, C), v in akl.items():
+        out[f"answer_kl_{m}@{C}"] = sum(v) / len(v)
     return out
 
 
@@ -394,6 +416,8 @@ def get_args(argv=None):
     a("--budget", type=int, default=128, help="C for the held-out recall")
     a("--budgets", default="64,128,256", help="--eval-only: also a table of recall at these C (comma-separated)")
     a("--window", type=int, default=32, help="the held-out SnapKV / H2O rows: last prompt tokens always kept")
+    a("--answer-kl", action="store_true", help="--eval-only: also the answer KL at --budgets (one forward per "
+      "prompt, method and C: slower)")
     a("--eval-every", type=int, default=10, help="optimiser steps between held-out evals")
     a("--save-every", type=int, default=10, help="optimiser steps between checkpoints")
     a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
@@ -489,22 +513,28 @@ def eval_only(model, module, held_rows, args):
     table = []
     for i, (name, m) in enumerate(adapters):
         label = "untrained" if i == 0 else ("adapter" if len(adapters) == 2 else name)
-        result = evaluate(model, m, heldout, args.budget, args.window, Cs)
+        # the answer KL of the prompt-only baselines once (with the first row), of each adapter's rows always
+        akl = () if not (args.answer_kl and Cs) else HELDOUT_METHODS if i == 0 else ("lookahead", "lookahead_nopool")
+        result = evaluate(model, m, heldout, args.budget, args.window, Cs, answer_kl=akl)
         print_heldout(f"{label:9s} ({len(heldout)})", result, args.budget)
         table.append((label, m.pool, result))
     if not Cs:
         return
-    # one markdown table: the prompt-only baselines once, then each adapter pooled as its .json says and unpooled
-    row = lambda name, r, m, kl="": f"| {name} | " + " | ".join(f"{r[f'recall_{m}@{C}']:.3f}" for C in Cs) + f" | {kl} |"
+    # markdown tables: the prompt-only baselines once, then each adapter pooled as its .json says and unpooled
     first = table[0][2]
-    print(f"\n| recall@C ({len(heldout)} held-out) | " + " | ".join(f"C={C}" for C in Cs) + " | KL(gt ‖ pred) |")
-    print("|---" * (len(Cs) + 2) + "|")
-    for m in ("oracle", "snapkv", "pyramidkv", "h2o", "streaming"):
-        print(row(m, first, m))
-    for label, pool, r in table:
-        if pool != "none":
-            print(row(f"{label}, pool {pool}", r, "lookahead", f"{r['kl']:.4f}"))
-        print(row(f"{label}, unpooled", r, "lookahead_nopool", f"{r['kl']:.4f}"))
+    for metric, title, fmt in [("recall", "recall@C", ".3f"), ("answer_kl", "answer KL", ".4f")]:
+        if f"{metric}_oracle@{Cs[0]}" not in first:
+            continue
+        row = lambda name, r, m, kl="": (f"| {name} | " + " | ".join(f"{r[f'{metric}_{m}@{C}']:{fmt}}" for C in Cs)
+                                         + f" | {kl} |")
+        print(f"\n| {title} ({len(heldout)} held-out) | " + " | ".join(f"C={C}" for C in Cs) + " | KL(gt ‖ pred) |")
+        print("|---" * (len(Cs) + 2) + "|")
+        for m in ("oracle", "snapkv", "pyramidkv", "h2o", "streaming"):
+            print(row(m, first, m))
+        for label, pool, r in table:
+            if pool != "none":
+                print(row(f"{label}, pool {pool}", r, "lookahead", f"{r['kl']:.4f}"))
+            print(row(f"{label}, unpooled", r, "lookahead_nopool", f"{r['kl']:.4f}"))
     gap = lambda r, m, C: (r[f"recall_{m}@{C}"] - first[f"recall_snapkv@{C}"]) / max(
         1e-9, first[f"recall_oracle@{C}"] - first[f"recall_snapkv@{C}"])
     for label, pool, r in table:

@@ -455,6 +455,12 @@ def test_eval_only_reports_the_untrained_init_and_the_adapter(model_dir, tmp_pat
     assert names == ["oracle", "snapkv", "pyramidkv", "h2o", "streaming", "untrained, pool avg", "untrained, unpooled",
                      "adapter, pool avg", "adapter, unpooled"]
     assert f"{log[-1]['kl']:.4f}" in table[-1] and "gap closed" in text
+    # --answer-kl: a second table, the same rows, lower is better
+    train.main(argv(model_dir, out, "--eval-only", str(out / "adapter.safetensors"), "--budgets", "8,16",
+                    "--pool", "avg", "--answer-kl"))
+    table = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| ")]
+    assert table[len(names) + 1].startswith("| answer KL (2 held-out) | C=8 | C=16 |")
+    assert [l.split(" | ")[0][2:] for l in table[len(names) + 2:]] == names
 
 
 def test_init_continues_an_adapter_and_keeps_its_untrained_reference(model_dir, tmp_path, stub_prompts):
@@ -603,3 +609,24 @@ def test_heldout_eval_scores_once_for_several_budgets_under_the_oracle():
             assert 0 < r[f"recall_{m}@{C}"] <= r[f"recall_oracle@{C}"] + 1e-6  # the exact top C is the ceiling
         assert r[f"recall_{m}@8"] <= r[f"recall_{m}@12"] <= r[f"recall_{m}@24"]
     assert r["recall_oracle@8"] < r["recall_oracle@24"] < 1
+
+
+def test_heldout_answer_kl_is_zero_without_eviction_and_uses_the_full_cache_logits():
+    model = tiny_model()
+    rows = [dict(prompt_ids=rand_list(n, n), response_ids=rand_list(6, 100 + n)) for n in (40, 52)]
+    heldout = [train.ground_truth(model, r, window=4) for r in rows]
+    # the full-cache reference equals one forward over [prompt; answer] (answer tokens 1..R-1)
+    p, a = rows[0]["prompt_ids"], rows[0]["response_ids"]
+    ids = torch.tensor([p + a])
+    with torch.no_grad():
+        whole = model(ids, positions=torch.arange(len(ids[0]))[None], logits_at=None)[0].float().log_softmax(-1)
+        forced = train.forced_answer(model, heldout[0][0], heldout[0][2]["response"])
+    torch.testing.assert_close(forced, whole[len(p):len(p) + len(a) - 1], atol=1e-4, rtol=1e-4)
+    torch.manual_seed(0)
+    module = LookaheadModule(model.config, n_tokens=4, embed_std=0.5, pool="avg", kernel=5)
+    r = train.evaluate(model, module, heldout, budget=8, window=4, budgets=(8, 64), answer_kl=train.HELDOUT_METHODS)
+    for m in train.HELDOUT_METHODS:
+        assert abs(r[f"answer_kl_{m}@64"]) < 1e-5  # C >= S: nothing evicted, the same distributions
+        assert r[f"answer_kl_{m}@8"] > 1e-4  # 8 of 40-52 slots: the answer changes
+    assert "answer_kl_snapkv@8" not in train.evaluate(model, module, heldout, budget=8, window=4, budgets=(8,),
+                                                      answer_kl=("lookahead",))
