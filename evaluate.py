@@ -61,10 +61,11 @@ Beyond the paper, two modes hold the cache to C after the prefill too (lookahead
 each time it holds C + --every slots, every slot is re-scored and the last --window always kept;
 methods full, streaming, snapkv, h2o, lookahead, lookahead-untrained):
 
-    python evaluate.py --mode decode --untrained --threads 1 --lengths 1024,2048 --per-task 1 \
-        --budgets 128,256 --every 32 --max-new-tokens 384 --plot runs/eval-decode/plot.png
-    python evaluate.py --mode conversation --untrained --threads 1 --lengths 1024 --per-task 8 \
-        --budgets 128,256,512 --every 32 --first-answer-tokens 96 --max-new-tokens 24
+    python evaluate.py --mode decode --untrained --threads 2 --lengths 1024,2048 --per-task 1 \
+        --budgets 128,256 --every 32 --max-new-tokens 384 --plot runs/eval-decode/plot.png      # ~20 min
+    python evaluate.py --mode conversation --untrained --threads 2 --lengths 1024 --per-task 6 \
+        --budgets 128,256,512 --every 32 --first-answer-tokens 96 --max-new-tokens 24 \
+        --plot runs/eval-conversation/plot.png
 
 decode: long answers (long_answer_suite: detailed explanations of speeches and essays, step by step
 ones of stdlib code). Each method compresses the prompt to C, then FullKV's greedy answer is
