@@ -309,11 +309,11 @@ def group_mean(scores, n_kv_heads):
 HELDOUT_METHODS = ("oracle", "lookahead", "lookahead_nopool", "snapkv", "pyramidkv", "h2o", "streaming")
 
 
-def forced_answer(model, cache, response):
+def forced_answer(model, cache, response, S):
     """(R-1, V) float32 log-probs of answer tokens 1..R-1, the answer (1, R) teacher-forced on a
-    copy of `cache` (its first token is predicted by the prompt's last row, under the full cache
-    for every method, so it is left out)."""
-    S, R = len(cache), response.shape[1]
+    copy of `cache` at positions S.. (S: the prompt's length, whatever the cache kept of it). Its
+    first token is predicted by the prompt's last row, under the full cache for every method: left out."""
+    R = response.shape[1]
     positions = torch.arange(S, S + R - 1, device=response.device)[None]
     return model(response[:, :-1], positions=positions, cache=cache.copy(), logits_at=None)[0].float().log_softmax(-1)
 
@@ -343,7 +343,7 @@ def evaluate(model, module, heldout, budget, window=32, budgets=(), answer_kl=()
         lookahead, snap = stack(group_mean(pred, Hkv)), stack(extra["snapkv"])
         scores = dict(oracle=stack(true), lookahead=lookahead, lookahead_nopool=lookahead, snapkv=snap,
                       pyramidkv=snap, h2o=stack(extra["h2o"]))
-        logp_full = forced_answer(model, cache, extra["response"]) if akl else None
+        logp_full = forced_answer(model, cache, extra["response"], S) if akl else None
         for (method, C), r in rec.items():
             pool = "none" if method in ("lookahead_nopool", "oracle") else None
             if method == "oracle":  # the oracle scorer needs a response to run; its eviction is a plain top C
@@ -360,7 +360,7 @@ def evaluate(model, module, heldout, budget, window=32, budgets=(), answer_kl=()
                 small = cache.copy()
                 for l, idx in enumerate(kept):
                     small.gather(l, idx)
-                logp = forced_answer(model, small, extra["response"])
+                logp = forced_answer(model, small, extra["response"], S)  # positions stay S..
                 akl[method, C].append((logp_full.exp() * (logp_full - logp)).sum(-1).clamp(min=0).mean().item())
     out = dict(kl=sum(kl) / len(kl))
     for (m, C), v in rec.items():
