@@ -307,8 +307,9 @@ def test_two_pass_equals_one_masked_pass(targets):
     for l in range(cfg.num_hidden_layers):
         assert c1.k[l].shape[2] == C  # the lookahead rows are gone from the cache
         assert torch.allclose(c1.k[l], c2.k[l], atol=ATOL) and torch.allclose(c1.v[l], c2.v[l], atol=ATOL)
-        # and the kept set is the top-C of the pooled two-pass scores
-        assert torch.equal(kept_slots(cache.k[l][:, :, :S], c1.k[l]), select(lk.pool_scores(ha.scores[l], "avg", 5), C))
+        # and the kept set is the top-C of the two-pass scores, pooled as the module says
+        pooled = lk.pool_scores(ha.scores[l], mod.pool, mod.kernel)
+        assert torch.equal(kept_slots(cache.k[l][:, :, :S], c1.k[l]), select(pooled, C))
 
 
 def test_lora_delta_is_alpha_over_r_B_A_x():
@@ -757,7 +758,7 @@ def test_even_or_non_positive_pooling_width_is_refused(kernel):
         with pytest.raises(ValueError, match="must be odd"):
             compress(model, rand_ids(1, 40), EvictConfig(method, budget=16, window=4, pool="avg", kernel=kernel))
     with pytest.raises(ValueError, match="must be odd"):
-        LookaheadModule(model.config, n_tokens=4, kernel=kernel)
+        LookaheadModule(model.config, n_tokens=4, pool="avg", kernel=kernel)
 
 
 @pytest.mark.parametrize("budget", [0, -3])

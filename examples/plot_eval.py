@@ -1,0 +1,46 @@
+"""
+Draw one recall / answer-KL / accuracy plot from several evaluate.py runs over the same prompts,
+e.g. the baselines of one run next to the lookahead rows of a run with other pooling:
+
+    python examples/plot_eval.py --out examples/eval-plot.png \
+        "runs/eval2k:full,snapkv,pyramidkv,h2o,laq,streaming,oracle,lookahead=lookahead unpooled" \
+        "runs/eval2k-avg:lookahead=lookahead (shipped: avg-pool 5),lookahead-untrained=untrained (avg-pool 5)"
+
+Each argument is DIR (every method of DIR/results.json) or DIR:METHOD[=LABEL],... (those methods,
+renamed). Rows are averaged over the prompts each run holds, as evaluate.py's tables are.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from evaluate import plot  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="DIR or DIR:METHOD[=LABEL],...")
+    p.add_argument("--out", required=True, help="image to write")
+    args = p.parse_args(argv)
+    results, methods, budgets = [], [], set()
+    for spec in args.runs:
+        folder, _, picks = spec.partition(":")
+        path = Path(folder) / "results.json"
+        if not path.exists():
+            sys.exit(f"error: no {path}: run evaluate.py --out {folder} first")
+        rows = json.loads(path.read_text())["results"]
+        names = dict(x.partition("=")[::2] for x in picks.split(",")) if picks else {r["method"]: "" for r in rows}
+        for r in rows:
+            if r["method"] in names:
+                label = names[r["method"]] or r["method"]
+                results.append(dict(r, method=label))
+                budgets.add(r["budget"])
+                methods += [label] if label not in methods else []
+    plot(results, methods, sorted(budgets), args.out)
+    print(f"wrote {args.out}: {', '.join(methods)}")
+
+
+if __name__ == "__main__":
+    main()
