@@ -7,6 +7,7 @@ import math
 import random
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +84,27 @@ def test_plot_has_three_panels(tmp_path):
            for m in ("full", "snapkv") for b in (8, 16)]
     evaluate.plot(res, ["full", "snapkv"], [8, 16], tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_plot_eval_merges_runs_and_renames_rows(tmp_path, monkeypatch, capsys):
+    """examples/plot_eval.py: the baselines of one run next to renamed rows of another."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plot_eval", Path(__file__).parent.parent / "examples" / "plot_eval.py")
+    plot_eval = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_eval)
+    for name, methods in (("a", ("full", "snapkv", "lookahead")), ("b", ("full", "lookahead"))):
+        (tmp_path / name).mkdir()
+        rows = [dict(id="p", method=m, budget=b, accuracy=0.5, recall=0.5, answer_kl=0.1) for m in methods for b in (8, 16)]
+        (tmp_path / name / "results.json").write_text(json.dumps(dict(settings={}, results=rows)))
+    drawn = {}
+    monkeypatch.setattr(plot_eval, "plot", lambda res, methods, budgets, path: drawn.update(res=res, methods=methods,
+                                                                                          budgets=budgets))
+    plot_eval.main([f"{tmp_path / 'a'}:full,snapkv,lookahead=lookahead unpooled", f"{tmp_path / 'b'}:lookahead=shipped",
+                    "--out", str(tmp_path / "p.png")])
+    assert drawn["methods"] == ["full", "snapkv", "lookahead unpooled", "shipped"] and drawn["budgets"] == [8, 16]
+    assert len(drawn["res"]) == 8  # b's full row was not asked for
+    with pytest.raises(SystemExit, match="no .*results.json"):
+        plot_eval.main([str(tmp_path / "missing"), "--out", str(tmp_path / "p.png")])
 
 # -----------------------------------------------------------------------------
 # a tiny model, tokenizer, adapter and task file
