@@ -38,19 +38,19 @@ costs one forward, not R. A budget C >= S evicts nothing: that row is FullKV's o
 
 Prints a tqdm bar, then a markdown table per metric (accuracy, answer_kl, fidelity, exact,
 recall, prefill_ms, score_ms) and, per method, the smallest budget at which it reaches 90% of
-FullKV's accuracy. E.g. the shipped adapter, avg-pooled as it ships, on the first 15 prompts of
-the 2K suite (README section 2; 11 min on 2 CPU threads):
+FullKV's accuracy. E.g. the shipped adapter, avg-pooled as it ships, on the 24 prompts of the 2K
+suite (README section 2; ~15 min on 2 CPU threads):
 
     $ python evaluate.py --methods lookahead,lookahead-untrained --pool avg --kernel 5 --threads 2 \
-          --limit 15 --out runs/eval2k-avg
+          --out runs/eval2k-avg
     ...
     ### answer_kl: mean KL(FullKV || method) of the next-token distributions along FullKV's answer, ...
 
     | method | C=64 | C=128 | C=256 | C=512 |
     |---|---|---|---|---|
     | full | 0.0000 | 0.0000 | 0.0000 | 0.0000 |
-    | lookahead | 1.0960 | 0.8349 | 0.5630 | 0.2620 |
-    | lookahead-untrained | 1.0620 | 0.7632 | 0.3771 | 0.2136 |
+    | lookahead | 0.9010 | 0.6510 | 0.4112 | 0.1955 |
+    | lookahead-untrained | 0.8573 | 0.6024 | 0.3020 | 0.1657 |
     ...
 
 and writes OUT/results.md (these tables, plus accuracy per task) and OUT/results.json (one
@@ -267,8 +267,9 @@ def greedy(model, cache, logits, pos, max_new_tokens, stop_ids):
 def forced_logprobs(model, cache, logits, response, next_pos):
     """(R, V) float32 log-probs of the next token at each of the R answer positions, with the answer
     `response` (1, R) teacher-forced on a copy of `cache`. Position 0 is the prompt's own first-token
-    logits (1, V); positions 1..R-1 come from ONE forward of response[:, :-1]."""
-    rows, R = [logits[:, None]], response.shape[1]  # (1, 1, V)
+    logits (1, V); positions 1..R-1 come from ONE forward of response[:, :-1]. logits None: positions
+    1..R-1 only, (R-1, V) (train.py's held-out answer KL: the first token is the full cache's for all)."""
+    rows, R = ([] if logits is None else [logits[:, None]]), response.shape[1]  # (1, 1, V)
     if R > 1:
         positions = next_pos[:, None] + torch.arange(R - 1, device=response.device)  # next_pos .. next_pos+R-2
         rows.append(model(response[:, :-1], positions=positions, cache=cache.copy(), logits_at=None))  # (1, R-1, V)

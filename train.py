@@ -48,6 +48,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import data
+from evaluate import answer_kl as mean_answer_kl, forced_logprobs  # (train.evaluate is the held-out eval)
 from lookaheadkv import (SCORERS, EvictConfig, LookaheadModule, Prefilled, WindowHook, compress, decode,
                          group_attention, lookahead_pass, make_scorer, recall_of_kept, select, stack)
 from model import Hook, KVCache, Tokenizer, load_model
@@ -309,15 +310,6 @@ def group_mean(scores, n_kv_heads):
 HELDOUT_METHODS = ("oracle", "lookahead", "lookahead_nopool", "snapkv", "pyramidkv", "h2o", "streaming")
 
 
-def forced_answer(model, cache, response, S):
-    """(R-1, V) float32 log-probs of answer tokens 1..R-1, the answer (1, R) teacher-forced on a
-    copy of `cache` at positions S.. (S: the prompt's length, whatever the cache kept of it). Its
-    first token is predicted by the prompt's last row, under the full cache for every method: left out."""
-    R = response.shape[1]
-    positions = torch.arange(S, S + R - 1, device=response.device)[None]
-    return model(response[:, :-1], positions=positions, cache=cache.copy(), logits_at=None)[0].float().log_softmax(-1)
-
-
 @torch.no_grad()
 def evaluate(model, module, heldout, budget, window=32, budgets=(), answer_kl=()):
     """Held-out KL and recall@C of lookahead, snapkv, pyramidkv, h2o and streaming, each kept by
@@ -343,7 +335,9 @@ def evaluate(model, module, heldout, budget, window=32, budgets=(), answer_kl=()
         lookahead, snap = stack(group_mean(pred, Hkv)), stack(extra["snapkv"])
         scores = dict(oracle=stack(true), lookahead=lookahead, lookahead_nopool=lookahead, snapkv=snap,
                       pyramidkv=snap, h2o=stack(extra["h2o"]))
-        logp_full = forced_answer(model, cache, extra["response"], S) if akl else None
+        # answer tokens 2..R teacher-forced (the first is predicted under the full cache by every method)
+        next_pos = torch.tensor([S], device=positions.device)
+        logp_full = forced_logprobs(model, cache, None, extra["response"], next_pos) if akl else None
         for (method, C), r in rec.items():
             pool = "none" if method in ("lookahead_nopool", "oracle") else None
             if method == "oracle":  # the oracle scorer needs a response to run; its eviction is a plain top C
@@ -360,8 +354,8 @@ def evaluate(model, module, heldout, budget, window=32, budgets=(), answer_kl=()
                 small = cache.copy()
                 for l, idx in enumerate(kept):
                     small.gather(l, idx)
-                logp = forced_answer(model, small, extra["response"], S)  # positions stay S..
-                akl[method, C].append((logp_full.exp() * (logp_full - logp)).sum(-1).clamp(min=0).mean().item())
+                logp = forced_logprobs(model, small, None, extra["response"], next_pos)  # positions stay S..
+                akl[method, C].append(mean_answer_kl(logp_full, logp))
     out = dict(kl=sum(kl) / len(kl))
     for (m, C), v in rec.items():
         out[f"recall_{m}@{C}"] = sum(v) / len(v)
@@ -402,7 +396,7 @@ def get_args(argv=None):
     a("--targets", default="q_proj,k_proj", help="LoRA targets, any of q,k,v,o,gate,up,down _proj "
       "(the paper's release: all seven; '' or none: the embeddings alone)")
     a("--pool", default="avg", choices=["avg", "max", "none"],
-      help="scoring pooling the adapter will use at eviction (the loss never pools; README section 2)")
+      help="scoring pooling the adapter will use at eviction (the loss never pools; README sections 1-2)")
     a("--kernel", type=int, default=5)
     a("--lookahead-window", type=int, default=0, help="last prompt tokens the adapter always keeps (SnapKV keeps 32)")
     # optimisation
@@ -514,7 +508,10 @@ def eval_only(model, module, held_rows, args):
     for i, (name, m) in enumerate(adapters):
         label = "untrained" if i == 0 else ("adapter" if len(adapters) == 2 else name)
         # the answer KL of the prompt-only baselines once (with the first row), of each adapter's rows always
-        akl = () if not (args.answer_kl and Cs) else HELDOUT_METHODS if i == 0 else ("lookahead", "lookahead_nopool")
+        # (its pooled row only if it pools: unpooled, the two rows keep the same slots)
+        own = ("lookahead", "lookahead_nopool") if m.pool != "none" else ("lookahead_nopool",)
+        base = tuple(x for x in HELDOUT_METHODS if not x.startswith("lookahead")) if i == 0 else ()
+        akl = base + own if args.answer_kl and Cs else ()
         result = evaluate(model, m, heldout, args.budget, args.window, Cs, answer_kl=akl)
         print_heldout(f"{label:9s} ({len(heldout)})", result, args.budget)
         table.append((label, m.pool, result))

@@ -621,18 +621,32 @@ def test_heldout_answer_kl_is_zero_without_eviction_and_uses_the_full_cache_logi
     ids = torch.tensor([p + a])
     with torch.no_grad():
         whole = model(ids, positions=torch.arange(len(ids[0]))[None], logits_at=None)[0].float().log_softmax(-1)
-        forced = train.forced_answer(model, heldout[0][0], heldout[0][2]["response"], len(p))
+        forced = evaluate.forced_logprobs(model, heldout[0][0], None, heldout[0][2]["response"], torch.tensor([len(p)]))
     torch.testing.assert_close(forced, whole[len(p):len(p) + len(a) - 1], atol=1e-4, rtol=1e-4)
-    # on a compressed cache the answer keeps its positions (S.., not len(cache)..): evaluate.py's
-    # teacher forcing, which takes the next position explicitly, gives the same log-probs
+    # without the first-token logits, the same rows as with them, minus the first
     small = heldout[0][0].copy()
     for l in range(len(small.k)):
         small.gather(l, torch.arange(0, len(p), 3)[None, None].expand(1, small.k[l].shape[1], -1))
     with torch.no_grad():
         ref = evaluate.forced_logprobs(model, small, whole[len(p) - 1][None], heldout[0][2]["response"],
                                        torch.tensor([len(p)]))
-        mine = train.forced_answer(model, small, heldout[0][2]["response"], len(p))
+        mine = evaluate.forced_logprobs(model, small, None, heldout[0][2]["response"], torch.tensor([len(p)]))
     torch.testing.assert_close(mine, ref[1:], atol=1e-4, rtol=1e-4)
+    # the held-out answer KL on a compressed cache keeps the answer at positions S.. (not len(cache)..):
+    # the oracle's row at C = 8, computed by hand
+    hand = []
+    with torch.no_grad():
+        for cache, gt, extra in heldout:
+            S, nxt = len(cache), torch.tensor([len(cache)])
+            small = cache.copy()
+            for l, idx in enumerate(lk.select(lk.stack(train.group_mean(gt, model.config.num_key_value_heads)), 8)):
+                small.gather(l, idx)
+            full = evaluate.forced_logprobs(model, cache, None, extra["response"], nxt)
+            hand.append(evaluate.answer_kl(full, evaluate.forced_logprobs(model, small, None, extra["response"], nxt)))
+    torch.manual_seed(0)
+    plain = LookaheadModule(model.config, n_tokens=4, embed_std=0.5)
+    got = train.evaluate(model, plain, heldout, budget=8, window=4, answer_kl=("oracle",))["answer_kl_oracle@8"]
+    assert got == pytest.approx(sum(hand) / len(hand), rel=1e-5)
     torch.manual_seed(0)
     module = LookaheadModule(model.config, n_tokens=4, embed_std=0.5, pool="avg", kernel=5)
     r = train.evaluate(model, module, heldout, budget=8, window=4, budgets=(8, 64), answer_kl=train.HELDOUT_METHODS)
