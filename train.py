@@ -50,7 +50,7 @@ from tqdm import tqdm
 import data
 from evaluate import answer_kl as mean_answer_kl, forced_logprobs  # (train.evaluate is the held-out eval)
 from lookaheadkv import (SCORERS, EvictConfig, LookaheadModule, Prefilled, WindowHook, compress, decode,
-                         group_attention, lookahead_pass, make_scorer, recall_of_kept, select, stack)
+                         group_attention, lookahead_pass, make_scorer, pool_scores, recall_of_kept, select, stack)
 from model import Hook, KVCache, Tokenizer, load_model
 
 # -----------------------------------------------------------------------------
@@ -291,13 +291,16 @@ def micro_batches(rows, size):
     return [order[i:i + size] for i in range(0, len(order), size)]
 
 
-def kl_loss(gt, pred, eps=1e-8):
+def kl_loss(gt, pred, pool="none", kernel=1, eps=1e-8):
     """KL(gt || pred) of the L1-normalised scores, averaged over layers and heads: the future's
-    attention is the target distribution, the lookahead rows' the prediction."""
+    attention is the target distribution, the lookahead rows' the prediction. With a pool
+    (--pool-loss), both are first smoothed as eviction will smooth the prediction: the module
+    then learns which stretch of the prompt the answer reads, not which token of it."""
     losses = []
     for l, g in gt.items():
-        p = g.float() / g.float().sum(-1, keepdim=True)
-        q = pred[l].float() / pred[l].float().sum(-1, keepdim=True)
+        g, s = pool_scores(g.float(), pool, kernel), pool_scores(pred[l].float(), pool, kernel)
+        p = g / g.sum(-1, keepdim=True)
+        q = s / s.sum(-1, keepdim=True)
         losses.append((p * ((p + eps).log() - (q + eps).log())).sum(-1).mean())
     return torch.stack(losses).mean()
 
@@ -396,8 +399,10 @@ def get_args(argv=None):
     a("--targets", default="q_proj,k_proj", help="LoRA targets, any of q,k,v,o,gate,up,down _proj "
       "(the paper's release: all seven; '' or none: the embeddings alone)")
     a("--pool", default="avg", choices=["avg", "max", "none"],
-      help="scoring pooling the adapter will use at eviction (the loss never pools; README sections 1-2)")
+      help="scoring pooling the adapter will use at eviction (README sections 1-2)")
     a("--kernel", type=int, default=5)
+    a("--pool-loss", action="store_true", help="smooth target and prediction with --pool / --kernel in the loss "
+      "too (train with the pooling you ship; default: the loss compares unpooled scores)")
     a("--lookahead-window", type=int, default=0, help="last prompt tokens the adapter always keeps (SnapKV keeps 32)")
     # optimisation
     a("--epochs", type=float, default=3, help="passes over the training rows (a fraction ends mid-pass)")
@@ -547,6 +552,7 @@ def adapter_metadata(args, n_train, n_held, step, total, stopped_early, log, ini
                                 max_new_tokens=args.max_new_tokens, long_frac=args.long_frac,
                                 long_max=args.long_max, python=data.PYTHON),
                 steps=step, planned_steps=total, stopped_early=stopped_early, batch=args.batch, lr=args.lr,
+                pool_loss=args.pool_loss,
                 epochs=args.epochs, heldout=log[-1] if log else None, untrained=log[0] if log else None)
     if init_info:  # step 0 was the init adapter, not an untrained module: keep the init's own reference
         info.update(untrained=init_info.get("untrained"),
@@ -596,6 +602,7 @@ def train(args):
     if args.eval_only:
         return eval_only(model, module, held_rows, args)
     opt = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    loss_pool = (args.pool, args.kernel) if args.pool_loss else ("none", 1)
     batches = micro_batches(train_rows, args.micro_batch)
     per_step = max(world, args.batch // args.micro_batch)  # micro-batches per optimiser step, all ranks
     steps_per_epoch = max(1, len(batches) // per_step)
@@ -651,7 +658,7 @@ def train(args):
             cache, gt, lengths = load.result()
             pred = lookahead_pass(model, module, cache, lengths, per_query_head=True)  # B samples in one forward
             # each sample weighs the same in the step's mean; ranks average their gradients after
-            loss = kl_loss(gt, pred) * len(idx) * world / n_step
+            loss = kl_loss(gt, pred, *loss_pool) * len(idx) * world / n_step
             loss.backward()
             loss_sum += loss.item() / world
         if ddp:

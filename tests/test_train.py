@@ -75,6 +75,22 @@ def test_kl_loss_known_values():
     assert train.kl_loss(a, b).item() > 0
 
 
+def test_kl_loss_pooled_compares_stretches_not_tokens():
+    # the mass on token 2 or on its neighbour 3: unpooled, a large KL; avg-pooled, the two smoothed
+    # distributions share most of their stretch and differ only at its edges, so the KL falls
+    gt = {0: torch.tensor([[[1e-3, 1e-3, 1.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3]]])}
+    pred = {0: torch.tensor([[[1e-3, 1e-3, 1e-3, 1.0, 1e-3, 1e-3, 1e-3, 1e-3]]])}
+    plain, pooled = train.kl_loss(gt, pred).item(), train.kl_loss(gt, pred, "avg", 3).item()
+    assert plain > 6 and 0 < pooled < plain / 3
+    assert train.kl_loss(gt, pred, "avg", 5).item() < pooled  # a wider stretch: closer still
+    # by hand: zero-padded avg over 3, then L1-normalised, then KL
+    sm = lambda x: torch.nn.functional.avg_pool1d(x.view(1, 1, -1), 3, 1, 1).view(-1)
+    p, q = sm(gt[0]), sm(pred[0])
+    p, q = p / p.sum(), q / q.sum()
+    assert pooled == pytest.approx((p * ((p + 1e-8).log() - (q + 1e-8).log())).sum().item(), abs=1e-6)
+    assert train.kl_loss(gt, pred, "none", 5).item() == pytest.approx(plain)  # pool none: kernel ignored
+
+
 # -----------------------------------------------------------------------------
 # the ground truth against transformers' explicit attention matrices
 
