@@ -106,6 +106,30 @@ def test_plot_eval_merges_runs_and_renames_rows(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit, match="no .*results.json"):
         plot_eval.main([str(tmp_path / "missing"), "--out", str(tmp_path / "p.png")])
 
+
+def test_foreign_tasks_cut_at_paragraphs_and_alternate_the_request(tmp_path, monkeypatch):
+    """examples/foreign_tasks.py: documents cut at a paragraph end, each request once after and once
+    before a document, no expected answers, a task file evaluate.py reads."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("foreign", Path(__file__).parent.parent / "examples" / "foreign_tasks.py")
+    foreign = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(foreign)
+    text = "\n\n".join(f"paragraph {i} " + "word " * 30 for i in range(40))  # ~6.5K chars
+    assert foreign.cut(text, 1000).endswith("word") and len(foreign.cut(text, 1000)) <= 1000
+    assert foreign.cut("short", 1000) == "short"
+    docs = [(f"reference/t{i}", "reference", text) for i in range(4)] + [("licence/L", "licence", text)]
+    monkeypatch.setattr(foreign, "documents", lambda min_chars: docs)
+    rows = foreign.build(per_kind=4, max_chars=2000)
+    assert [r["id"] for r in rows] == ["reference/t0", "reference/t1", "reference/t2", "reference/t3", "licence/L"]
+    asks = foreign.REFERENCE_ASKS
+    assert rows[0]["prompt"].endswith(asks[0]) and rows[1]["prompt"].startswith(asks[0])
+    assert rows[2]["prompt"].endswith(asks[1]) and rows[3]["prompt"].startswith(asks[1])
+    assert all(r["answers"] == [] and len(r["prompt"]) < 2000 + 200 for r in rows)
+    out = tmp_path / "t.jsonl"
+    foreign.main(["--out", str(out), "--per-kind", "2", "--max-chars", "2000"])
+    assert [json.loads(l)["task"] for l in out.read_text().splitlines()] == ["reference", "reference", "licence"]
+
+
 # -----------------------------------------------------------------------------
 # a tiny model, tokenizer, adapter and task file
 

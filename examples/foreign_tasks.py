@@ -1,0 +1,94 @@
+"""Prompts from text the training never reads, for `evaluate.py --tasks`: a check that the adapter
+generalises beyond its own data (speeches, essays and stdlib code) and beyond the RULER-style suite.
+
+Two kinds of document, both already on a Debian/Ubuntu machine with Python 3.11:
+  - the Python language reference (pydoc_data/topics.py, which data.py never reads): prose with
+    grammar rules and short code examples;
+  - the free-software licences in /usr/share/common-licenses (GPL, LGPL, MPL, GFDL, Apache): legal text.
+Each prompt is one document cut to about --max-chars at a paragraph end, with a request before or
+after it (summaries, lists, explanations, questions about conditions). There is no expected
+answer: evaluate.py compares every method with FullKV's own answer (answer KL, fidelity, recall).
+
+    python examples/foreign_tasks.py --out runs/foreign/tasks.jsonl
+    python evaluate.py --tasks runs/foreign/tasks.jsonl --methods snapkv,pyramidkv,h2o,lookahead,lookahead-untrained \
+        --budgets 64,128,256 --max-new-tokens 48 --out runs/foreign
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+LICENCES = Path("/usr/share/common-licenses")
+LICENCE_FILES = ("GPL-2", "GPL-3", "LGPL-2.1", "MPL-1.1", "MPL-2.0", "GFDL-1.3", "Apache-2.0", "LGPL-2")
+LICENCE_ASKS = (
+    "Summarise the conditions under which someone may redistribute the work covered by this licence.",
+    "What does this licence say about warranty and liability? Answer in two sentences.",
+    "List the obligations a person takes on when they distribute a modified version.",
+    "Explain in plain words what this licence allows and what it forbids.",
+)
+REFERENCE_ASKS = (
+    "In two or three sentences, what does this section of the Python reference specify?",
+    "List the keywords, operators or special methods this section names.",
+    "Pick one code example from the text and explain what it does.",
+    "What errors or restrictions does this section mention? Answer briefly.",
+)
+
+
+def cut(text, max_chars):
+    """The text up to the last paragraph end before max_chars (whole text if shorter)."""
+    if len(text) <= max_chars:
+        return text.strip()
+    head = text[:max_chars]
+    end = head.rfind("\n\n")
+    return (head[:end] if end > max_chars // 2 else head).strip()
+
+
+def documents(min_chars):
+    """(id, kind, text) of the reference topics and the licences, in a fixed order."""
+    docs = []
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        topics = {}
+    for name in sorted(topics):
+        if len(topics[name]) >= min_chars:
+            docs.append((f"reference/{name}", "reference", topics[name]))
+    for name in LICENCE_FILES:
+        path = LICENCES / name
+        if path.exists() and path.stat().st_size >= min_chars:
+            docs.append((f"licence/{name}", "licence", path.read_text(errors="replace")))
+    return docs
+
+
+def build(per_kind=8, max_chars=7500, min_chars=6000):
+    rows = []
+    for kind, asks in (("reference", REFERENCE_ASKS), ("licence", LICENCE_ASKS)):
+        docs = [d for d in documents(min_chars) if d[1] == kind][:per_kind]
+        for i, (doc_id, _, text) in enumerate(docs):
+            ask, doc = asks[(i // 2) % len(asks)], cut(text, max_chars)
+            # each request once after a document, once before the next: where the question sits matters
+            prompt = f"{ask}\n\n{doc}" if i % 2 else f"{doc}\n\n{ask}"
+            rows.append(dict(id=doc_id, task=kind, prompt=prompt, answers=[]))
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/foreign/tasks.jsonl")
+    p.add_argument("--per-kind", type=int, default=8, help="prompts per kind of document")
+    p.add_argument("--max-chars", type=int, default=7500, help="document length cap (about 1.5-2K tokens)")
+    args = p.parse_args(argv)
+    rows = build(args.per_kind, args.max_chars)
+    if not rows:
+        sys.exit("no documents found: this needs Python's pydoc_data or /usr/share/common-licenses")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    kinds = {k: sum(r["task"] == k for r in rows) for k in ("reference", "licence")}
+    print(f"wrote {len(rows)} prompts to {args.out}: {kinds}")
+
+
+if __name__ == "__main__":
+    main()
