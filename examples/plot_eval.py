@@ -8,6 +8,8 @@ e.g. the baselines of one run next to the lookahead rows of a run with other poo
 
 Each argument is DIR (every method of DIR/results.json) or DIR:METHOD[=LABEL],... (those methods,
 renamed). Rows are averaged over the prompts each run holds, as evaluate.py's tables are.
+--tables also prints the merged rows as markdown tables (answer KL, recall, fidelity, accuracy);
+--out is then optional.
 """
 
 import argparse
@@ -16,14 +18,17 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from evaluate import plot  # noqa: E402
+from evaluate import METRICS, plot, table  # noqa: E402
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="DIR or DIR:METHOD[=LABEL],...")
-    p.add_argument("--out", required=True, help="image to write")
+    p.add_argument("--out", default=None, help="image to write")
+    p.add_argument("--tables", action="store_true", help="print markdown tables of the merged rows")
     args = p.parse_args(argv)
+    if not args.out and not args.tables:
+        sys.exit("error: nothing to do: give --out IMAGE, --tables or both")
     results, methods, budgets = [], [], set()
     for spec in args.runs:
         folder, _, picks = spec.partition(":")
@@ -38,8 +43,13 @@ def main(argv=None):
                 results.append(dict(r, method=label))
                 budgets.add(r["budget"])
                 methods += [label] if label not in methods else []
-    plot(results, methods, sorted(budgets), args.out)
-    print(f"wrote {args.out}: {', '.join(methods)}")
+    n = len({r["id"] for r in results})
+    for metric in ("answer_kl", "recall", "fidelity", "accuracy") if args.tables else ():
+        if any(r.get(metric) is not None for r in results):
+            print(f"### {METRICS[metric][0]} ({n} samples)\n\n{table(results, metric, methods, sorted(budgets))}\n")
+    if args.out:
+        plot(results, methods, sorted(budgets), args.out)
+        print(f"wrote {args.out}: {', '.join(methods)}")
 
 
 if __name__ == "__main__":

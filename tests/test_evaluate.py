@@ -105,6 +105,12 @@ def test_plot_eval_merges_runs_and_renames_rows(tmp_path, monkeypatch, capsys):
     assert len(drawn["res"]) == 8  # b's full row was not asked for
     with pytest.raises(SystemExit, match="no .*results.json"):
         plot_eval.main([str(tmp_path / "missing"), "--out", str(tmp_path / "p.png")])
+    capsys.readouterr()
+    plot_eval.main([f"{tmp_path / 'a'}:snapkv", f"{tmp_path / 'b'}:lookahead=shipped", "--tables"])  # no image
+    out = capsys.readouterr().out
+    assert "| snapkv | 0.1000 | 0.1000 |" in out and "| shipped | 0.500 | 0.500 |" in out and "wrote" not in out
+    with pytest.raises(SystemExit, match="nothing to do"):
+        plot_eval.main([str(tmp_path / "a")])
 
 
 def test_foreign_tasks_cut_at_paragraphs_and_alternate_the_request(tmp_path, monkeypatch):
