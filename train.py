@@ -396,7 +396,7 @@ def get_args(argv=None):
     a("--n-tokens", type=int, default=32, help="M, lookahead tokens")
     a("--rank", type=int, default=8)
     a("--alpha", type=float, default=32)
-    a("--targets", default="q_proj,k_proj", help="LoRA targets, any of q,k,v,o,gate,up,down _proj "
+    a("--targets", default="q_proj,k_proj", help="LoRA targets, any of q,k,v,o,gate,up,down _proj, or all "
       "(the paper's release: all seven; '' or none: the embeddings alone)")
     a("--pool", default="avg", choices=["avg", "max", "none"],
       help="scoring pooling the adapter will use at eviction (README sections 1-2)")
@@ -485,8 +485,10 @@ def all_reduce_grads(module, world):
 
 
 def parse_targets(text):
-    """"q_proj,k_proj" -> the tuple; "" or "none" -> () (the embeddings alone, no LoRA)."""
-    return tuple(t for t in text.split(",") if t.strip() and t.strip() != "none")
+    """"q_proj,k_proj" -> the tuple; "all" -> all seven; "" or "none" -> () (the embeddings alone, no LoRA)."""
+    if text.strip() == "all":
+        return LookaheadModule.TARGETS
+    return tuple(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none")
 
 
 def new_module(model, args):

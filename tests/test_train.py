@@ -75,6 +75,12 @@ def test_kl_loss_known_values():
     assert train.kl_loss(a, b).item() > 0
 
 
+def test_parse_targets():
+    assert train.parse_targets("all") == LookaheadModule.TARGETS and len(train.parse_targets("all")) == 7
+    assert train.parse_targets("q_proj, k_proj") == ("q_proj", "k_proj")
+    assert train.parse_targets("none") == () == train.parse_targets("")
+
+
 def test_kl_loss_pooled_compares_stretches_not_tokens():
     # the mass on token 2 or on its neighbour 3: unpooled, a large KL; avg-pooled, the two smoothed
     # distributions share most of their stretch and differ only at its edges, so the KL falls
