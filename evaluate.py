@@ -41,15 +41,14 @@ recall, prefill_ms, score_ms) and, per method, the smallest budget at which it r
 FullKV's accuracy. E.g. the shipped adapter, avg-pooled as it ships, on the 24 prompts of the 2K
 suite (README section 2; ~15 min on 2 CPU threads):
 
-    $ python evaluate.py --methods lookahead,lookahead-untrained --pool avg --kernel 5 --threads 2 \
-          --out runs/eval2k-avg
+    $ python evaluate.py --methods lookahead,lookahead-untrained --threads 2 --out runs/eval2k-all7-avg5
     ...
     ### answer_kl: mean KL(FullKV || method) of the next-token distributions along FullKV's answer, ...
 
     | method | C=64 | C=128 | C=256 | C=512 |
     |---|---|---|---|---|
     | full | 0.0000 | 0.0000 | 0.0000 | 0.0000 |
-    | lookahead | 0.9010 | 0.6510 | 0.4112 | 0.1955 |
+    | lookahead | 0.8822 | 0.6204 | 0.3326 | 0.1772 |
     | lookahead-untrained | 0.8573 | 0.6024 | 0.3020 | 0.1657 |
     ...
 
