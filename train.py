@@ -5,13 +5,13 @@ model frozen: the module learns to attend to the prompt the way the model's own 
 CPU recipe, the shipped adapter (2 cores, float32; README.md says what it printed and how long it took;
 after a kill, rerun the same command: the data stage keeps what it wrote, --resume the training checkpoint):
     python train.py --out runs/cpu --n-train 1000 --n-heldout 64 --max-new-tokens 128 --long-frac 0.05 \
-        --gen-batch 16 --epochs 2 --eval-every 25 --save-every 5 --resume --targets all \
+        --gen-batch 16 --epochs 2 --eval-every 25 --save-every 5 --resume \
         --adapter-out weights/SmolLM2-135M-Instruct.lookahead.safetensors
-(the shipped adapter's LoRA is on all seven projections; without --targets all: q and k, the
+(the LoRA on all seven projections, the default --targets all; with --targets q_proj,k_proj: the
 adapter shipped before it, weights/SmolLM2-135M-Instruct.lookahead-qk.safetensors)
 One GPU, paper-like scale (longer prompts and answers, more of them):
     python train.py --out runs/gpu --n-train 8000 --n-heldout 128 --max-tokens 4096 --max-new-tokens 256 \
-        --gen-batch 64 --micro-batch 32 --epochs 2 --targets all
+        --gen-batch 64 --micro-batch 32 --epochs 2
 Several GPUs (data parallel: each rank takes every world_size-th micro-batch; build the samples first):
     python train.py --stage data ... && torchrun --nproc_per_node=8 train.py ...
 CPU smoke run (a few minutes on 2 cores):
@@ -398,8 +398,8 @@ def get_args(argv=None):
     a("--n-tokens", type=int, default=32, help="M, lookahead tokens")
     a("--rank", type=int, default=8)
     a("--alpha", type=float, default=32)
-    a("--targets", default="q_proj,k_proj", help="LoRA targets, any of q,k,v,o,gate,up,down _proj, or all "
-      "(the paper's release: all seven; '' or none: the embeddings alone)")
+    a("--targets", default="all", help="LoRA targets: all (the seven projections, as the shipped adapter and "
+      "the paper's release), or any of q,k,v,o,gate,up,down _proj; '' or none: the embeddings alone")
     a("--pool", default="avg", choices=["avg", "max", "none"],
       help="scoring pooling the adapter will use at eviction (README sections 1-2)")
     a("--kernel", type=int, default=5)
