@@ -449,6 +449,22 @@ TASKS = {  # task -> (kind of document, weight out of 36, builder); no task abov
     "explain_module": ("code", 1, None),
 }
 
+# tasks whose answer copies a span of the prompt exactly (a made-up name or number, a value, a quoted
+# line): the answers that eviction must not cut. make_training_prompts(copy_frac=...) sets their share.
+COPY_TASKS = ("facts", "kv", "vars", "quote_next", "quote_para", "extract_list", "find_const", "find_bug")
+
+def task_mix(pools, copy_frac=None):
+    """The task list one block of prompts draws from, each task as often as its weight. With copy_frac,
+    the COPY_TASKS make up that share of the block (weights kept within each group)."""
+    tasks = {t: w for t, (kind, w, _) in TASKS.items() if pools[kind]}
+    if copy_frac is None:
+        return [t for t, w in tasks.items() for _ in range(w)]
+    if not 0 <= copy_frac <= 1:
+        raise ValueError(f"copy_frac must be in [0, 1], got {copy_frac}")
+    groups = [(t, w, copy_frac if t in COPY_TASKS else 1 - copy_frac) for t, w in tasks.items()]
+    total = {c: sum(w for t, w in tasks.items() if (t in COPY_TASKS) == c) for c in (True, False)}
+    return [t for t, w, share in groups for _ in range(round(100 * share * w / max(1, total[t in COPY_TASKS])))]
+
 REMINDERS = ("Reminder: ", "To repeat the task: ", "Again: ")
 
 def place(rng, ctx, instruction):
@@ -494,15 +510,16 @@ def training_row(tok, pools, task, rng, n_tokens, key):
     return dict(row, python=PYTHON) if source == "stdlib" else row
 
 def make_training_prompts(tok, n, split="train", min_tokens=512, max_tokens=2048, seed=0, docs=None,
-                          long_frac=0.1, long_max=4096):
+                          long_frac=0.1, long_max=4096, copy_frac=None):
     """n training prompts from one split's documents (docs: as from load_documents; loaded if None),
     each min_tokens..max_tokens tokens long (the whole prompt, as in row["tokens"]), or max_tokens..long_max
     for about long_frac of them. "doc" is the document the context starts in; long contexts run on into
-    others. Row i depends only on (seed, i), the task mix and its own source's documents, so a speech's
+    others. copy_frac: the share of COPY_TASKS (default: the weights of TASKS, about a third).
+    Row i depends only on (seed, i), the task mix and its own source's documents, so a speech's
     or essay's row is the same on any Python while a stdlib row's id names the Python whose source it holds."""
     docs = split_documents(load_documents() if docs is None else docs, split)
     pools = {"text": [d for d in docs if d.source != "stdlib"], "code": [d for d in docs if d.source == "stdlib"]}
-    mix = [t for t, (kind, w, _) in TASKS.items() if pools[kind] for _ in range(w)]
+    mix = task_mix(pools, copy_frac)
     if not mix:
         raise ValueError(f"no documents in split {split!r}: pass docs as load_documents() returns them")
     block, rows = random.Random(seed), []

@@ -153,13 +153,16 @@ def build_dataset(model, tok, args, out, rank=0):
     same pass. Rows and samples already there are kept (resume); a row without its sample file
     (e.g. a data.jsonl from elsewhere) gets one from ground_truth, one forward over [prompt; answer]."""
     fp, path = model.config.fingerprint(), Path(out) / "data.jsonl"
-    if path.exists() and not args.eval_only:  # a run killed mid-write leaves a partial last line: drop it
+    read_only = args.eval_only or args.stage == "train"  # another run may be appending: never write
+    if path.exists() and not read_only:  # a run killed mid-write leaves a partial last line: drop it
         text = path.read_text()
         if text and not text.endswith("\n"):
             path.write_text(text[: text.rfind("\n") + 1])
     rows = data.read_jsonl(path, required=("id", "prompt_ids", "response_ids")) if path.exists() else []
-    if args.eval_only:  # read only (another run may be appending): the held-out rows are all it needs
+    if args.eval_only:  # the held-out rows are all it needs
         return [r for r in rows if r.get("split") == "heldout"]
+    if read_only:  # --stage train: the training rows whose sample files are written
+        return [r for r in rows if r.get("split") == "heldout" or sample_path(out, r["id"]).exists()]
     for r in rows:
         if r.get("fingerprint") != fp:
             raise ValueError(f"{path} was made with another base model ({r.get('base_model')}): use another --out")
@@ -170,7 +173,8 @@ def build_dataset(model, tok, args, out, rank=0):
         for split, n in (("train", args.n_train), ("heldout", args.n_heldout)):
             prompts = data.make_training_prompts(tok, n, split=split, min_tokens=args.min_tokens,
                                                  max_tokens=args.max_tokens, long_frac=args.long_frac,
-                                                 long_max=args.long_max, seed=args.seed)
+                                                 long_max=args.long_max, seed=args.seed,
+                                                 copy_frac=args.copy_frac if split == "train" else None)
             todo += [dict(p, split=split) for p in prompts if p["id"] not in done]
     store = getattr(torch, args.store_dtype)
     missing = [r for r in rows if r["split"] == "train" and not sample_path(out, r["id"]).exists()]
@@ -381,7 +385,8 @@ def get_args(argv=None):
     a("--model", default=None, help="HF folder of the base model (default: weights/SmolLM2-135M-Instruct)")
     a("--out", default="runs/lookahead", help="folder for data.jsonl, checkpoints and logs")
     a("--adapter-out", default=None, help="where the final adapter goes (default: OUT/adapter.safetensors)")
-    a("--stage", default="all", choices=["data", "train", "all"])
+    a("--stage", default="all", choices=["data", "train", "all"],
+      help="data: build OUT's samples only; train: train on the samples OUT already holds (read only)")
     # data
     a("--n-train", type=int, default=800, help="training prompts")
     a("--n-heldout", type=int, default=32, help="held-out prompts (other documents) for the eval")
@@ -389,6 +394,8 @@ def get_args(argv=None):
     a("--max-tokens", type=int, default=2048)
     a("--long-frac", type=float, default=0.1, help="fraction of prompts longer than --max-tokens, up to --long-max")
     a("--long-max", type=int, default=4096)
+    a("--copy-frac", type=float, default=None, help="share of training prompts whose answer copies a span "
+      "exactly (data.COPY_TASKS; default: the task weights, about a third); held-out prompts keep the default")
     a("--max-new-tokens", type=int, default=256, help="length cap of the base model's answers (paper: 512)")
     a("--gen-batch", type=int, default=None, help="prompts answered together (default 32 on CUDA, 8 on CPU)")
     a("--store-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
@@ -554,6 +561,7 @@ def adapter_metadata(args, n_train, n_held, step, total, stopped_early, log, ini
     info = dict(train_data=dict(sources=list(data.SOURCES), n_train=n_train, n_heldout=n_held,
                                 min_tokens=args.min_tokens, max_tokens=args.max_tokens,
                                 max_new_tokens=args.max_new_tokens, long_frac=args.long_frac,
+                                copy_frac=args.copy_frac,
                                 long_max=args.long_max, python=data.PYTHON),
                 steps=step, planned_steps=total, stopped_early=stopped_early, batch=args.batch, lr=args.lr,
                 pool_loss=args.pool_loss,
