@@ -16,25 +16,10 @@ above 16K (it scores with every prompt query: S x S work in row chunks); "full-1
 prefill in one chunk instead of chunks of --chunk-size. Rows print as they are measured and
 --json OUT is rewritten after each (a killed run keeps them); --markdown prints markdown.
 overhead = median over rounds of (method - full) timed in the same round: drift cancels.
-On a shared CPU, --threads 1 --clock cpu counts only this process's CPU time. For example
-(SmolLM2-135M, 2 cores shared with other jobs: +-4% of noise remains, per round):
+On a shared CPU, --threads 1 --clock cpu counts only this process's CPU time (+-4% of noise
+remains per round). RESULTS.md gives each measured table with the command that made it.
 
-    $ python bench.py --lengths 1024,2048 --threads 1 --clock cpu
-    SmolLM2-135M-Instruct  cpu float32  threads 1  budget 128  repeats 5  clock process_time  torch 2.13.0+cpu
-    lookahead rows: untrained LookaheadModule (M=32, LoRA q_proj,k_proj r=8): timing does not depend on training
-    method                   S  prefill ms  total ms  overhead ms  overhead %    KV MiB  full KV MiB  peak GiB
-    ...
-    full                  2048      7735.9    7735.9          0.0         0.0     90.00        90.00         -
-    snapkv                2048      7735.9    8226.9        554.2        7.16      5.62        90.00         -
-    h2o                   2048      7735.9   12542.9       4249.6       54.93      5.62        90.00         -
-    laq                   2048      7735.9    9294.8        908.1       11.74      5.62        90.00         -
-    lookahead             2048      7735.9    8186.2        145.0        1.87      5.62        90.00         -
-    lookahead-2pass       2048      7735.9    8728.2        493.2        6.38      5.62        90.00         -
-
-Same conditions: prefill-vs-hf ours / theirs 1.01 at 1K, 0.97 at 2K; train-cost efficient / naive
-14.3x at 1K (1.58 vs 0.11 samples/s).
-
-decode-cost (beyond the paper: lookaheadkv.DecodeEviction): what holding the cache to C_d while decoding
+decode-cost (beyond the paper: decode_eviction.DecodeEviction): what holding the cache to C_d while decoding
 costs per generated token. --lengths are the decode budgets C_d here: the cache starts with C_d slots (a
 random prompt of C_d tokens, prefilled whole) and every method decodes periods x every tokens, evicting back
 to C_d each time it holds C_d + every slots, so its forwards see C_d + 1 .. C_d + every slots over and over.
@@ -53,9 +38,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from lookaheadkv import (DECODE_METHODS, METHODS, DecodeEviction, EvictConfig, LookaheadHook, LookaheadModule, compress,
-                         decode)
-from model import ModelConfig, Transformer, default_dtype, load_model
+from decode_eviction import DECODE_METHODS, DecodeEviction
+from lookaheadkv import METHODS, EvictConfig, LookaheadHook, LookaheadModule, compress, decode, untrained_module
+from model import ModelConfig, Transformer, check_device, check_model_dir, default_dtype, load_model, resolve_model
 
 # row name -> EvictConfig fields; any other name in lookaheadkv.METHODS runs as itself
 VARIANTS = {
@@ -79,6 +64,7 @@ COLUMNS = {  # mode -> (row key, header) of the printed table; --json has every 
                       ("logits_diff", "max |logits diff|")],
     "train-cost": [("S", "S"), ("answer_target_s_per_sample", "answer+target s/sample"),
                    ("epoch_samples_s", "epoch samples/s (batched)"),
+                   ("recompute_samples_s", "recomputing the cache"), ("cached_vs_recompute", "cached / recomputed"),
                    ("efficient_samples_s", "efficient samples/s"), ("naive_samples_s", "naive samples/s"),
                    ("speedup", "efficient / naive"), ("loss_efficient", "loss efficient"),
                    ("loss_naive", "loss naive")],
@@ -158,9 +144,7 @@ def get_model(args, config_path):
     dtype = getattr(torch, args.dtype) if args.dtype else None
     if config_path:
         return random_model(config_path, args.device, dtype)
-    if args.model is None:
-        from weights.prepare import DEFAULT_DIR, ensure_default
-        args.model = str(ensure_default(DEFAULT_DIR))
+    args.model = str(resolve_model(args.model))
     return load_model(args.model, args.device, dtype)
 
 
@@ -169,8 +153,7 @@ def get_module(model, args):
     if args.adapter:
         return LookaheadModule.load(args.adapter, model.config, args.device)
     torch.manual_seed(args.seed)
-    std = model.model.embed_tokens.weight.float().std().item()
-    return LookaheadModule(model.config, embed_std=std).to(args.device)
+    return untrained_module(model)  # the shipped configuration: LoRA on all seven projections
 
 
 def random_ids(model, B, S, seed):  # timing only: the tokens do not matter
@@ -325,7 +308,8 @@ def run_decode_cost(model, args, lengths, emit):
         cache, logits, pos, _ = compress(model, ids, EvictConfig("full", chunk_size=args.chunk_size))  # C slots
 
         def steps(n, evict=None):  # a copy: every round starts from the same C slots
-            for _ in decode(model, cache.copy(), logits, pos, n + 1, evict=evict):  # n forwards
+            watch = {} if evict is None else dict(hook=evict.hook, after_step=evict.after_step)
+            for _ in decode(model, cache.copy(), logits, pos, n + 1, **watch):  # n forwards
                 pass
 
         for m in methods:  # its checks (window, every) before any timing
@@ -343,8 +327,7 @@ def run_decode_cost(model, args, lengths, emit):
 
 
 def run_train_cost(model, args, lengths, emit):
-    from lookaheadkv import lookahead_pass
-    from train import ground_truth, kl_loss
+    from train import batch_loss, ground_truth, kl_loss
 
     module = get_module(model, args).requires_grad_(True)
     M, dev = module.n_tokens, args.device
@@ -363,7 +346,7 @@ def run_train_cost(model, args, lengths, emit):
             return loss.item()
 
         def efficient():
-            return backward(kl_loss(gt, lookahead_pass(model, module, cache, S, per_query_head=True)))
+            return backward(batch_loss(model, module, cache, gt, S))
 
         def naive():  # every op over all S + M rows is recorded: x depends on P as a whole
             with torch.enable_grad():
@@ -386,11 +369,12 @@ def train_stages(model, module, args, S):
     """train.py's own stages at prompt length S: answering + target (--gen-batch prompts prefilled
     once, together; greedy answers of --response-tokens tokens: random prompts never stop early),
     then training steps over the cached samples (--micro-batch samples per lookahead forward, read
-    from disk as train.py does). Returns seconds per sample answered, training samples per second."""
+    from disk as train.py does), and the same steps with each sample's prompt cache recomputed by a
+    prefill instead of read from disk (what keeping only ids, answers and targets would cost per epoch).
+    Returns seconds per sample answered, training samples per second cached and recomputed."""
     import tempfile
 
-    from lookaheadkv import lookahead_pass
-    from train import answer_and_target, kl_loss, load_batch, save_sample
+    from train import answer_and_target, batch_loss, left_pad, load_batch, save_sample
 
     class NoStop:
         stop_ids = set()
@@ -407,13 +391,25 @@ def train_stages(model, module, args, S):
 
         def step():  # what one micro-batch of a training epoch costs, disk read included
             cache, gt, lengths = load_batch(batch, args.device, next(model.parameters()).dtype)
-            loss = kl_loss(gt, lookahead_pass(model, module, cache, lengths, per_query_head=True))
+            loss = batch_loss(model, module, cache, gt, lengths)
             loss.backward()
             module.zero_grad(set_to_none=True)
             return loss.item()
 
-        times, _, _ = time_rounds(dict(step=step), args.repeats, args.device, f"epoch step S={S}", args.clock)
-    return dict(answer_target_s_per_sample=answer_s, epoch_samples_s=args.micro_batch * 1e3 / med(times["step"]))
+        def recompute():  # the same step, the prompt caches made by a no-grad prefill instead of read from disk
+            ids, pad_mask = left_pad([prompts[i % len(prompts)] for i in range(args.micro_batch)], args.device)
+            cache, _, lengths, _ = compress(model, ids, EvictConfig("full"), pad_mask=pad_mask)
+            _, gt, _ = load_batch(batch, args.device, next(model.parameters()).dtype)
+            loss = batch_loss(model, module, cache, gt, lengths)
+            loss.backward()
+            module.zero_grad(set_to_none=True)
+            return loss.item()
+
+        times, _, _ = time_rounds(dict(step=step, recompute=recompute), args.repeats, args.device,
+                                  f"epoch step S={S}", args.clock)
+    return dict(answer_target_s_per_sample=answer_s, epoch_samples_s=args.micro_batch * 1e3 / med(times["step"]),
+                recompute_samples_s=args.micro_batch * 1e3 / med(times["recompute"]),
+                cached_vs_recompute=med(times["recompute"]) / med(times["step"]))
 
 
 # -----------------------------------------------------------------------------
@@ -462,14 +458,45 @@ def get_args(argv=None):
     bad = [m for m in args.methods if m not in VARIANTS and (m not in METHODS or m == "oracle")]
     if bad:
         p.error(f"unknown methods {bad} (oracle needs the full-cache answer: not a speed row)")
-    args.batches = [int(b) for b in args.batches.split(",")]
+    args.batches = parse_counts(args.batches, "--batches")
+    args.lengths = parse_counts(args.lengths, "--lengths") if args.lengths else None
     args.clock = time.process_time if args.clock == "cpu" else time.perf_counter  # CUDA: events either way
     return args
 
 
+def parse_counts(text, flag):
+    """"1,4,16" -> [1, 4, 16]; ValueError unless every entry is a whole number >= 1."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected comma-separated whole numbers, e.g. 1024,2048") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} {text!r}: every value must be at least 1")
+    return values
+
+
+def check_args(args):
+    """Every check that needs no model: a bad value stops before anything loads."""
+    check_device(args.device)
+    check_model_dir(args.model)
+    at_least = [("--budget", args.budget, 1), ("--chunk-size", args.chunk_size, 1), ("--repeats", args.repeats, 1),
+                ("--new-tokens", args.new_tokens, 1), ("--every", args.every, 1), ("--periods", args.periods, 1),
+                ("--window", args.window, 0), ("--response-tokens", args.response_tokens, 1),
+                ("--gen-batch", args.gen_batch, 1), ("--micro-batch", args.micro_batch, 1),
+                ("--threads", args.threads or 1, 1), ("--h2o-max-len", args.h2o_max_len or 1, 1)]
+    for flag, value, lo in at_least:
+        if value < lo:
+            raise ValueError(f"{flag} {value}: must be at least {lo}")
+    for flag, path in [("--adapter", args.adapter), ("--random-init", args.random_init)]:
+        if path is not None and not Path(path).is_file():
+            raise FileNotFoundError(f"{flag} {path} not found")
+
+
 def main(argv=None):
     try:
-        return bench(get_args(argv))
+        args = get_args(argv)
+        check_args(args)
+        return bench(args)
     except (ValueError, OSError) as e:  # library errors: one line that says what to do, no traceback
         raise SystemExit(f"error: {e}")
 
@@ -484,7 +511,7 @@ def bench(args):
                              "python bench.py --mode overhead --lengths 1024,2048")
         jobs = quick(args)
     else:
-        lengths = [int(s) for s in args.lengths.split(",")] if args.lengths else DEFAULT_LENGTHS[args.mode][cuda]
+        lengths = args.lengths or DEFAULT_LENGTHS[args.mode][cuda]
         jobs = [(args.random_init, lengths)]
     return run(args, jobs)
 

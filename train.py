@@ -2,7 +2,7 @@
 Train the lookahead module (M embeddings + a LoRA on their rows) with the KL loss, the base
 model frozen: the module learns to attend to the prompt the way the model's own answer will.
 
-CPU recipe, the shipped adapter (2 cores, float32; README.md says what it printed and how long it took;
+CPU recipe, the shipped adapter (2 cores, float32; RESULTS.md says what it printed and how long it took;
 after a kill, rerun the same command: the data stage keeps what it wrote, --resume the training checkpoint):
     python train.py --out runs/cpu --n-train 1000 --n-heldout 64 --max-new-tokens 128 --long-frac 0.05 \
         --gen-batch 16 --epochs 2 --eval-every 25 --save-every 5 --resume \
@@ -20,6 +20,10 @@ CPU smoke run (a few minutes on 2 cores):
 It prints, per optimiser step, the loss (tqdm), and every --eval-every steps the held-out KL
 and recall@C of lookahead / snapkv / h2o / streaming, e.g.
     step 20/66  heldout kl 0.161  recall@128 lookahead 0.842 snapkv 0.781 h2o 0.790 streaming 0.597
+Held-out tables of adapters next to the untrained module and the baselines, with the headline (the
+share of the SnapKV-to-oracle gap each closes in answer KL and in recall), no training:
+    python train.py --out runs/cpu --n-heldout 64 --budgets 64,128,256 --answer-kl \
+        --eval-only weights/SmolLM2-135M-Instruct.lookahead.safetensors --rules max:7,chunk:8
 
 Two stages, each resumable (rerun the same command; --resume for the optimiser state):
 1. data (`build_dataset`): prompts from offline sources (data.py), prefilled ONCE, B at a time
@@ -35,6 +39,7 @@ Two stages, each resumable (rerun the same command; --resume for the optimiser s
 """
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -50,30 +55,14 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import data
-from evaluate import answer_kl as mean_answer_kl, forced_logprobs  # (train.evaluate is the held-out eval)
-from lookaheadkv import (SCORERS, EvictConfig, LookaheadModule, Prefilled, WindowHook, compress, decode,
-                         group_attention, lookahead_pass, make_scorer, pool_scores, recall_of_kept, select, stack)
-from model import Hook, KVCache, Tokenizer, load_model
+from lookaheadkv import (POOLS, check_pooling, EvictConfig, LookaheadModule, Prefilled, answer_attention, compress, greedy,
+                         keep_slots, lookahead_pass, make_scorer, pool_scores, select, stack_layers, untrained_module)
+from metrics import answer_kl, forced_logprobs, gap_closed, recall_of_kept
+from model import Hook, KVCache, Tokenizer, check_device, check_model_dir, load_model, resolve_model
 
 # -----------------------------------------------------------------------------
 # Stage 1: samples. One prefill per prompt gives the base model's own answer, the target (the
 # answer's attention over the prompt) and the training cache (the prompt's KV), kept on disk.
-
-
-class TargetHook(Hook):
-    """In the forward of the answers (B, R, right-padded) on top of the prompt cache: per layer
-    and query head, the mean attention of each row's real answer queries over the S prompt slots.
-    The same target as ground_truth's, for a batch."""
-
-    def __init__(self, S, answer_mask):
-        self.S, self.scores = S, {}
-        self.weights = answer_mask.float() / answer_mask.sum(-1, keepdim=True).float()  # (B, R), mean over real ones
-
-    def attn(self, layer, q, k, key_valid):
-        B, H, R, _ = q.shape
-        Hkv, S = k.shape[1], self.S
-        probs = group_attention(q, k, key_valid)[..., :S].view(B, Hkv, H // Hkv, R, S)  # (B, H_kv, G, R, S)
-        self.scores[layer] = torch.einsum("bkgrs,br->bkgs", probs, self.weights).flatten(1, 2)  # (B, H, S)
 
 
 def left_pad(prompts, dev):
@@ -87,21 +76,19 @@ def left_pad(prompts, dev):
 @torch.no_grad()
 def answer_and_target(model, tok, prompts, max_new_tokens):
     """For B prompts (token-id lists) prefilled ONCE, together (left-padded): the greedy full-cache
-    answer, then the answers run on top of the prompt cache for the target. Returns per prompt a
-    dict: response_ids (the stop token kept: the answer's end is part of its future), k and v
-    (L, H_kv, S_b, D) the prompt's cache, target (L, H, S_b), padding removed."""
+    answer, then the answers run on top of the prompt cache for the target (answer_attention, per
+    query head). Returns per prompt a dict: response_ids (the stop token kept: the answer's end is
+    part of its future), k and v (L, H_kv, S_b, D) the prompt's cache, target (L, H, S_b), padding removed."""
     dev, L = model.lm_head.weight.device, model.config.num_hidden_layers
     ids, pad_mask = left_pad(prompts, dev)
     S = ids.shape[1]
     cache, logits, next_pos, _ = compress(model, ids, EvictConfig("full"), pad_mask=pad_mask)
     prompt_cache = cache.copy()  # decoding appends to `cache`; this one stays the prompt's
-    answers, done = [[] for _ in prompts], [False] * len(prompts)
-    for t in decode(model, cache, logits, next_pos, max_new_tokens, tok.stop_ids):
-        for b, i in enumerate(t.tolist()):
-            if not done[b]:
-                done[b] = i in tok.stop_ids
-                answers[b].append(i)
-    target = answer_targets(model, prompt_cache, next_pos, answers)
+    answers = greedy(model, cache, logits, next_pos, max_new_tokens, tok.stop_ids)
+    R = max(len(a) for a in answers)
+    padded = torch.tensor([a + [a[-1]] * (R - len(a)) for a in answers], device=dev)  # (B, R), right-padded
+    answer_mask = torch.arange(R, device=dev)[None] < torch.tensor([len(a) for a in answers], device=dev)[:, None]
+    target = answer_attention(model, prompt_cache, padded, next_pos, answer_mask, per_query_head=True)
     out = []
     for b, p in enumerate(prompts):
         real = slice(S - len(p), S)  # this row's slots, without the left padding
@@ -110,22 +97,6 @@ def answer_and_target(model, tok, prompts, max_new_tokens):
                         v=torch.stack([prompt_cache.v[l][b, :, real] for l in range(L)]),
                         target=torch.stack([target[l][b, :, real] for l in range(L)])))  # (L, H, S_b)
     return out
-
-
-@torch.no_grad()
-def answer_targets(model, prompt_cache, next_pos, answers):
-    """The answers (B lists of ids, any lengths) run together on top of the prompt cache (B rows,
-    S slots, next_pos (B,)): per layer, the target (B, H, S), each row's mean over its own answer's
-    queries. One forward of (B, R_max) tokens; the right padding after a short answer is never seen
-    by it (causal) and its queries get weight 0."""
-    dev, S = next_pos.device, len(prompt_cache)
-    R = max(len(a) for a in answers)
-    answer_ids = torch.tensor([a + [a[-1]] * (R - len(a)) for a in answers], device=dev)  # (B, R), right-padded
-    answer_mask = torch.arange(R, device=dev)[None] < torch.tensor([len(a) for a in answers], device=dev)[:, None]
-    hook = TargetHook(S, answer_mask)
-    model(answer_ids, positions=next_pos[:, None] + torch.arange(R, device=dev), cache=prompt_cache.copy(),
-          hook=hook, logits_at=-1)
-    return hook.scores
 
 
 def sample_path(out, row_id):
@@ -220,45 +191,36 @@ def build_dataset(model, tok, args, out, rank=0):
 # Stage 2: ground truth, and the held-out baselines from the same forward
 
 
-class GroundTruthHook(Hook):
-    """In one no_grad forward over [prompt; answer] (S + R tokens): the answer's mean attention
-    over the prompt per query head (the target), and optionally what SnapKV and H2O would
-    score from the prompt's own queries (causal attention: the answer does not change them);
-    their hooks are the scorers' own (lookaheadkv.SnapKV, lookaheadkv.H2O)."""
+class PromptHooks(Hook):
+    """SnapKV's and H2O's own prefill hooks, watching one forward of the prompt together."""
 
-    def __init__(self, S, R, window=0):
-        self.S, self.window = S, window
-        self.gt = WindowHook(R, S, per_query_head=True)
-        if window:
-            eviction = EvictConfig(budget=window + 1, window=window)
-            self.snapkv = SCORERS["snapkv"](eviction).prefill_hook(S)
-            self.h2o = SCORERS["h2o"](eviction).prefill_hook(S)
+    def __init__(self, S, window):
+        eviction = EvictConfig(budget=window + 1, window=window)
+        self.snapkv = make_scorer(dataclasses.replace(eviction, method="snapkv")).prefill_hook(S)
+        self.h2o = make_scorer(dataclasses.replace(eviction, method="h2o")).prefill_hook(S)
 
     def attn(self, layer, q, k, key_valid):
-        self.gt.attn(layer, q, k, key_valid)
-        if self.window:
-            S = self.S
-            self.snapkv.attn(layer, q[:, :, max(S - self.window, 0):S], k[:, :, :S], None)
-            self.h2o.attn(layer, q[:, :, :S], k[:, :, :S], None)
+        self.snapkv.attn(layer, q, k, key_valid)
+        self.h2o.attn(layer, q, k, key_valid)
 
 
 @torch.no_grad()
 def ground_truth(model, row, window=0):
-    """Returns the prompt's KV cache, the target scores {layer: (1, H, S)} and, with window > 0,
-    SnapKV and H2O scores {layer: (1, H_kv, S)}."""
+    """For a data.jsonl row: the prompt's KV cache, the target {layer: (1, H, S)} (the answer's
+    attention over the prompt, answer_attention per query head) and extra: the answer (1, R) and,
+    with window > 0, SnapKV's and H2O's scores {layer: (1, H_kv, S)} from the same prompt forward."""
     dev = model.lm_head.weight.device
-    p, r = row["prompt_ids"], row["response_ids"]
-    S, R = len(p), len(r)
-    ids = torch.tensor([p + r], device=dev)
+    prompt, response = torch.tensor([row["prompt_ids"]], device=dev), torch.tensor([row["response_ids"]], device=dev)
+    S = prompt.shape[1]
     cache = KVCache(model.config.num_hidden_layers)
-    hook = GroundTruthHook(S, R, window)
-    model(ids, positions=torch.arange(S + R, device=dev)[None], cache=cache, hook=hook, logits_at=-1)
-    cache.truncate(S)  # keep the prompt's KV only: the answer is what the lookahead must predict
-    G = model.config.num_attention_heads // model.config.num_key_value_heads
-    extra = dict(response=ids[:, S:])  # (1, R): the answer, for the held-out answer KL
+    hook = PromptHooks(S, window) if window else None
+    model(prompt, positions=torch.arange(S, device=dev)[None], cache=cache, hook=hook, logits_at=-1)
+    gt = answer_attention(model, cache, response, torch.tensor([S], device=dev), per_query_head=True)
+    extra = dict(response=response)
     if window:
+        G = model.config.num_attention_heads // model.config.num_key_value_heads
         extra.update(snapkv=hook.snapkv.scores, h2o=hook.h2o.scores(None, G))
-    return cache, hook.gt.scores, extra
+    return cache, gt, extra
 
 
 # -----------------------------------------------------------------------------
@@ -297,18 +259,57 @@ def micro_batches(rows, size):
     return [order[i:i + size] for i in range(0, len(order), size)]
 
 
-def kl_loss(gt, pred, pool="none", kernel=1, eps=1e-8):
+def kl_loss(gt, pred, pool="none", kernel=1, eps=1e-8, drop=None):
     """KL(gt || pred) of the L1-normalised scores, averaged over layers and heads: the future's
     attention is the target distribution, the lookahead rows' the prediction. With a pool
     (--pool-loss), both are first smoothed as eviction will smooth the prediction: the module
-    then learns which stretch of the prompt the answer reads, not which token of it."""
+    then learns which stretch of the prompt the answer reads, not which token of it. drop (B, 1, S)
+    True on slots left out of both distributions before they are normalised (--loss-skip: the
+    first tokens, attention sinks that every method keeps, so the loss is spent on the open ones)."""
     losses = []
     for l, g in gt.items():
         g, s = pool_scores(g.float(), pool, kernel), pool_scores(pred[l].float(), pool, kernel)
+        if drop is not None:
+            g, s = g.masked_fill(drop, 0.0), s.masked_fill(drop, 0.0)
         p = g / g.sum(-1, keepdim=True)
         q = s / s.sum(-1, keepdim=True)
         losses.append((p * ((p + eps).log() - (q + eps).log())).sum(-1).mean())
     return torch.stack(losses).mean()
+
+
+def batch_loss(model, module, cache, gt, lengths, loss_pool=("none", 1), skip=0):
+    """The loss of one micro-batch: the M lookahead rows on top of each sample's prompt cache (the
+    two-pass form, B samples in one forward), their attention per query head against the target.
+    skip > 0: each sample's first `skip` real tokens are left out of the loss (kl_loss's drop)."""
+    pred = lookahead_pass(model, module, cache, lengths, per_query_head=True)
+    drop = None
+    if skip:
+        S = next(iter(gt.values())).shape[-1]
+        first = S - torch.as_tensor(lengths, device=cache.k[0].device).reshape(-1, 1)  # (B, 1): first real slot
+        slot = torch.arange(S, device=first.device)[None]  # (1, S)
+        drop = (slot < first + skip)[:, None]  # (B, 1, S): the padding and the first `skip` tokens
+    return kl_loss(gt, pred, *loss_pool, drop=drop)
+
+
+def optimizer_step(module, opt, model, micro, n_samples, clip, loss_pool=("none", 1), world=1, skip=0):
+    """One optimiser step over this rank's micro-batches `micro` (an iterable of load_batch results):
+    each sample weighs the same in the step's mean over n_samples (all ranks), ranks average their
+    gradients, then clip and step. Returns the step's loss as a 0-dim tensor (no sync here)."""
+    total = torch.zeros((), device=next(module.parameters()).device)
+    for cache, gt, lengths in micro:
+        loss = batch_loss(model, module, cache, gt, lengths, loss_pool, skip) * lengths.shape[0] * world / n_samples
+        loss.backward()
+        total += loss.detach().float() / world
+    if world > 1:
+        all_reduce_grads(module, world)
+    torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
+# -----------------------------------------------------------------------------
+# The held-out eval: every method kept by its own scorer's eviction step, from one ground-truth forward
 
 
 def group_mean(scores, n_kv_heads):
@@ -316,62 +317,70 @@ def group_mean(scores, n_kv_heads):
     return {l: s.view(s.shape[0], n_kv_heads, -1, s.shape[-1]).mean(2) for l, s in scores.items()}
 
 
-HELDOUT_METHODS = ("oracle", "lookahead", "lookahead_nopool", "snapkv", "pyramidkv", "h2o", "streaming")
+HELDOUT_ROWS = {  # row -> (method, pooling, width): None = the method's own (lookahead: its adapter's)
+    "oracle": ("oracle", None, None), "lookahead": ("lookahead", None, None),
+    "lookahead_unpooled": ("lookahead", "none", None), "snapkv": ("snapkv", None, None),
+    "pyramidkv": ("pyramidkv", None, None), "h2o": ("h2o", None, None), "streaming": ("streaming", None, None),
+}
+
+
+def rule_rows(rules):
+    """--rules "max:7,chunk:8" -> extra rows {"lookahead_max7": ("lookahead", "max", 7), ...}: the adapter's
+    scores kept under other selection rules (lookaheadkv.pool_scores)."""
+    rows = {}
+    for rule in filter(None, (r.strip() for r in rules.split(","))):
+        pool, _, width = rule.partition(":")
+        kernel = int(width) if width else 1
+        check_pooling(pool, kernel)
+        rows[f"lookahead_{pool}{kernel if pool != 'none' else ''}"] = ("lookahead", pool, kernel)
+    return rows
 
 
 @torch.no_grad()
-def evaluate(model, module, heldout, budget, window=32, budgets=(), answer_kl=()):
-    """Held-out KL and recall@C of lookahead, snapkv, pyramidkv, h2o and streaming, each kept by
-    its own scorer's eviction step (pooling, protected tokens, per-layer budgets:
-    lookaheadkv.Scorer.evict) from the scores of the ground-truth forward; lookahead unpooled
-    ("lookahead_nopool"), since pooling may blur a sharp predictor; and the oracle (the exact top
-    C of the truth), the ceiling. Keys: recall_<method> at `budget` (the training log's line) and
-    recall_<method>@<C> for every C in `budgets` too: scores are computed once for all of them.
-    For the methods in `answer_kl`, also answer_kl_<method>@<C>: the base model's own answer
-    teacher-forced through the compressed cache, mean KL(full cache || compressed) of the next-token
-    distributions (one forward per method and C; what recall cannot see: which lost tokens matter).
-    Items are (cache, gt, extra) from ground_truth(..., window)."""
+def heldout_metrics(model, module, heldout, budget, window=32, budgets=(), answer_kl_rows=(), rows=None):
+    """Held-out KL(gt || pred) and, per row of HELDOUT_ROWS, recall@C: each method kept by its own
+    scorer's eviction step (pooling, protected tokens, per-layer budgets: Scorer.evict) from the
+    scores of the ground-truth forward; the lookahead adapter pooled as it ships and unpooled; the
+    oracle keeps the exact top C of the truth. Keys: recall_<row> at `budget` (the training log's
+    line) and recall_<row>@<C> for every C in `budgets`. For the rows in `answer_kl_rows`, also
+    answer_kl_<row>@<C> (metrics.answer_kl: FullKV's answer teacher-forced through the compressed
+    cache; one forward per row and C). Items of `heldout` are (cache, gt, extra) from ground_truth."""
     Hkv = model.config.num_key_value_heads
     Cs = list(dict.fromkeys([budget, *budgets]))
-    kl, rec = [], {(m, C): [] for m in HELDOUT_METHODS for C in Cs}
-    akl = {(m, C): [] for m in answer_kl for C in Cs}
+    rows = HELDOUT_ROWS if rows is None else rows
+    kl, rec = [], {(row, C): [] for row in rows for C in Cs}
+    akl = {(row, C): [] for row in answer_kl_rows for C in Cs}
     for cache, gt, extra in heldout:
         S = len(cache)
         positions = torch.arange(S, device=cache.k[0].device)[None]  # (1, S)
+        next_pos = torch.tensor([S], device=positions.device)
         pred = lookahead_pass(model, module, cache, S, per_query_head=True)
         kl.append(kl_loss(gt, pred).item())
         true = group_mean(gt, Hkv)
-        lookahead, snap = stack(group_mean(pred, Hkv)), stack(extra["snapkv"])
-        scores = dict(oracle=stack(true), lookahead=lookahead, lookahead_nopool=lookahead, snapkv=snap,
-                      pyramidkv=snap, h2o=stack(extra["h2o"]))
-        # answer tokens 2..R teacher-forced (the first is predicted under the full cache by every method)
-        next_pos = torch.tensor([S], device=positions.device)
-        logp_full = forced_logprobs(model, cache, None, extra["response"], next_pos) if akl else None
-        for (method, C), r in rec.items():
-            pool = "none" if method in ("lookahead_nopool", "oracle") else None
-            if method == "oracle":  # the oracle scorer needs a response to run; its eviction is a plain top C
+        snap = stack_layers(extra["snapkv"])
+        scores = dict(oracle=stack_layers(true), lookahead=stack_layers(group_mean(pred, Hkv)), snapkv=snap,
+                      pyramidkv=snap, h2o=stack_layers(extra["h2o"]))
+        logp_full = forced_logprobs(model, cache, extra["response"], next_pos) if akl else None
+        for (row, C), r in rec.items():
+            method, pool, kernel = rows[row]
+            if method == "oracle":  # its scorer needs a response to run; its eviction is a plain top C
                 kept = list(select(scores["oracle"], C))
             else:
-                eviction = EvictConfig(method.removesuffix("_nopool"), C, window=window, pool=pool)
-                scorer = make_scorer(eviction, module=module)
+                scorer = make_scorer(EvictConfig(method, C, window=window, pool=pool, kernel=kernel), module=module)
                 if method == "streaming":  # scores from positions alone
-                    run = Prefilled(cache, None, None, positions, positions[:, -1] + 1, None)
-                    scores[method] = scorer.score(model, run)
+                    scores[method] = scorer.score(model, Prefilled(cache, None, None, positions, next_pos, None))
                 kept = scorer.evict(scores[method], positions)
             r.append(recall_of_kept(kept, true))
-            if (method, C) in akl:
-                small = cache.copy()
-                for l, idx in enumerate(kept):
-                    small.gather(l, idx)
-                logp = forced_logprobs(model, small, None, extra["response"], next_pos)  # positions stay S..
-                akl[method, C].append(mean_answer_kl(logp_full, logp))
+            if (row, C) in akl:
+                small = keep_slots(cache.copy(), kept)
+                akl[row, C].append(answer_kl(logp_full, forced_logprobs(model, small, extra["response"], next_pos)))
     out = dict(kl=sum(kl) / len(kl))
-    for (m, C), v in rec.items():
-        out[f"recall_{m}@{C}"] = sum(v) / len(v)
+    for (row, C), v in rec.items():
+        out[f"recall_{row}@{C}"] = sum(v) / len(v)
         if C == budget:
-            out[f"recall_{m}"] = out[f"recall_{m}@{C}"]
-    for (m, C), v in akl.items():
-        out[f"answer_kl_{m}@{C}"] = sum(v) / len(v)
+            out[f"recall_{row}"] = out[f"recall_{row}@{C}"]
+    for (row, C), v in akl.items():
+        out[f"answer_kl_{row}@{C}"] = sum(v) / len(v)
     return out
 
 
@@ -407,11 +416,13 @@ def get_args(argv=None):
     a("--alpha", type=float, default=32)
     a("--targets", default="all", help="LoRA targets: all (the seven projections, as the shipped adapter and "
       "the paper's release), or any of q,k,v,o,gate,up,down _proj; '' or none: the embeddings alone")
-    a("--pool", default="avg", choices=["avg", "max", "none"],
+    a("--pool", default="avg", choices=POOLS,
       help="scoring pooling the adapter will use at eviction (README sections 1-2)")
     a("--kernel", type=int, default=5)
     a("--pool-loss", action="store_true", help="smooth target and prediction with --pool / --kernel in the loss "
       "too (train with the pooling you ship; default: the loss compares unpooled scores)")
+    a("--loss-skip", type=int, default=0, help="leave each prompt's first N tokens (attention sinks, kept by "
+      "every method) out of the KL, renormalising over the rest (default 0: the paper's loss)")
     a("--lookahead-window", type=int, default=0, help="last prompt tokens the adapter always keeps (SnapKV keeps 32)")
     # optimisation
     a("--epochs", type=float, default=3, help="passes over the training rows (a fraction ends mid-pass)")
@@ -424,6 +435,8 @@ def get_args(argv=None):
     a("--budget", type=int, default=128, help="C for the held-out recall")
     a("--budgets", default="64,128,256", help="--eval-only: also a table of recall at these C (comma-separated)")
     a("--window", type=int, default=32, help="the held-out SnapKV / H2O rows: last prompt tokens always kept")
+    a("--rules", default="", help="--eval-only: also each adapter under these selection rules, e.g. "
+      "max:7,chunk:8,carry:5 (lookaheadkv.pool_scores)")
     a("--answer-kl", action="store_true", help="--eval-only: also the answer KL at --budgets (one forward per "
       "prompt, method and C: slower)")
     a("--eval-every", type=int, default=10, help="optimiser steps between held-out evals")
@@ -440,6 +453,47 @@ def get_args(argv=None):
       help="base model dtype (default: bfloat16 on CUDA, float32 on CPU); the module trains in float32")
     a("--seed", type=int, default=0)
     return p.parse_args(argv)
+
+
+def check_args(args):
+    """Every check that needs no model, so a bad value stops at once, not after an hour of answering."""
+    check_device(args.device)
+    check_model_dir(args.model)
+    at_least = [("--n-heldout", args.n_heldout, 1 if args.eval_only else 0), ("--min-tokens", args.min_tokens, 1),
+                ("--max-new-tokens", args.max_new_tokens, 1), ("--gen-batch", args.gen_batch or 1, 1),
+                ("--n-tokens", args.n_tokens, 1), ("--rank", args.rank, 1), ("--batch", args.batch, 1),
+                ("--micro-batch", args.micro_batch, 1), ("--budget", args.budget, 1), ("--window", args.window, 0),
+                ("--eval-every", args.eval_every, 1), ("--save-every", args.save_every, 1),
+                ("--loss-skip", args.loss_skip, 0), ("--lookahead-window", args.lookahead_window, 0),
+                ("--n-train", args.n_train, 0 if args.eval_only or args.stage == "train" else 1)]
+    for flag, value, lo in at_least:
+        if value < lo:
+            raise ValueError(f"{flag} {value}: must be at least {lo}")
+    positive = [("--lr", args.lr), ("--alpha", args.alpha), ("--epochs", args.epochs), ("--clip", args.clip),
+                ("--store-gb", args.store_gb), ("--max-minutes", args.max_minutes or 1)]
+    for flag, value in positive:
+        if not value > 0:
+            raise ValueError(f"{flag} {value}: must be greater than 0")
+    for flag, value in [("--warmup", args.warmup), ("--long-frac", args.long_frac), ("--copy-frac", args.copy_frac or 0)]:
+        if not 0 <= value <= 1:
+            raise ValueError(f"{flag} {value}: must be a fraction between 0 and 1")
+    if args.weight_decay < 0:
+        raise ValueError(f"--weight-decay {args.weight_decay}: must be >= 0")
+    if not args.min_tokens <= args.max_tokens <= args.long_max:
+        raise ValueError(f"--min-tokens {args.min_tokens}, --max-tokens {args.max_tokens}, --long-max {args.long_max}: "
+                         f"need min <= max <= long-max")
+    parse_targets(args.targets)
+    check_pooling(args.pool, args.kernel)
+    rule_rows(args.rules)
+    try:
+        budgets = [int(c) for c in args.budgets.split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated numbers of KV slots, e.g. 64,128,256")
+    if any(c < 1 for c in budgets):
+        raise ValueError(f"--budgets {args.budgets!r}: every budget must be at least 1")
+    for path in ([args.init] if args.init else []) + (args.eval_only.split(",") if args.eval_only else []):
+        if not Path(path).is_file() or not Path(path).with_suffix(".json").is_file():
+            raise FileNotFoundError(f"adapter {path} (and its .json) not found: pass a .safetensors file from train.py")
 
 
 def lr_at(step, total, args):
@@ -497,63 +551,79 @@ def parse_targets(text):
     """"q_proj,k_proj" -> the tuple; "all" -> all seven; "" or "none" -> () (the embeddings alone, no LoRA)."""
     if text.strip() == "all":
         return LookaheadModule.TARGETS
-    return tuple(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none")
+    targets = tuple(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none")
+    bad = [t for t in targets if t not in LookaheadModule.TARGETS]
+    if bad:
+        raise ValueError(f"--targets: unknown {', '.join(bad)}; use all, none, or any of "
+                         f"{', '.join(LookaheadModule.TARGETS)}")
+    return targets
 
 
 def new_module(model, args):
-    """The untrained module: P drawn with the std of the token embeddings, LoRA B = 0."""
-    emb_std = model.model.embed_tokens.weight.float().std().item()  # P starts at the scale of real tokens
-    return LookaheadModule(model.config, args.n_tokens, args.rank, args.alpha, parse_targets(args.targets), emb_std,
-                           args.pool, args.kernel, args.lookahead_window).to(args.device)
+    """The untrained module of this run's flags (lookaheadkv.untrained_module), seeded by --seed."""
+    torch.manual_seed(args.seed)
+    return untrained_module(model, args.n_tokens, args.rank, args.alpha, parse_targets(args.targets), args.pool,
+                            args.kernel, args.lookahead_window)
 
 
 def print_heldout(name, r, budget):
     print(f"{name} heldout kl {r['kl']:.4f}  recall@{budget} lookahead {r['recall_lookahead']:.3f} "
-          f"(unpooled {r['recall_lookahead_nopool']:.3f}) snapkv {r['recall_snapkv']:.3f} h2o {r['recall_h2o']:.3f} "
-          f"streaming {r['recall_streaming']:.3f}")
+          f"(unpooled {r['recall_lookahead_unpooled']:.3f}) snapkv {r['recall_snapkv']:.3f} "
+          f"h2o {r['recall_h2o']:.3f} streaming {r['recall_streaming']:.3f}")
 
 
 def eval_only(model, module, held_rows, args):
     """--eval-only ADAPTER[,ADAPTER...]: held-out metrics of each adapter next to the untrained init
-    (same seed), on one held-out ground truth: the table of an ablation in one command."""
+    (same seed), on one held-out ground truth: the table of an ablation in one command. With
+    --answer-kl, the headline: the share of the SnapKV-to-oracle gap each row closes in answer KL."""
     heldout = [ground_truth(model, r, window=args.window) for r in tqdm(held_rows, desc="held-out ground truth")]
     adapters = [("untrained", module)] + [(path, LookaheadModule.load(path, model.config, args.device))
                                           for path in args.eval_only.split(",")]
     Cs = [int(c) for c in args.budgets.split(",")] if args.budgets else []
+    extra = rule_rows(args.rules)
+    rows = {**HELDOUT_ROWS, **extra}
     table = []
     for i, (name, m) in enumerate(adapters):
         label = "untrained" if i == 0 else ("adapter" if len(adapters) == 2 else name)
         # the answer KL of the prompt-only baselines once (with the first row), of each adapter's rows always
         # (its pooled row only if it pools: unpooled, the two rows keep the same slots)
-        own = ("lookahead", "lookahead_nopool") if m.pool != "none" else ("lookahead_nopool",)
-        base = tuple(x for x in HELDOUT_METHODS if not x.startswith("lookahead")) if i == 0 else ()
-        akl = base + own if args.answer_kl and Cs else ()
-        result = evaluate(model, m, heldout, args.budget, args.window, Cs, answer_kl=akl)
+        own = ("lookahead", "lookahead_unpooled") if m.pool != "none" else ("lookahead_unpooled",)
+        base = tuple(r for r in HELDOUT_ROWS if not r.startswith("lookahead")) if i == 0 else ()
+        akl = base + own + tuple(extra) if args.answer_kl and Cs else ()
+        result = heldout_metrics(model, m, heldout, args.budget, args.window, Cs, answer_kl_rows=akl, rows=rows)
         print_heldout(f"{label:9s} ({len(heldout)})", result, args.budget)
-        table.append((label, m.pool, result))
-    if not Cs:
-        return
-    # markdown tables: the prompt-only baselines once, then each adapter pooled as its .json says and unpooled
+        table.append((label, f"{m.pool} {m.kernel}", result))
+    if Cs:
+        print_tables(table, Cs, len(heldout), extra)
+
+
+def print_tables(table, Cs, n, extra=()):
+    """Markdown tables of eval_only's rows: the prompt-only baselines once, then each adapter pooled as
+    its .json says and unpooled; per metric, the value and the share of the SnapKV-to-oracle gap closed."""
     first = table[0][2]
-    for metric, title, fmt in [("recall", "recall@C", ".3f"), ("answer_kl", "answer KL", ".4f")]:
+    for metric, title, fmt, lower in [("answer_kl", "answer KL", ".4f", True), ("recall", "recall@C", ".3f", False)]:
         if f"{metric}_oracle@{Cs[0]}" not in first:
             continue
-        row = lambda name, r, m, kl="": (f"| {name} | " + " | ".join(f"{r[f'{metric}_{m}@{C}']:{fmt}}" for C in Cs)
-                                         + f" | {kl} |")
-        print(f"\n| {title} ({len(heldout)} held-out) | " + " | ".join(f"C={C}" for C in Cs) + " | KL(gt ‖ pred) |")
+
+        def cells(r, row):
+            out = []
+            for C in Cs:
+                v = r.get(f"{metric}_{row}@{C}")
+                gap = None if v is None else gap_closed(v, first[f"{metric}_snapkv@{C}"], first[f"{metric}_oracle@{C}"],
+                                                        lower_is_better=lower)
+                out.append("" if v is None else f"{v:{fmt}}" + ("" if gap is None else f" ({gap:.0%})"))
+            return " | ".join(out)
+
+        print(f"\n| {title} ({n} held-out; gap closed) | " + " | ".join(f"C={C}" for C in Cs) + " | KL(gt ‖ pred) |")
         print("|---" * (len(Cs) + 2) + "|")
-        for m in ("oracle", "snapkv", "pyramidkv", "h2o", "streaming"):
-            print(row(m, first, m))
+        for row in ("oracle", "snapkv", "pyramidkv", "h2o", "streaming"):
+            print(f"| {row} | {cells(first, row)} | |")
         for label, pool, r in table:
-            if pool != "none":
-                print(row(f"{label}, pool {pool}", r, "lookahead", f"{r['kl']:.4f}"))
-            print(row(f"{label}, unpooled", r, "lookahead_nopool", f"{r['kl']:.4f}"))
-    gap = lambda r, m, C: (r[f"recall_{m}@{C}"] - first[f"recall_snapkv@{C}"]) / max(
-        1e-9, first[f"recall_oracle@{C}"] - first[f"recall_snapkv@{C}"])
-    for label, pool, r in table:
-        print(f"{label}: share of the SnapKV-to-oracle gap closed, as shipped ({pool}): "
-              + ", ".join(f"C={C} {gap(r, 'lookahead', C):.0%}" for C in Cs)
-              + "; unpooled: " + ", ".join(f"C={C} {gap(r, 'lookahead_nopool', C):.0%}" for C in Cs))
+            if not pool.startswith("none"):
+                print(f"| {label}, as shipped ({pool}) | {cells(r, 'lookahead')} | {r['kl']:.4f} |")
+            print(f"| {label}, unpooled | {cells(r, 'lookahead_unpooled')} | {r['kl']:.4f} |")
+            for row in extra:
+                print(f"| {label}, {row.removeprefix('lookahead_')} | {cells(r, row)} | {r['kl']:.4f} |")
 
 
 def adapter_metadata(args, n_train, n_held, step, total, stopped_early, log, init_info):
@@ -564,7 +634,7 @@ def adapter_metadata(args, n_train, n_held, step, total, stopped_early, log, ini
                                 copy_frac=args.copy_frac,
                                 long_max=args.long_max, python=data.PYTHON),
                 steps=step, planned_steps=total, stopped_early=stopped_early, batch=args.batch, lr=args.lr,
-                pool_loss=args.pool_loss,
+                pool_loss=args.pool_loss, loss_skip=args.loss_skip,
                 epochs=args.epochs, heldout=log[-1] if log else None, untrained=log[0] if log else None)
     if init_info:  # step 0 was the init adapter, not an untrained module: keep the init's own reference
         info.update(untrained=init_info.get("untrained"),
@@ -580,6 +650,7 @@ def main(argv=None):
 
 
 def train(args):
+    check_args(args)
     t_start = time.perf_counter()  # --max-minutes counts from here (data generation included)
     rank, world = setup_ddp(args)
     ddp = world > 1
@@ -591,9 +662,7 @@ def train(args):
     out.mkdir(parents=True, exist_ok=True)
 
     # --- the frozen base model and the data (stage 1)
-    if args.model is None:
-        from weights.prepare import DEFAULT_DIR, ensure_default
-        args.model = str(ensure_default(DEFAULT_DIR))
+    args.model = str(resolve_model(args.model))
     model = load_model(args.model, dev, getattr(torch, args.dtype) if args.dtype else None)
     tok = Tokenizer(args.model, model.config)
     rows = build_dataset(model, tok, args, out, rank)
@@ -637,7 +706,7 @@ def train(args):
 
     def do_eval():
         if heldout and rank == 0:
-            m = evaluate(model, module, heldout, args.budget, args.window)
+            m = heldout_metrics(model, module, heldout, args.budget, args.window)
             log.append(dict(step=step, **m))
             print_heldout(f"step {step}/{total} ", m, args.budget)
             with open(out / "log.jsonl", "a") as f:
@@ -661,26 +730,15 @@ def train(args):
         n_step = sum(len(b) for b in step_batches)  # samples in this step, all ranks
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, args)
-        loss_sum = 0.0
         mine = step_batches[rank::world]
         # the step's micro-batches are read from disk by a second thread while the first ones train
         loads = [reader.submit(load_batch, [sample_path(out, train_rows[i]["id"]) for i in idx], dev, dtype)
                  for idx in mine]
-        for idx, load in zip(mine, loads):
-            cache, gt, lengths = load.result()
-            pred = lookahead_pass(model, module, cache, lengths, per_query_head=True)  # B samples in one forward
-            # each sample weighs the same in the step's mean; ranks average their gradients after
-            loss = kl_loss(gt, pred, *loss_pool) * len(idx) * world / n_step
-            loss.backward()
-            loss_sum += loss.item() / world
-        if ddp:
-            all_reduce_grads(module, world)
-        torch.nn.utils.clip_grad_norm_(module.parameters(), args.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = optimizer_step(module, opt, model, (load.result() for load in loads), n_step, args.clip, loss_pool,
+                              world, args.loss_skip).item()
         step += 1
         n_seen += n_step
-        bar.set_postfix(loss=f"{loss_sum:.4f}", samples_s=f"{n_seen / (time.perf_counter() - t0):.1f}")
+        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{n_seen / (time.perf_counter() - t0):.1f}")
         bar.update()
         if step % args.eval_every == 0 or step == total:
             do_eval()

@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import matplotlib
 import torch
 
-import lookaheadkv
-from generate import resolve_model
-from lookaheadkv import EvictConfig, LookaheadModule, compress, decode, default_adapter_path
-from model import Tokenizer, load_model
+from lookaheadkv import (EvictConfig, LookaheadModule, answer_attention, compress, default_adapter_path, greedy,
+                         untrained_module)
+from metrics import keep_fraction, recall_of_kept
+from model import Tokenizer, load_model, resolve_model
 
 ALL = "streaming,random,snapkv,pyramidkv,h2o,laq,oracle,lookahead,lookahead-untrained"
 
@@ -47,7 +47,7 @@ def main():
     folder = resolve_model(None)
     model = load_model(folder)
     tok = Tokenizer(folder, model.config)
-    greedy = lambda *state: [t[0].item() for t in decode(model, *state, args.max_new_tokens, tok.stop_ids)]
+    answer_ids = lambda *state: greedy(model, *state, args.max_new_tokens, tok.stop_ids)[0]
     prompt = Path(args.prompt).read_text().strip()
     text = tok.chat(prompt)
     ids = tok.encode(text)
@@ -63,27 +63,26 @@ def main():
     # FullKV: its greedy answer is the future the oracle sees and recall@C measures against
     cache, logits, pos, _ = compress(model, ids_t, EvictConfig("full"))
     prompt_cache = cache.copy()  # decoding appends to `cache`; the oracle's pass needs the prompt's alone
-    response = torch.tensor([greedy(cache, logits, pos)])  # (1, R), the stop token included
-    true = lookaheadkv.oracle_scores(model, prompt_cache, response, pos)
+    response = torch.tensor([answer_ids(cache, logits, pos)])  # (1, R), the stop token included
+    true = answer_attention(model, prompt_cache, response, pos)
     answer = lambda out: tok.decode([i for i in out if i not in tok.stop_ids]).strip()
     print(f"prompt {len(ids)} tokens, budget {args.budget}, needle tokens {spans['needle']}: {needle!r}")
     print(f"full answer: {answer(response[0].tolist())!r}")
     trained = LookaheadModule.load(default_adapter_path(model.config), model.config)  # the shipped adapter
     torch.manual_seed(0)  # the untrained module: same shape, P ~ N(0, std of the token embeddings), LoRA B = 0
-    untrained = LookaheadModule(model.config, trained.n_tokens, trained.rank, trained.alpha, trained.targets,
-                                embed_std=model.model.embed_tokens.weight.float().std().item(),
-                                pool=trained.pool, kernel=trained.kernel, window=trained.window)
+    untrained = untrained_module(model, trained.n_tokens, trained.rank, trained.alpha, trained.targets, trained.pool,
+                                 trained.kernel, trained.window)
     modules = {"lookahead": trained, "lookahead-untrained": untrained}
     rows = []
     for name in args.methods.split(","):
         module = modules.get(name)  # each scorer pools its own way: lookahead as its adapter, the oracle not at all
         eviction = EvictConfig("lookahead" if module is not None else name, args.budget)
-        cache, logits, pos, st = compress(model, ids_t, eviction, module=module, response=response)
-        recall = lookaheadkv.recall_of_kept(st["kept"], true)
-        needle_kept = st["keep_frac"][slice(*spans["needle"])].mean()
+        cache, logits, pos, kept = compress(model, ids_t, eviction, module=module, response=response)
+        recall, keep_frac = recall_of_kept(kept, true), keep_fraction(kept, len(ids))
+        needle_kept = keep_frac[slice(*spans["needle"])].mean()
         print(f"{name:20s} recall@{args.budget} {recall:.3f}  needle kept {needle_kept:.2f}"
-              f"  answer {answer(greedy(cache, logits, pos))[:70]!r}")
-        rows.append((name, recall, st["keep_frac"]))
+              f"  answer {answer(answer_ids(cache, logits, pos))[:70]!r}")
+        rows.append((name, recall, keep_frac))
     draw(rows, spans, [tok.decode([i]) for i in ids], model.config, args)
 
 

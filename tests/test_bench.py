@@ -61,7 +61,10 @@ def test_overhead_rows(tiny_config, tmp_path, capsys):
             assert r["kv_mib"] * 2**20 == kv_bytes(BUDGET) < kv_bytes(r["S"])
     assert json.loads(out.read_text())["rows"] == rows
     printed = capsys.readouterr().out
-    assert "untrained LookaheadModule" in printed and "overhead %" in printed
+    assert "overhead %" in printed
+    # the lookahead rows: the untrained module of the shipped configuration (lookaheadkv.untrained_module)
+    assert "untrained LookaheadModule (M=32, LoRA q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj r=8)" \
+        in printed
 
 
 def test_overhead_skips_h2o_above_limit(tiny_config, capsys):
@@ -109,6 +112,18 @@ def test_shipped_configs_have_the_8b_shapes():
         assert sum(p.numel() for p in model.parameters()) == n_params
         assert cfg.qk_norm == qk_norm and not cfg.tie_word_embeddings
     assert ModelConfig.from_hf_config(ROOT / "configs" / "llama-3.1-8b.json").rope_scaling["factor"] == 8.0
+
+
+def test_get_module_is_the_seeded_untrained_module(tiny_config):
+    import lookaheadkv
+
+    model = bench.random_model(tiny_config, "cpu")
+    args = bench.get_args(["--device", "cpu", "--seed", "3"])
+    got = bench.get_module(model, args)
+    torch.manual_seed(3)
+    want = lookaheadkv.untrained_module(model)
+    assert got.targets == lookaheadkv.LookaheadModule.TARGETS and got.n_tokens == 32
+    assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), want.state_dict().values()))
 
 
 def test_random_model_ties_and_inits(tiny_config):

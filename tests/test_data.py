@@ -105,6 +105,24 @@ def test_plant_keeps_order_and_text():
     assert data.plant("", [(0.5, "X.")]).strip() == "X."
 
 
+def test_task_mix_sets_the_share_of_copy_tasks():
+    """--copy-frac: the tasks whose answer copies a span exactly (data.COPY_TASKS) make up that share of a
+    block, each group keeping its own weights; without it, every task as often as its weight."""
+    pools = {kind: ["a document"] for kind, _, _ in data.TASKS.values()}
+    assert Counter(data.task_mix(pools)) == {t: w for t, (_, w, _) in data.TASKS.items()}
+    share = lambda mix: sum(t in data.COPY_TASKS for t in mix) / len(mix)  # noqa: E731
+    for f in (0.0, 0.25, 0.5, 0.75, 1.0):
+        assert share(data.task_mix(pools, f)) == pytest.approx(f, abs=0.05), f
+    assert set(data.task_mix(pools, 1.0)) == set(data.COPY_TASKS)
+    half = Counter(data.task_mix(pools, 0.5))
+    assert half["facts"] / half["kv"] == pytest.approx(data.TASKS["facts"][1] / data.TASKS["kv"][1], rel=0.1)
+    assert half["summary"] / half["title"] == pytest.approx(data.TASKS["summary"][1] / data.TASKS["title"][1], rel=0.1)
+    no_code = dict(pools, code=[])  # a kind without documents: its tasks are never drawn
+    assert all(data.TASKS[t][0] == "text" for t in data.task_mix(no_code, 0.5))
+    with pytest.raises(ValueError, match="copy_frac must be in"):
+        data.task_mix(pools, 1.5)
+
+
 def test_training_prompts(docs, tok):
     make = lambda n=100, seed=3, **kw: data.make_training_prompts(tok, n, docs=docs, min_tokens=300, max_tokens=600,
                                                                   long_max=1200, seed=seed, **kw)

@@ -1,5 +1,5 @@
-"""Beyond the paper: eviction while decoding and across conversation turns (lookaheadkv.DecodeEviction,
-add_turn, decode(..., evict=), generate.py's chat). The cache never holds more than C_d + every slots; a
+"""Beyond the paper: eviction while decoding and across conversation turns (decode_eviction.DecodeEviction,
+add_turn, forced_logprobs_evicting, decode(..., hook=, after_step=), generate.py's chat). The cache never holds more than C_d + every slots; a
 budget that holds everything changes nothing (FullKV token for token); decoding with evictions equals ONE
 masked full forward in which each generated token sees, per (layer, KV head), exactly the slots the cache
 held when it was fed; the decode-phase lookahead and SnapKV scores equal explicit attention (LoRA by hand
@@ -19,13 +19,32 @@ from safetensors.torch import save_file
 
 import generate
 import lookaheadkv as lk
-import model as M
-from lookaheadkv import DecodeEviction, EvictConfig, add_turn, compress, decode
-from model import Hook, Tokenizer
+from decode_eviction import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
+from lookaheadkv import EvictConfig, compress, decode
+from model import Hook, ModelConfig, Tokenizer, Transformer, attention_mask, load_model
 from test_lookaheadkv import _no_grad_one_thread, rand_ids, random_module, tiny_model  # noqa: F401 (autouse)
 
 W, C, N = 4, 16, 5  # window, (decode) budget, every
 ATOL = 1e-4
+
+
+watching = generate.watch  # decode()'s arguments for a DecodeEviction: its hook and its after_step ({} for None)
+
+
+def generate_recording(model, cache, logits, pos, n, ev=None, stop_ids=()):
+    """decode() with `ev` holding the cache; returns its tokens and the logits (1, V) each one was chosen
+    from: the first-token logits, then every decode step's (recorded in lookaheadkv.decode_step)."""
+    seen, real = [logits], lk.decode_step
+
+    def step(*a, **k):
+        seen.append(real(*a, **k))
+        return seen[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lk, "decode_step", step)
+        toks = [t.item() for t in decode(model, cache, logits, pos, n, stop_ids, **watching(ev))]
+    assert len(seen) == len(toks)
+    return toks, seen
 
 
 def setup(method, S=40, layers=3, seed=0):
@@ -106,11 +125,10 @@ def masked_forward(model, monkeypatch, x, allowed_rows, hook):
                 row[p] = True
                 a[0, h, p] = row
         masks.append(a)
-    orig = M.attention_mask
-    monkeypatch.setattr(M, "attention_mask", lambda Tq, Tk, kv, dev: orig(Tq, Tk, kv, dev) & masks[hook.layer])
-    out = model(inputs_embeds=x, positions=torch.arange(T)[None], pad_mask=torch.ones(1, T, dtype=torch.bool),
-                hook=hook)
-    monkeypatch.setattr(M, "attention_mask", orig)
+    with monkeypatch.context() as mp:  # where Attention looks it up; attention_mask is the original
+        mp.setattr("model.attention_mask", lambda Tq, Tk, kv, dev: attention_mask(Tq, Tk, kv, dev) & masks[hook.layer])
+        out = model(inputs_embeds=x, positions=torch.arange(T)[None], pad_mask=torch.ones(1, T, dtype=torch.bool),
+                    hook=hook)
     return out, masks
 
 
@@ -128,7 +146,7 @@ def explicit_scores(q, k, mask, cols, G):
 # the budget
 
 
-@pytest.mark.parametrize("method", lk.DECODE_METHODS)
+@pytest.mark.parametrize("method", DECODE_METHODS)
 def test_cache_never_exceeds_budget_plus_every(method):
     model, mod, ids, cache, logits, pos = setup(method)
     S = ids.shape[1]
@@ -144,8 +162,8 @@ def test_cache_never_exceeds_budget_plus_every(method):
         assert all(torch.equal(a, k[:, :, -W:]) for a, k in zip(last, cache_.k))
         return kept
 
-    ev.evict = spy
-    toks = list(decode(model, cache, logits, pos, 31, evict=ev))
+    ev.evict = spy  # after_step calls self.evict
+    toks = list(decode(model, cache, logits, pos, 31, **watching(ev)))
     sizes = [s for s in watch.sizes if s is not None]
     assert len(toks) == 31 and len(sizes) == 30  # 30 tokens fed
     assert max(sizes) == C + N and all(s <= C + N for s in sizes)
@@ -155,37 +173,48 @@ def test_cache_never_exceeds_budget_plus_every(method):
     assert len(cache) == C + 30 - 6 * N and watch.p == S + 30  # every layer and KV head the same count
 
 
-@pytest.mark.parametrize("method", lk.DECODE_METHODS)
+@pytest.mark.parametrize("method", DECODE_METHODS)
 def test_a_budget_that_holds_everything_is_fullkv(method):
     """C_d >= prompt + answer: nothing is evicted, and decoding equals FullKV's token for token."""
     model, mod, ids, _, _, _ = setup(method, S=30)
     full, l0, p0, _ = compress(model, ids, EvictConfig("full"))
-    want_logits = []
-    want = [t.item() for t in decode(model, full, l0, p0, 20, record=want_logits)]
+    want, want_logits = generate_recording(model, full, l0, p0, 20)
     cache, logits, pos, _ = compress(model, ids, EvictConfig(method, budget=30, window=W), module=mod)  # C >= S
-    ev, got_logits = DecodeEviction(method, 50, N, window=W, module=mod), []
-    got = [t.item() for t in decode(model, cache, logits, pos, 20, evict=ev, record=got_logits)]
+    ev = DecodeEviction(method, 50, N, window=W, module=mod)
+    got, got_logits = generate_recording(model, cache, logits, pos, 20, ev)
     assert got == want and not ev.log and len(cache) == 30 + 19
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got_logits, want_logits))
 
 
-def test_forcing_the_answer_gives_the_same_logits_as_generating_it():
-    """force= (evaluate.py's teacher forcing) runs the very path generation runs, evictions included."""
-    model, mod, ids, cache, logits, pos = setup("lookahead")
+@pytest.mark.parametrize("method", DECODE_METHODS)
+def test_forcing_the_answer_gives_the_logits_generation_saw(method):
+    """forced_logprobs_evicting (evaluate.py's teacher forcing) runs the very path generation runs,
+    evictions included: forcing the generated answer gives the log-probs of the logits each of its
+    tokens 2..R was chosen from, the same evictions at the same positions, and the cache's sizes."""
+    model, mod, ids, cache, logits, pos = setup(method)
     c2 = cache.copy()
-    ev, rec = DecodeEviction("lookahead", C, N, window=W, module=mod), []
-    toks = torch.stack(list(decode(model, cache, logits, pos, 25, evict=ev, record=rec)), dim=1)  # (1, 25)
-    ev2, rec2 = DecodeEviction("lookahead", C, N, window=W, module=mod), []
-    forced = torch.stack(list(decode(model, c2, logits, pos, 25, evict=ev2, force=toks, record=rec2)), dim=1)
-    assert torch.equal(forced, toks) and ev.log == ev2.log and len(ev.log) == 4
-    assert all(torch.equal(a, b) for a, b in zip(rec, rec2))
+    ev = DecodeEviction(method, C, N, window=W, module=mod)
+    toks, seen = generate_recording(model, cache, logits, pos, 25, ev)  # 24 fed: 4 evictions
+    ev2 = DecodeEviction(method, C, N, window=W, module=mod)
+    logp, sizes = forced_logprobs_evicting(model, c2, logits, pos, torch.tensor([toks]), ev2)
+    assert logp.shape == (24, logits.shape[-1]) and logp.dtype == torch.float32
+    want = torch.cat(seen[1:]).float().log_softmax(-1)  # the first token's logits are the prefill's, not a row
+    assert torch.allclose(logp, want, atol=1e-5)
+    assert ev.log == ev2.log and len(ev.log) == 4 and len(c2) == len(cache)
+    # the size as each answer token is generated: C, then one more per fed token, back to C at C + N
+    assert sizes == [C + i % N for i in range(25)]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(c2.k, cache.k))  # the same slots kept
+    # a one-token answer: no rows, nothing fed
+    logp1, sizes1 = forced_logprobs_evicting(model, c2.copy(), logits, pos, torch.tensor([toks[:1]]),
+                                             DecodeEviction(method, C, N, window=W, module=mod))
+    assert logp1.shape == (0, logits.shape[-1]) and sizes1 == [len(c2)]
 
 
 # -----------------------------------------------------------------------------
 # against explicit computations
 
 
-@pytest.mark.parametrize("method", lk.DECODE_METHODS)
+@pytest.mark.parametrize("method", DECODE_METHODS)
 def test_decoding_with_evictions_equals_a_masked_full_forward(method, monkeypatch):
     """Reference: ONE forward over [prompt; fed tokens], no cache, where the token at position p attends
     per (layer, KV head) only to the positions the cache held when p was fed (found by key matching) and
@@ -194,8 +223,8 @@ def test_decoding_with_evictions_equals_a_masked_full_forward(method, monkeypatc
     model, mod, ids, cache, logits, pos = setup(method)
     S = ids.shape[1]
     watch = Positions(model, ids, cache, start=S)
-    ev, rec = DecodeEviction(method, C, N, window=W, module=mod), []
-    toks = [t.item() for t in decode(model, cache, logits, pos, 24, evict=ev, record=rec)]
+    ev = DecodeEviction(method, C, N, window=W, module=mod)
+    toks, rec = generate_recording(model, cache, logits, pos, 24, ev)
     assert len(ev.log) == 4
     seq = torch.tensor([ids[0].tolist() + toks[:-1]])  # (1, S + 23)
     held = watch.allowed
@@ -213,7 +242,7 @@ def scores_without_lora(model, mod, cache, next_pos):
     """The decode-phase lookahead scores of mod's embeddings with the LoRA off (B = 0)."""
     zero = random_module(model.config, mod.n_tokens, randomise_B=False)
     zero.embeddings.copy_(mod.embeddings)
-    return lk.stack(lk.lookahead_pass(model, zero, cache, torch.tensor([next_pos])))
+    return lk.stack_layers(lk.lookahead_pass(model, zero, cache, torch.tensor([next_pos])))
 
 
 @pytest.mark.parametrize("method", ["lookahead", "snapkv"])
@@ -228,11 +257,11 @@ def test_decode_phase_scores_equal_explicit_attention(method, monkeypatch):
     G, Mr = cfg.num_attention_heads // cfg.num_key_value_heads, mod.n_tokens
     watch = Positions(model, ids, cache, start=S)
     ev = DecodeEviction(method, C, N, window=W, module=mod)
-    toks = [t.item() for t in decode(model, cache, logits, pos, 19, evict=ev)]
+    toks = [t.item() for t in decode(model, cache, logits, pos, 19, **watching(ev))]
     assert len(ev.log) == 3 and len(cache) == C + 3  # scored below on a cache that evicted and grew again
     next_pos = S + 18
     now = watch.now()
-    got = ev.scorer.decode_scores(model, cache, ev.hook, torch.tensor([next_pos]))  # (L, 1, H_kv, n)
+    got = ev.scores(model, ev.scorer, cache, ev.hook, torch.tensor([next_pos]))  # (L, 1, H_kv, n)
     seq_x = model.model.embed_tokens(torch.tensor([ids[0].tolist() + toks[:-1]]))  # (1, next_pos, hidden)
     if method == "lookahead":
         x = torch.cat([seq_x, mod.embeddings[None]], dim=1)
@@ -271,7 +300,7 @@ def test_running_h2o_equals_explicit_column_sums(monkeypatch):
     G = cfg.num_attention_heads // cfg.num_key_value_heads
     watch = Positions(model, ids, cache, start=S)
     ev = DecodeEviction("h2o", C, N, window=W)
-    toks = [t.item() for t in decode(model, cache, logits, pos, 19, evict=ev)]
+    toks = [t.item() for t in decode(model, cache, logits, pos, 19, **watching(ev))]
     assert len(ev.log) == 3
     T, now = S + 18, watch.now()
     hook = Restricted()
@@ -303,9 +332,14 @@ def test_running_h2o_equals_explicit_column_sums(monkeypatch):
     (dict(method="lookahead"), "needs an adapter"),
 ])
 def test_bad_decode_eviction_values(kw, message):
-    kw = dict(dict(method="snapkv", budget=C, every=N, window=W), **kw)
+    args = dict(dict(method="snapkv", budget=C, every=N, window=W), **kw)
     with pytest.raises(ValueError, match=message):
-        DecodeEviction(kw.pop("method"), kw.pop("budget"), **kw)
+        DecodeEviction(**args)
+    if "adapter" in message:  # the one check that needs more than numbers: the model-free ones pass
+        assert DecodeEviction.check(**args) is None
+    else:  # generate.py runs these before loading a model
+        with pytest.raises(ValueError, match=message):
+            DecodeEviction.check(**args)
 
 
 # -----------------------------------------------------------------------------
@@ -323,7 +357,7 @@ def chat_model(tmp_path_factory):
     config = dict(model_type="llama", vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=400, eos_token_id=2)
     (folder / "config.json").write_text(json.dumps(config))
-    net = M.Transformer(M.ModelConfig.from_hf_config(folder))
+    net = Transformer(ModelConfig.from_hf_config(folder))
     torch.manual_seed(0)
     for n, p in net.named_parameters():
         p.data = torch.rand_like(p) + 0.5 if "norm" in n else torch.randn_like(p) * 0.3
@@ -347,7 +381,7 @@ def chat(folder, tmp_path, turns, *argv):
                           str(W), "--max-new-tokens", "7", *argv])
 
 
-@pytest.mark.parametrize("method", ["full", *lk.DECODE_METHODS])
+@pytest.mark.parametrize("method", ["full", *DECODE_METHODS])
 def test_two_turns_with_a_large_budget_equal_fullkv_on_the_whole_conversation(chat_model, chat_adapter, tmp_path,
                                                                                method, capsys):
     """Nothing evicted: turn 2's answer is FullKV's on [chat(u1); answer 1; next_turn(u2)], token for token
@@ -357,7 +391,7 @@ def test_two_turns_with_a_large_budget_equal_fullkv_on_the_whole_conversation(ch
     budgets = [] if method == "full" else ["--budget", "300", "--decode-budget", "300", "--adapter", str(chat_adapter)]
     stats = chat(chat_model, tmp_path, turns, "--method", method, *budgets)
     assert [s["turn"] for s in stats] == [1, 2] and all(s["kept"] == s["cache_before"] for s in stats)
-    model = M.load_model(chat_model)
+    model = load_model(chat_model)
     tok = Tokenizer(chat_model, model.config)
     conversation = tok.encode(tok.chat(turns[0])) + stats[0]["answer_ids"] + tok.encode(tok.next_turn(turns[1]))
     assert stats[1]["cache_before"] == len(conversation)
@@ -373,11 +407,11 @@ def test_two_turns_with_a_large_budget_equal_fullkv_on_the_whole_conversation(ch
 def chat_adapter(chat_model, tmp_path_factory):
     path = tmp_path_factory.mktemp("adapter") / "adapter.safetensors"
     with torch.no_grad():
-        random_module(M.ModelConfig.from_hf_config(chat_model), 4).save(path)
+        random_module(ModelConfig.from_hf_config(chat_model), 4).save(path)
     return path
 
 
-@pytest.mark.parametrize("method", lk.DECODE_METHODS)
+@pytest.mark.parametrize("method", DECODE_METHODS)
 def test_a_small_budget_holds_every_turn(chat_model, chat_adapter, tmp_path, method):
     turns = [words(60, 3), words(30, 4), words(30, 5)]
     stats = chat(chat_model, tmp_path, turns, "--method", method, "--budget", "12", "--decode-budget", "14",

@@ -14,7 +14,8 @@ import torch
 
 import data
 import evaluate
-from lookaheadkv import LookaheadModule, compress
+from lookaheadkv import LookaheadModule, compress, greedy
+from metrics import forced_logprobs
 from model import load_model
 
 
@@ -31,14 +32,6 @@ def one_thread():
 # metrics
 
 
-def test_recall_of_kept_known_value():
-    # layer 1 unnormalised
-    true = {0: torch.tensor([[[0.5, 0.3, 0.2, 0.0]]]), 1: torch.tensor([[[2.0, 0.0, 0.0, 2.0]]])}
-    kept = [torch.tensor([[[0, 2]]]), torch.tensor([[[0, 2]]])]
-    assert evaluate.recall_of_kept(kept[:1], true) == pytest.approx(0.7)
-    assert evaluate.recall_of_kept(kept, true) == pytest.approx((0.7 + 0.5) / 2)
-
-
 def test_fidelity_known_values():
     assert evaluate.fidelity([1, 2, 9], [1, 2, 3, 4]) == (0.5, False)
     assert evaluate.fidelity([1, 2, 3, 4], [1, 2, 3, 4]) == (1.0, True)
@@ -53,12 +46,21 @@ def test_table_layout():
         "| method | C=8 | C=16 |", "|---|---|---|", "| full | 1.000 | 1.000 |", "| snapkv | 0.500 | - |"]
 
 
-def test_answer_kl_known_values():
-    p = torch.tensor([[0.5, 0.5], [0.9, 0.1]]).log()
-    q = torch.tensor([[0.5, 0.5], [0.5, 0.5]]).log()
-    kl1 = 0.9 * math.log(0.9 / 0.5) + 0.1 * math.log(0.1 / 0.5)
-    assert evaluate.answer_kl(p, q) == pytest.approx(kl1 / 2)  # the mean over the answer positions
-    assert evaluate.answer_kl(p, p) == 0.0
+def test_gap_table_and_when_the_report_has_it():
+    """Per method and budget, the share of the SnapKV-to-oracle gap closed in answer KL / in recall, from
+    the means over samples (metrics.gap_closed); "-" where there is no gap; only with snapkv and oracle."""
+    vals = {"full": (0.0, 1.0), "snapkv": (0.4, 0.6), "oracle": (0.1, 0.8), "lookahead": (0.25, 0.65),
+            "h2o": (0.55, 0.9)}  # (answer_kl, recall) at C=8; at C=16 the oracle's recall is SnapKV's: no gap
+    res = [dict(id=i, method=m, budget=b, answer_kl=kl, recall=rec if b == 8 or m != "oracle" else 0.6,
+                accuracy=None)
+           for m, (kl, rec) in vals.items() for b in (8, 16) for i in ("a", "b")]
+    assert evaluate.gap_table(res, list(vals), [8, 16]).splitlines() == [
+        "| method | C=8 | C=16 |", "|---|---|---|", "| lookahead | 50% / 25% | 50% / - |",
+        "| h2o | -50% / 150% | -50% / - |"]
+    assert "gap closed" in evaluate.report(res, list(vals), [8, 16])
+    assert "gap closed" not in evaluate.report([r for r in res if r["method"] != "oracle"],
+                                               ["full", "snapkv", "lookahead", "h2o"], [8, 16])
+    assert "gap closed" not in evaluate.report(res, list(vals), [8, 16], metrics=["recall"])
 
 
 def test_first_budget_reaching_90_percent_of_full():
@@ -78,12 +80,32 @@ def test_first_budget_reaching_90_percent_of_full():
     assert "reaches 90% of FullKV's accuracy (1.000" in evaluate.report(res, list(acc), budgets)
 
 
-def test_plot_has_three_panels(tmp_path):
+def test_plot_has_three_panels(tmp_path, monkeypatch):
+    """The figure evaluate.plot saves: recall, answer KL (log axis) and accuracy against C, one line per
+    method (FullKV's answer KL of 0 has no place on a log axis: no point); --mode decode adds the
+    cache-size panel in front."""
     pytest.importorskip("matplotlib")
-    res = [dict(id="a", method=m, budget=b, accuracy=0.5, recall=0.5, answer_kl=0.0 if m == "full" else 0.1 / b)
-           for m in ("full", "snapkv") for b in (8, 16)]
+    from matplotlib.figure import Figure
+    import matplotlib.pyplot as plt
+
+    saved, real = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), real(fig, *a, **k))[1])
+    res = [dict(id="a", method=m, budget=b, accuracy=0.5, recall=0.5, answer_kl=0.0 if m == "full" else 0.1 / b,
+                sizes=[b, b + 1, b]) for m in ("full", "snapkv") for b in (8, 16)]
     evaluate.plot(res, ["full", "snapkv"], [8, 16], tmp_path / "p.png")
-    assert (tmp_path / "p.png").stat().st_size > 0
+    assert (tmp_path / "p.png").stat().st_size > 0 and len(saved) == 1
+    axes = saved[0].get_axes()
+    assert [ax.get_ylabel() for ax in axes] == ["recall", "answer_kl (nats, log)", "accuracy"]
+    assert [ax.get_yscale() for ax in axes] == ["linear", "log", "linear"]
+    assert all(ax.get_xscale() == "log" and len(ax.get_lines()) == 2 for ax in axes)  # full and snapkv
+    full_kl = axes[1].get_lines()[0].get_ydata()
+    assert all(math.isnan(y) for y in full_kl)
+    evaluate.plot(res, ["full", "snapkv"], [8, 16], tmp_path / "d.png", metrics=("answer_kl",), sizes=True)
+    axes = saved[1].get_axes()
+    assert [ax.get_ylabel() for ax in axes] == ["KV slots per (layer, KV head)", "answer_kl (nats, log)"]
+    assert len(axes[0].get_lines()) == 3  # full, and one line per budget
+    for fig in saved:
+        plt.close(fig)
 
 
 def test_plot_eval_merges_runs_and_renames_rows(tmp_path, monkeypatch, capsys):
@@ -200,6 +222,10 @@ def test_end_to_end_and_resume(tiny, capsys):
     printed = capsys.readouterr().out
     assert "| full | 1.000 | 1.000 |" in printed and "### recall" in printed and "### answer_kl" in printed
     assert "| full | 0.0000 | 0.0000 |" in printed and "reaches 90% of FullKV" in printed
+    # snapkv and oracle ran: the headline table, a row per other method, full/snapkv/oracle not among them
+    gap = printed[printed.index("### share of the SnapKV-to-oracle gap closed"):].split("\n\n")[1].splitlines()
+    assert [l.split(" | ")[0][2:] for l in gap[2:]] == ["streaming", "h2o", "lookahead", "lookahead-untrained"]
+    assert gap[2 + 2] == evaluate.gap_table(results, ["lookahead"], [8, 16]).splitlines()[2]  # from the means
     assert "task copy" in (tiny / "out" / "results.md").read_text()
 
     before, mtime = path.read_bytes(), path.stat().st_mtime_ns
@@ -256,21 +282,23 @@ def test_shared_prefill_equals_compress_per_budget(tiny):
     budgets, diverged = [8, 16, 32], 0
     with torch.no_grad():
         full = evaluate.reference(model, ids, args.max_new_tokens, stop_ids=[2])
-        assert evaluate.answer(model, full.run.cache, full.logp, full.ref, full.run.next_pos, 10, [2]) == full.ref
+        assert full.logp.shape == (len(full.ref) - 1, model.config.vocab_size)  # answer tokens 2..R
+        assert evaluate.answer(model, full.run.cache, full.run.logits, full.logp, full.ref, full.run.next_pos, 10,
+                               [2]) == full.ref
         for method in ["snapkv", "pyramidkv", "h2o", "laq", "lookahead", "streaming", "random", "oracle"]:
             caches = list(evaluate.compact_caches(model, ids, method, budgets, full, modules, args))
             assert [c[0] for c in caches] == budgets
             for C, run, cache, kept, prefill_ms, score_ms in caches:
-                ref_cache, logits, pos, st = compress(model, ids, evaluate.eviction_config(method, C, args),
-                                                      module=modules.get(method), response=full.response)
-                assert len(kept) == len(st["kept"]) and all(torch.equal(a, b) for a, b in zip(kept, st["kept"])), \
+                ref_cache, logits, pos, ref_kept = compress(model, ids, evaluate.eviction_config(method, C, args),
+                                                            module=modules.get(method), response=full.response)
+                assert len(kept) == len(ref_kept) and all(torch.equal(a, b) for a, b in zip(kept, ref_kept)), \
                     (method, C)
                 assert torch.allclose(run.logits, logits, atol=1e-5) and torch.equal(run.next_pos, pos)
-                want = evaluate.greedy(model, ref_cache, logits, pos, args.max_new_tokens, [2])
-                logp = evaluate.forced_logprobs(model, cache, run.logits, full.response, run.next_pos)
-                got = evaluate.answer(model, cache, logp, full.ref, run.next_pos, args.max_new_tokens, [2])
+                want = greedy(model, ref_cache, logits, pos, args.max_new_tokens, [2])[0]
+                logp = forced_logprobs(model, cache, full.response, run.next_pos)
+                got = evaluate.answer(model, cache, run.logits, logp, full.ref, run.next_pos, args.max_new_tokens, [2])
                 assert got == want, (method, C)
-                assert cache.k[0].shape[2] == kept[0].shape[-1] == st["kept"][0].shape[-1]
+                assert cache.k[0].shape[2] == kept[0].shape[-1] == ref_kept[0].shape[-1]
                 diverged += got != full.ref
     assert diverged > 3  # the answers that start decoding mid-way were checked too
 
@@ -302,9 +330,13 @@ def test_argument_errors(tiny, extra, message):
 
 
 def test_missing_adapter_says_how_to_train(tiny):
-    with pytest.raises(SystemExit,
-                       match="no lookahead adapter at .*nowhere.safetensors: train one with python train.py"):
+    with pytest.raises(SystemExit, match=r"^error: --adapter .*nowhere.safetensors not found$"):  # before loading
         evaluate.main(argv(tiny) + ["--adapter", str(tiny / "nowhere.safetensors")])
+    no_adapter = argv(tiny)
+    del no_adapter[no_adapter.index("--adapter"):no_adapter.index("--adapter") + 2]  # none shipped for tiny-llama
+    with pytest.raises(SystemExit, match="no lookahead adapter at .*tiny-llama.lookahead.safetensors: train one with "
+                                         "python train.py"):
+        evaluate.main(no_adapter)
 
 
 @pytest.mark.parametrize("text, message", [

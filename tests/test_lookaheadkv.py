@@ -13,10 +13,12 @@ import math
 import pytest
 import torch
 
+import baselines
 import lookaheadkv as lk
-import model as M
-from lookaheadkv import EvictConfig, H2OHook, LookaheadHook, LookaheadModule, WindowHook, compress, decode, select
-from model import Hook, KVCache, ModelConfig, Transformer
+import metrics
+from baselines import H2OHook
+from lookaheadkv import EvictConfig, LookaheadHook, LookaheadModule, WindowHook, compress, decode, select
+from model import Hook, KVCache, ModelConfig, Transformer, attention_mask
 from torch.nn.attention.bias import causal_lower_right
 
 V = 128
@@ -127,14 +129,14 @@ def test_every_method_keeps_min_S_C_per_head_and_decodes(method):
     ec = EvictConfig(method, budget=C, window=W, laq_tokens=4)
     full, full_logits, full_pos, _ = compress(model, ids, EvictConfig("full"))
     torch.manual_seed(0)
-    cache, logits, next_pos, stats = compress(model, ids, ec, **method_kwargs(method, cfg))
+    cache, logits, next_pos, kept = compress(model, ids, ec, **method_kwargs(method, cfg))
     assert next_pos.tolist() == [S]
     assert torch.allclose(logits, full_logits, atol=ATOL)  # eviction happens after the first token's logits
     if method == "full":
         budgets = [S] * 3
-        assert stats["keep_frac"] is None
+        assert kept is None
     elif method == "pyramidkv":
-        budgets = lk.pyramid_budgets(C, W, 3, ec.pyramid_beta)
+        budgets = baselines.pyramid_budgets(C, W, 3, ec.pyramid_beta)
         assert budgets == [40, 24, 8] and sum(budgets) / 3 == C  # falling with depth, mean C
     else:
         budgets = [C] * 3
@@ -142,6 +144,8 @@ def test_every_method_keeps_min_S_C_per_head_and_decodes(method):
         assert cache.k[l].shape == (1, cfg.num_key_value_heads, budgets[l], cfg.head_dim)
         assert cache.v[l].shape == cache.k[l].shape
         idx = kept_slots(full.k[l], cache.k[l])  # (1, H_kv, C_l)
+        if method != "full":  # compress reports the very slots its cache holds
+            assert torch.equal(kept[l], idx)
         for h in range(cfg.num_key_value_heads):
             slots = idx[0, h].tolist()
             assert len(set(slots)) == budgets[l], "a slot kept twice"
@@ -153,9 +157,10 @@ def test_every_method_keeps_min_S_C_per_head_and_decodes(method):
         # values travel with their keys
         assert torch.equal(cache.v[l], full.v[l].gather(2, idx[..., None].expand(-1, -1, -1, cfg.head_dim)))
     if method != "full":
-        # keep_frac: per prompt token, the fraction of (layer, KV head) pairs that kept it
-        assert stats["keep_frac"].shape == (S,)
-        assert stats["keep_frac"].sum().item() == pytest.approx(sum(budgets) / 3)
+        # keep_fraction: per prompt token, the fraction of (layer, KV head) pairs that kept it
+        frac = metrics.keep_fraction(kept, S)
+        assert frac.shape == (S,) and ((frac >= 0) & (frac <= 1)).all()
+        assert frac.sum().item() == pytest.approx(sum(budgets) / len(budgets))  # mean slots kept per layer
     toks = list(decode(model, cache, logits, next_pos, 3))
     assert len(toks) == 3 and all(t.shape == (1,) and 0 <= t.item() < V for t in toks)
     assert toks[0].item() == full_logits.argmax(-1).item()
@@ -169,10 +174,10 @@ def test_no_eviction_when_prompt_fits(method, S):
     model = tiny_model()
     ids = rand_ids(1, S, seed=3)
     _, full_logits, _, _ = compress(model, ids, EvictConfig("full"))
-    cache, logits, next_pos, stats = compress(model, ids, EvictConfig(method, budget=24, window=8),
-                                              **method_kwargs(method, model.config))
+    cache, logits, next_pos, kept = compress(model, ids, EvictConfig(method, budget=24, window=8),
+                                             **method_kwargs(method, model.config))
     assert len(cache) == S and all(k.shape[2] == S for k in cache.k)
-    assert stats["keep_frac"] is None and next_pos.tolist() == [S]
+    assert kept is None and next_pos.tolist() == [S]
     assert torch.allclose(logits, full_logits, atol=ATOL)
     toks = list(decode(model, cache, logits, next_pos, 3))
     assert len(toks) == 3 and len(cache) == S + 2
@@ -301,9 +306,9 @@ def test_two_pass_equals_one_masked_pass(targets):
     res = {}
     for one_pass in (True, False):
         res[one_pass] = compress(model, ids, EvictConfig("lookahead", budget=C, one_pass=one_pass), module=mod)
-    (c1, l1, p1, s1), (c2, l2, p2, s2) = res[True], res[False]
+    (c1, l1, p1, k1), (c2, l2, p2, k2) = res[True], res[False]
     assert torch.allclose(l1, l2, atol=ATOL) and torch.equal(p1, p2)
-    assert torch.equal(s1["keep_frac"], s2["keep_frac"])
+    assert all(torch.equal(a, b) for a, b in zip(k1, k2))
     for l in range(cfg.num_hidden_layers):
         assert c1.k[l].shape[2] == C  # the lookahead rows are gone from the cache
         assert torch.allclose(c1.k[l], c2.k[l], atol=ATOL) and torch.allclose(c1.v[l], c2.v[l], atol=ATOL)
@@ -376,12 +381,18 @@ def test_lookahead_scores_are_mean_attention_of_the_M_rows():
 # 5. attention recall
 
 
+def recall(pred, true, C, protect=None):
+    """Attention recall@C of scores `pred` (what lookaheadkv.attention_recall was): keep each layer's
+    top C (protected tokens inside the budget), then metrics.recall_of_kept against `true`."""
+    return metrics.recall_of_kept([select(pred[l], C, protect=protect) for l in range(len(pred))], true)
+
+
 def test_attention_recall_known_value_and_oracle_bound():
     true = {0: torch.tensor([[[0.5, 0.3, 0.2, 0.0]]]), 1: torch.tensor([[[2.0, 0.0, 0.0, 2.0]]])}
     pred = {0: torch.tensor([[[0.9, 0.0, 0.8, 0.1]]]), 1: torch.tensor([[[0.9, 0.0, 0.8, 0.1]]])}  # keeps {0, 2}
-    assert lk.attention_recall(pred, true, 2) == pytest.approx((0.7 + 0.5) / 2)
+    assert recall(pred, true, 2) == pytest.approx((0.7 + 0.5) / 2)
     protect = torch.tensor([[[False, False, False, True]]])  # slot 3 forced in: keeps {0, 3}
-    assert lk.attention_recall(pred, true, 2, protect=protect) == pytest.approx((0.5 + 1.0) / 2)
+    assert recall(pred, true, 2, protect=protect) == pytest.approx((0.5 + 1.0) / 2)
 
     model = tiny_model()
     cfg = model.config
@@ -396,18 +407,145 @@ def test_attention_recall_known_value_and_oracle_bound():
             h2o.attn(layer, q, k, kv)
 
     model(ids, positions=pos(0, S), cache=cache, hook=Both())
-    true = lk.oracle_scores(model, cache, rand_ids(1, 10, seed=8), torch.tensor([S]))
-    assert len(cache) == S  # the response is not left in the cache
+    k0 = list(cache.k)
+    true = lk.answer_attention(model, cache, rand_ids(1, 10, seed=8), torch.tensor([S]))
+    assert len(cache) == S and all(a is b for a, b in zip(k0, cache.k))  # the answer is not left in the cache
     g = torch.Generator().manual_seed(0)
     others = dict(snapkv=hw.scores, h2o=h2o.scores(None, 2),
                   random={l: torch.rand(1, 2, S, generator=g) for l in range(cfg.num_hidden_layers)})
-    best = lk.attention_recall(true, true, C)
+    best = recall(true, true, C)
     for name, s in others.items():
-        r = lk.attention_recall(s, true, C)
+        r = recall(s, true, C)
         assert 0.0 < r <= best + 1e-7, name
     assert best < 1.0
-    assert lk.attention_recall(true, true, S) == pytest.approx(1.0)
-    assert lk.attention_recall(others["random"], true, S + 5) == pytest.approx(1.0)
+    assert recall(true, true, S) == pytest.approx(1.0)
+    assert recall(others["random"], true, S + 5) == pytest.approx(1.0)
+
+
+# -----------------------------------------------------------------------------
+# 5b. the answer's attention (the oracle, the training target, recall's truth) against explicit attention
+
+
+def test_answer_attention_equals_explicit_attention_for_a_padded_batch():
+    """answer_attention on a batch: prompts of different lengths (left-padded into one cache) and answers
+    of different lengths (right-padded, answer_mask). Reference, per row alone and without any padding:
+    ONE forward over [prompt; answer], its causal softmax matrix written out (explicit_probs), the mean
+    of the answer's rows over the prompt's columns, per query head, and its GQA-group mean per KV head."""
+    model = tiny_model(num_hidden_layers=3)
+    cfg = model.config
+    G, L = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.num_hidden_layers
+    lens, alens = (30, 21), (4, 7)
+    S, R = max(lens), max(alens)
+    prompts = [rand_ids(1, n, seed=40 + i) for i, n in enumerate(lens)]
+    answers = [rand_ids(1, r, seed=50 + i) for i, r in enumerate(alens)]
+    ids = torch.cat([torch.cat([torch.zeros(1, S - p.shape[1], dtype=torch.long), p], 1) for p in prompts])
+    pad = torch.stack([torch.arange(S) >= S - n for n in lens])
+    cache, _, next_pos, _ = compress(model, ids, EvictConfig("full"), pad_mask=pad)
+    assert next_pos.tolist() == list(lens)
+    padded = torch.cat([torch.cat([a, a[:, -1:].expand(1, R - a.shape[1])], 1) for a in answers])  # (2, R)
+    mask = torch.arange(R)[None] < torch.tensor(alens)[:, None]
+    k0 = [k.clone() for k in cache.k]
+    per_q = lk.answer_attention(model, cache, padded, next_pos, mask, per_query_head=True)
+    per_kv = lk.answer_attention(model, cache, padded, next_pos, mask)
+    assert len(cache) == S and all(torch.equal(a, b) for a, b in zip(k0, cache.k))  # the cache is left as it was
+    for b, (p, a) in enumerate(zip(prompts, answers)):
+        n, r = p.shape[1], a.shape[1]
+        cap = Capture()
+        model(torch.cat([p, a], 1), positions=pos(0, n + r), hook=cap)
+        for l in range(L):
+            A = explicit_probs(cap.q[l], cap.k[l])  # (1, H, n + r, n + r)
+            want = A[0, :, n:, :n].mean(1).float()  # (H, n): the answer's rows over the prompt
+            got = per_q[l][b]  # (H, S): left padding first
+            assert got.shape == (cfg.num_attention_heads, S)
+            assert torch.allclose(got[:, S - n:], want, atol=1e-5), (b, l)
+            assert (got[:, : S - n] == 0).all()  # the padding gets nothing
+            assert (got.sum(-1) < 1).all()  # the answer attends to itself too
+            assert torch.allclose(per_kv[l][b, :, S - n:], want.view(-1, G, n).mean(1), atol=1e-5), (b, l)
+    # control: without the mask, row 0's padded answer tokens count, and its scores change
+    unmasked = lk.answer_attention(model, cache, padded, next_pos)
+    assert not torch.allclose(unmasked[0][0], per_kv[0][0], atol=1e-4)
+    assert torch.allclose(unmasked[0][1], per_kv[0][1], atol=1e-6)  # row 1's answer has no padding
+
+
+# -----------------------------------------------------------------------------
+# 5c. the small pieces: keep_slots, untrained_module, greedy, the clock
+
+
+def test_keep_slots_gathers_each_layer_and_kv_head_in_place():
+    model = tiny_model()
+    cfg = model.config
+    full, _, _, _ = compress(model, rand_ids(2, 12, seed=3), EvictConfig("full"))
+    cache = full.copy()
+    g = torch.Generator().manual_seed(0)
+    kept = [torch.rand(2, cfg.num_key_value_heads, 12, generator=g).topk(c, -1).indices.sort(-1).values
+            for c in (5, 3)]  # per layer its own budget, per row and KV head its own slots
+    assert lk.keep_slots(cache, kept) is cache
+    for l, idx in enumerate(kept):
+        for b in range(2):
+            for h in range(cfg.num_key_value_heads):
+                assert torch.equal(cache.k[l][b, h], full.k[l][b, h, idx[b, h]])
+                assert torch.equal(cache.v[l][b, h], full.v[l][b, h, idx[b, h]])
+    assert [k.shape[2] for k in full.k] == [12, 12]  # the copy it was given was gathered, not the original
+    assert lk.keep_slots(cache, []) is cache  # nothing to keep per layer: nothing done
+
+
+def test_untrained_module_starts_at_the_token_scale_with_B_zero():
+    model = tiny_model()
+    torch.manual_seed(3)
+    mod = lk.untrained_module(model, n_tokens=16, rank=4)
+    torch.manual_seed(3)
+    again = lk.untrained_module(model, n_tokens=16, rank=4)
+    assert all(torch.equal(a, b) for a, b in zip(mod.state_dict().values(), again.state_dict().values()))  # seeded
+    std = model.model.embed_tokens.weight.float().std().item()  # 0.15 here, not LookaheadModule's default 0.02
+    assert mod.embeddings.shape == (16, model.config.hidden_size)
+    assert mod.embeddings.std().item() == pytest.approx(std, rel=0.1)
+    assert mod.targets == LookaheadModule.TARGETS and len(mod.targets) == 7
+    assert (mod.rank, mod.alpha, mod.pool, mod.kernel, mod.window) == (4, 32, "avg", 5, 0)
+    for name, p in mod.named_parameters():
+        assert p.dtype == torch.float32 and p.device == model.lm_head.weight.device, name
+        assert (p == 0).all() == name.endswith("_B"), name  # LoRA B zero, A and P not
+    assert len([n for n, _ in mod.named_parameters() if n.endswith("_B")]) == 7 * model.config.num_hidden_layers
+    # float32 whatever the model's dtype (the module trains in float32)
+    half = tiny_model().to(torch.bfloat16)
+    assert all(p.dtype == torch.float32 for p in lk.untrained_module(half, n_tokens=4).parameters())
+    # the default targets of LookaheadModule itself are the seven as well
+    assert LookaheadModule(model.config, n_tokens=4).targets == LookaheadModule.TARGETS
+
+
+def test_greedy_returns_each_rows_answer_up_to_its_stop_token():
+    model = tiny_model()
+    ids = rand_ids(2, 20, seed=6)
+    cache, logits, pos_, _ = compress(model, ids, EvictConfig("full"))
+    free = lk.greedy(model, cache.copy(), logits, pos_, 8, ())
+    assert [len(a) for a in free] == [8, 8]
+    assert free == torch.stack(list(decode(model, cache.copy(), logits, pos_, 8)), 1).tolist()
+    stop = free[1][2]  # row 1 stops at its third token
+    got = lk.greedy(model, cache, logits, pos_, 8, (stop,))
+    assert got[1] == free[1][:3]  # the stop token kept
+    assert got[0] == free[0][:free[0].index(stop) + 1] if stop in free[0] else got[0] == free[0]
+
+
+def test_compress_marks_the_clock_after_the_prefill_and_after_the_eviction():
+    model = tiny_model()
+
+    class Clock:
+        def __init__(self):
+            self.marks = []
+
+        def mark(self):
+            self.marks.append(len(cache_sizes))
+
+    cache_sizes = []
+    real = lk.keep_slots
+    clock = Clock()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lk, "keep_slots", lambda cache, kept: (cache_sizes.append(len(cache)), real(cache, kept))[1])
+        compress(model, rand_ids(1, 40), EvictConfig("snapkv", budget=16, window=4), clock=clock)
+    assert clock.marks == [0, 1]  # one mark before the eviction's gather, one after it
+    clock = metrics.Stopwatch("cpu")
+    clock.mark()
+    compress(model, rand_ids(1, 40), EvictConfig("full"), clock=clock)
+    assert len(clock.marks) == 3 and clock.ms(0, 1) > 0 and clock.ms(1, 2) >= 0  # full: nothing evicted
 
 
 # -----------------------------------------------------------------------------
@@ -463,18 +601,17 @@ def test_decode_after_eviction_equals_masked_full_forward(monkeypatch):
             self.layer = layer
 
     tracker = Layer()
-    orig = M.attention_mask
 
     def restricted(Tq, Tk, key_valid, device, restrict=True):
-        m = orig(Tq, Tk, key_valid, device)
+        m = attention_mask(Tq, Tk, key_valid, device)  # the original
         return m & allowed[tracker.layer] if restrict else m
 
-    monkeypatch.setattr(M, "attention_mask", restricted)
+    monkeypatch.setattr("model.attention_mask", restricted)  # where Attention looks it up
     ref = model(seq, positions=pos(0, T), pad_mask=torch.ones(1, T, dtype=torch.bool), hook=tracker)
     for t in range(3):
         assert torch.allclose(step_logits[t], ref[:, S - 1 + t], atol=1e-4), t
     # control: without the restriction the reference is the full-cache model, which differs
-    monkeypatch.setattr(M, "attention_mask", lambda *a: restricted(*a, restrict=False))
+    monkeypatch.setattr("model.attention_mask", lambda *a: restricted(*a, restrict=False))
     unrestricted = model(seq, positions=pos(0, T), pad_mask=torch.ones(1, T, dtype=torch.bool), hook=tracker)
     assert (unrestricted[:, S:] - ref[:, S:]).abs().max() > 1e-2
 
@@ -614,7 +751,7 @@ def test_left_padded_batch_h2o():
 @pytest.mark.parametrize("L", [1, 2, 3, 4, 5, 30])
 @pytest.mark.parametrize("C,W", [(24, 8), (128, 32), (64, 8)])
 def test_pyramid_budgets_fall_with_depth_and_average_C(L, C, W):
-    b = lk.pyramid_budgets(C, W, L, 20)
+    b = baselines.pyramid_budgets(C, W, L, 20)
     assert len(b) == L and b == sorted(b, reverse=True) and b[-1] >= W
     assert abs(sum(b) / L - C) <= 0.5
 
@@ -729,7 +866,7 @@ def test_inference_never_builds_an_S_by_S_tensor(method, monkeypatch):
         with _disable_current_modes():
             return causal_lower_right(T, Tk)  # the ops SDPA runs with it are still recorded
 
-    monkeypatch.setattr(M, "causal_lower_right", causal_bias)
+    monkeypatch.setattr("model.causal_lower_right", causal_bias)
     model = tiny_model()
     S, chunk = 200, 48  # S > vocab (128), so a (S, V) tensor cannot hide here either
     ids = rand_ids(1, S, seed=3)
@@ -786,27 +923,47 @@ def test_pooling_with_a_window_pools_only_the_prefix():
     assert lk.pool_scores(e, "avg", 3)[0, 0].tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0, 0.0])
 
 
+def test_chunk_and_carry_pooling_hand_values():
+    """chunk (ChunkKV): each token scored by its chunk's sum (+ 1e-3 of its own score, to break ties inside a
+    chunk), so whole chunks are kept; carry: a peak carried forward over the next kernel - 1 tokens."""
+    s = torch.tensor([[[0.0, 3.0, 0.0, 0.0, 1.0, 0.0, 0.0]]])
+    assert lk.pool_scores(s, "carry", 3).tolist() == [[[0.0, 3.0, 3.0, 3.0, 1.0, 1.0, 1.0]]]
+    assert lk.pool_scores(s, "chunk", 3)[0, 0].tolist() == pytest.approx([3.0, 3.003, 3.0, 1.0, 1.001, 1.0, 0.0])
+    c = torch.tensor([[[1.0, 3.0, 2.0, 0.0, 4.0, 0.0, 0.0]]])  # chunk sums 6, 4, 0: token 4 alone is the top one
+    assert select(c, 3).tolist() == [[[1, 2, 4]]]
+    assert select(lk.pool_scores(c, "chunk", 3), 3).tolist() == [[[0, 1, 2]]]  # the whole first chunk
+    assert select(lk.pool_scores(c, "chunk", 3), 2).tolist() == [[[1, 2]]]  # cut by the budget: its best tokens
+    # with a protected window only the prefix is smoothed: the window's scores carry nowhere
+    w = lk.pool_scores(torch.tensor([[[1.0, 0.0, 0.0, 9.0, 9.0]]]), "carry", 3, window=2)
+    assert w.tolist() == [[[1.0, 1.0, 1.0, 9.0, 9.0]]]
+    lk.check_pooling("chunk", 4)  # a chunk may have an even width
+    with pytest.raises(ValueError, match="must be >= 1"):
+        lk.check_pooling("carry", 0)
+    with pytest.raises(ValueError, match="unknown pooling 'sum'"):
+        lk.check_pooling("sum", 3)
+
+
 def test_laq_pools_its_final_rescores(monkeypatch):
     """LAQ's reference code pools the re-scores of the draft queries like its SnapKV step."""
     model = tiny_model()
     S, C, W = 48, 16, 4
     ids = rand_ids(1, S, seed=31)
     seen = {}
-    real = lk.laq_scores
-    monkeypatch.setattr(lk, "laq_scores", lambda *a: seen.setdefault("s", real(*a)))
-    _, _, _, st = compress(model, ids, EvictConfig("laq", budget=C, window=W, laq_tokens=4, pool="avg", kernel=5))
+    real = baselines.laq_scores
+    monkeypatch.setattr(baselines, "laq_scores", lambda *a: seen.setdefault("s", real(*a)))
+    _, _, _, kept = compress(model, ids, EvictConfig("laq", budget=C, window=W, laq_tokens=4, pool="avg", kernel=5))
     win = (torch.arange(S) >= S - W)[None, None]
-    pooled = lk.select(lk.pool_scores(lk.stack(seen["s"]), "avg", 5, W), C, protect=win)
-    unpooled = lk.select(lk.stack(seen["s"]), C, protect=win)
-    assert all(torch.equal(k, p) for k, p in zip(st["kept"], pooled))
-    assert not all(torch.equal(k, u) for k, u in zip(st["kept"], unpooled))  # pooling changes what is kept
+    pooled = lk.select(lk.pool_scores(lk.stack_layers(seen["s"]), "avg", 5, W), C, protect=win)
+    unpooled = lk.select(lk.stack_layers(seen["s"]), C, protect=win)
+    assert all(torch.equal(k, p) for k, p in zip(kept, pooled))
+    assert not all(torch.equal(k, u) for k, u in zip(kept, unpooled))  # pooling changes what is kept
 
 
 @pytest.mark.parametrize("L,C,W,S", [(3, 24, 8, 30), (30, 128, 32, 140), (5, 64, 8, 65), (4, 20, 4, 21)])
 def test_pyramid_budgets_clipped_at_S_give_the_rest_to_other_layers(L, C, W, S):
-    raw = lk.pyramid_budgets(C, W, L, 20)
+    raw = baselines.pyramid_budgets(C, W, L, 20)
     assert max(raw) > S  # the first layers would want more than the prompt holds
-    b = lk.pyramid_budgets(C, W, L, 20, S)
+    b = baselines.pyramid_budgets(C, W, L, 20, S)
     assert max(b) <= S and min(b) >= W
     assert abs(sum(b) - sum(raw)) == 0  # nothing lost: the mean stays as it was (C, up to rounding)
     assert b == sorted(b, reverse=True)  # still falling with depth
@@ -815,14 +972,14 @@ def test_pyramid_budgets_clipped_at_S_give_the_rest_to_other_layers(L, C, W, S):
 def test_pyramidkv_keeps_C_per_layer_on_average_when_layers_clip():
     model = tiny_model(num_hidden_layers=3)
     S, C, W = 30, 24, 8  # raw budgets 40, 24, 8: the first layer clips at 30
-    _, _, _, st = compress(model, rand_ids(1, S, seed=5), EvictConfig("pyramidkv", budget=C, window=W))
-    sizes = [k.shape[-1] for k in st["kept"]]
+    _, _, _, kept = compress(model, rand_ids(1, S, seed=5), EvictConfig("pyramidkv", budget=C, window=W))
+    sizes = [k.shape[-1] for k in kept]
     assert max(sizes) <= S and sum(sizes) == 3 * C
 
 
 def test_every_method_is_one_scorer_in_the_table():
-    assert lk.METHODS == tuple(lk.SCORERS)
-    for name, cls in lk.SCORERS.items():
+    assert lk.METHODS == tuple(baselines.SCORERS)
+    for name, cls in baselines.SCORERS.items():
         assert issubclass(cls, lk.Scorer) and cls.__doc__, name
 
 
@@ -838,8 +995,8 @@ def test_lookahead_window_keeps_the_last_tokens_and_rides_in_the_adapter(tmp_pat
     mod.save(tmp_path / "a.safetensors")
     back = LookaheadModule.load(tmp_path / "a.safetensors", cfg)
     assert back.window == W
-    _, _, _, st = compress(model, rand_ids(1, S, seed=9), EvictConfig("lookahead", budget=C), module=back)
-    for kept in st["kept"]:
-        assert kept.shape[-1] == C and (kept[..., -W:] == torch.arange(S - W, S)).all()
+    _, _, _, kept = compress(model, rand_ids(1, S, seed=9), EvictConfig("lookahead", budget=C), module=back)
+    for k in kept:
+        assert k.shape[-1] == C and (k[..., -W:] == torch.arange(S - W, S)).all()
     with pytest.raises(ValueError, match="too small for lookahead"):
         compress(model, rand_ids(1, S), EvictConfig("lookahead", budget=W), module=back)

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import model as M
-from model import Hook, KVCache, ModelConfig, Tokenizer, load_model
+from model import Hook, KVCache, ModelConfig, Tokenizer, attention_mask, load_model, rope_inv_freq
 
 ATOL = 1e-4
 V = 128  # vocab of the tiny checkpoints
@@ -29,6 +28,15 @@ LLAMA3_ROPE = dict(rope_theta=10000.0, rope_scaling=dict(
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny tensors: a second OpenMP thread gains nothing, and on a shared, busy machine it spin-waits
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def pos(start, n, B=1):
@@ -103,7 +111,7 @@ def test_logits_match_transformers(tiny_hf_model, case):
         assert max_diff(attn.q_norm.weight, torch.ones(32)) > 0.1 and max_diff(attn.k_norm.weight, torch.ones(32)) > 0.1
     if case == "llama3-rope-scaling":
         torch.testing.assert_close(ours.inv_freq, hf.model.rotary_emb.inv_freq, atol=1e-7, rtol=1e-6)
-        plain = M.rope_inv_freq(dataclasses.replace(ours.config, rope_scaling=None))
+        plain = rope_inv_freq(dataclasses.replace(ours.config, rope_scaling=None))
         assert torch.equal(ours.inv_freq[0], plain[0])  # short wavelengths kept
         assert torch.allclose(ours.inv_freq[-1], plain[-1] / 8)  # long ones slowed by `factor`
         assert (ours.inv_freq[1] != plain[1]) and (ours.inv_freq[1] != plain[1] / 8)  # the smooth band
@@ -144,7 +152,7 @@ def test_old_rope_scaling_config_form(tiny_hf_model, tmp_path):
     m_new, m_old = load_model(new), load_model(old)
     assert m_old.config.rope_scaling is not None
     torch.testing.assert_close(m_old.inv_freq, m_new.inv_freq, atol=0, rtol=0)
-    plain = M.rope_inv_freq(dataclasses.replace(m_old.config, rope_scaling=None))
+    plain = rope_inv_freq(dataclasses.replace(m_old.config, rope_scaling=None))
     assert not torch.allclose(m_old.inv_freq, plain)  # the scaling was read, not dropped
     ids = rand_ids(1, 60)
     torch.testing.assert_close(m_old(ids, positions=pos(0, 60)), m_new(ids, positions=pos(0, 60)), atol=0, rtol=0)
@@ -310,7 +318,7 @@ def test_lower_right_chunk_on_cuda_equals_the_explicit_mask():
     q0 = torch.randn(1, 32, 40, 128, device="cuda", dtype=torch.bfloat16, generator=g)  # 40 rows after 300 slots
     k0, v0 = (torch.randn(1, 8, 340, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     outs, grads = [], []
-    for mask in (causal_lower_right(40, 340), M.attention_mask(40, 340, None, "cuda")):
+    for mask in (causal_lower_right(40, 340), attention_mask(40, 340, None, "cuda")):
         q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         y.float().square().sum().backward()
@@ -327,13 +335,13 @@ def test_attention_mask_is_bottom_right_and_never_empty():
     give NaN on some SDPA kernels (torch 2.13's CPU kernels return 0, so only this direct check
     catches a missing guard), and a NaN value in the cache poisons every later query (0 * NaN)."""
     key_valid = torch.tensor([[False, False, True, True, True, True]])[:, None]  # (1, 1, 6)
-    m = M.attention_mask(3, 6, key_valid, "cpu")
+    m = attention_mask(3, 6, key_valid, "cpu")
     assert m.shape == (1, 1, 3, 6)
     expected = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
     assert torch.equal(m[0, 0], expected)
-    pad = M.attention_mask(6, 6, key_valid, "cpu")[0, 0]
+    pad = attention_mask(6, 6, key_valid, "cpu")[0, 0]
     assert pad.any(-1).all() and torch.equal(pad[:2], torch.eye(6, dtype=torch.bool)[:2])
-    assert torch.equal(M.attention_mask(4, 4, None, "cpu")[0, 0], torch.ones(4, 4, dtype=torch.bool).tril())
+    assert torch.equal(attention_mask(4, 4, None, "cpu")[0, 0], torch.ones(4, 4, dtype=torch.bool).tril())
 
 
 def test_positions_shift_leaves_logits_but_not_keys(tiny):
@@ -434,7 +442,7 @@ def masked_reference(model, monkeypatch, ids, positions, pad_mask, keep):
     """Full forward over all tokens where, in layer l, the LAST query may only see the keys with
     keep[l] (B, H_kv, T) True: model.attention_mask is patched to add that per-KV-head mask.
     pad_mask is always given so that Attention takes its masked path."""
-    orig, calls = M.attention_mask, []
+    orig, calls = attention_mask, []
 
     def patched(Tq, Tk, key_valid, device):
         m = orig(Tq, Tk, key_valid, device)
@@ -445,7 +453,7 @@ def masked_reference(model, monkeypatch, ids, positions, pad_mask, keep):
         return m
 
     with monkeypatch.context() as mp:
-        mp.setattr(M, "attention_mask", patched)
+        mp.setattr("model.attention_mask", patched)  # where Attention looks it up
         out = model(ids, positions=positions, pad_mask=pad_mask)
     assert len(calls) == model.config.num_hidden_layers  # the patch was really used, once per layer
     return out[:, -1]

@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import load_file
 
 import data
-import evaluate
 import lookaheadkv as lk
 import train
 from lookaheadkv import LookaheadHook, LookaheadModule
+from metrics import answer_kl, forced_logprobs, gap_closed
 from model import ModelConfig, Transformer, load_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,6 +73,44 @@ def test_kl_loss_known_values():
     torch.manual_seed(0)
     a, b = {0: torch.rand(1, 4, 30)}, {0: torch.rand(1, 4, 30)}
     assert train.kl_loss(a, b).item() > 0
+    # drop (--loss-skip): the slots left out of both distributions before they are normalised
+    drop = torch.tensor([[[True, False, False]]])
+    gt3, pred3 = {0: torch.tensor([[[50.0, 1.0, 3.0]]])}, {0: torch.tensor([[[0.01, 2.0, 2.0]]])}
+    assert train.kl_loss(gt3, pred3, drop=drop).item() == pytest.approx(expected.item(), abs=1e-6)
+
+
+def test_loss_skip_leaves_each_samples_first_tokens_out(tmp_path):
+    """batch_loss(skip=k) on a left-padded batch: each sample's loss over its prompt without its first k
+    real tokens (the sinks every method keeps), as if they were not there."""
+    model = tiny_model()
+    rows = [dict(prompt_ids=rand_list(n, n), response_ids=rand_list(5, 100 + n)) for n in (20, 27)]
+    paths = []
+    for i, r in enumerate(rows):
+        cache, gt, _ = train.ground_truth(model, r)
+        paths.append(tmp_path / f"{i}.safetensors")
+        train.save_sample(paths[-1], dict(k=torch.cat(cache.k), v=torch.cat(cache.v),
+                                          target=torch.cat([gt[l] for l in range(len(gt))])), torch.float32)
+    torch.manual_seed(3)
+    mod = LookaheadModule(model.config, n_tokens=4, embed_std=0.5)
+    cache, gt, lengths = train.load_batch(paths, "cpu", torch.float32)
+    with torch.no_grad():
+        got = train.batch_loss(model, mod, cache, gt, lengths, skip=4).item()
+        want = []
+        for r in rows:
+            c, g, _ = train.ground_truth(model, r)
+            pred = lk.lookahead_pass(model, mod, c, len(c), per_query_head=True)
+            want.append(train.kl_loss({l: x[..., 4:] for l, x in g.items()}, {l: x[..., 4:] for l, x in pred.items()}))
+        assert got == pytest.approx(sum(want).item() / 2, rel=1e-5)
+        assert got != pytest.approx(train.batch_loss(model, mod, cache, gt, lengths).item(), rel=1e-3)
+
+
+def test_rule_rows():
+    assert train.rule_rows("max:7, chunk:8,carry:5,none") == {
+        "lookahead_max7": ("lookahead", "max", 7), "lookahead_chunk8": ("lookahead", "chunk", 8),
+        "lookahead_carry5": ("lookahead", "carry", 5), "lookahead_none": ("lookahead", "none", 1)}
+    assert train.rule_rows("") == {}
+    with pytest.raises(ValueError, match="must be odd"):
+        train.rule_rows("avg:4")
 
 
 def test_parse_targets():
@@ -134,9 +172,8 @@ def test_ground_truth_equals_explicit_attention(hf_folder):
     full, _, _, _ = lk.compress(model, torch.tensor([row["prompt_ids"]]), lk.EvictConfig("full"))
     for l in range(cfg.num_hidden_layers):
         assert torch.allclose(cache.k[l], full.k[l], atol=1e-5) and torch.allclose(cache.v[l], full.v[l], atol=1e-5)
-    # the oracle scorer of lookaheadkv.py is the GQA mean of the same target
-    with torch.no_grad():
-        oracle = lk.oracle_scores(model, full, torch.tensor([row["response_ids"]]), torch.tensor([S]))
+    # the oracle's scores (answer_attention per KV head) are the GQA mean of the same target
+    oracle = lk.answer_attention(model, full, torch.tensor([row["response_ids"]]), torch.tensor([S]))
     for l, g in train.group_mean(gt, cfg.num_key_value_heads).items():
         assert torch.allclose(oracle[l], g, atol=1e-5)
 
@@ -197,22 +234,11 @@ def test_a_few_steps_lower_the_loss_on_a_fixed_batch():
     torch.manual_seed(0)
     mod = LookaheadModule(cfg, n_tokens=8, embed_std=0.15)  # untrained: B = 0
     rows = [dict(prompt_ids=rand_list(32 + 4 * i, 10 + i), response_ids=rand_list(8, 20 + i)) for i in range(2)]
-    states = [train.ground_truth(model, r)[:2] for r in rows]
+    micro = [(c, gt, torch.tensor([len(c)])) for c, gt, _ in (train.ground_truth(model, r) for r in rows)]
     opt = torch.optim.AdamW(mod.parameters(), lr=1e-2)
-
-    def batch_loss():
-        preds = [lk.lookahead_pass(model, mod, c, len(c), per_query_head=True) for c, _ in states]
-        return sum(train.kl_loss(gt, pred) for (_, gt), pred in zip(states, preds)) / 2
-
-    losses = []
-    for _ in range(8):
-        loss = batch_loss()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = [train.optimizer_step(mod, opt, model, micro, 2, clip=1.0).item() for _ in range(8)]
     with torch.no_grad():
-        final = batch_loss().item()
+        final = sum(train.batch_loss(model, mod, *m).item() for m in micro) / 2
     assert final < 0.8 * losses[0], losses + [final]
     assert final > 0
 
@@ -321,8 +347,11 @@ def test_resume_equals_uninterrupted_run(model_dir, tmp_path, stub_prompts, monk
 
 
 def test_no_training_data_is_an_error(model_dir, tmp_path, stub_prompts):
-    with pytest.raises(SystemExit, match="no training samples.*--n-train > 0"):
+    with pytest.raises(SystemExit, match=r"^error: --n-train 0: must be at least 1$"):  # before the model loads
         train.main(argv(model_dir, tmp_path / "o", "--n-train", "0", "--n-heldout", "0"))
+    write_data(tmp_path / "o", model_dir)  # rows, but no sample file written yet
+    with pytest.raises(SystemExit, match="no training samples.*--n-train > 0"):
+        train.main(argv(model_dir, tmp_path / "o", "--stage", "train"))
 
 
 def test_data_from_another_base_model_is_refused(model_dir, tmp_path, stub_prompts):
@@ -364,13 +393,13 @@ sys.path.insert(0, os.environ["LKV_TESTS"])
 from test_train import fake_prompts
 data.make_training_prompts = fake_prompts
 made = []
+new_module = train.new_module
 
-class Recording(train.LookaheadModule):  # to save every rank's final module (train.py saves rank 0's)
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        made.append(self)
+def recording(model, args):  # to save every rank's final module (train.py saves rank 0's)
+    made.append(new_module(model, args))
+    return made[-1]
 
-train.LookaheadModule = Recording
+train.new_module = recording
 train.main(sys.argv[1:])
 torch.save({k: v.detach().clone() for k, v in made[-1].state_dict().items()},
            os.path.join(os.environ["LKV_OUT"], f"rank{os.environ['RANK']}.pt"))
@@ -468,22 +497,32 @@ def test_eval_only_reports_the_untrained_init_and_the_adapter(model_dir, tmp_pat
     lines = [l for l in capsys.readouterr().out.splitlines() if "heldout" in l]
     assert len(lines) == 3 and lines[1].startswith(str(out / "adapter.safetensors"))
     assert lines[1][-60:] == lines[2][-60:]
-    # --budgets: one markdown table, the baselines once and each adapter pooled / unpooled, and the gap closed
+    # --budgets: one markdown table, the baselines once and each adapter pooled / unpooled, and per cell the
+    # share of the SnapKV-to-oracle gap closed
     train.main(argv(model_dir, out, "--eval-only", str(out / "adapter.safetensors"), "--budgets", "8,16",
                     "--pool", "avg"))
     text = capsys.readouterr().out
     table = [l for l in text.splitlines() if l.startswith("| ")]
-    assert table[0].startswith("| recall@C (2 held-out) | C=8 | C=16 |")
+    assert table[0].startswith("| recall@C (2 held-out; gap closed) | C=8 | C=16 |")
     names = [l.split(" | ")[0][2:] for l in table[1:]]
-    assert names == ["oracle", "snapkv", "pyramidkv", "h2o", "streaming", "untrained, pool avg", "untrained, unpooled",
-                     "adapter, pool avg", "adapter, unpooled"]
-    assert f"{log[-1]['kl']:.4f}" in table[-1] and "gap closed" in text
-    # --answer-kl: a second table, the same rows, lower is better
+    assert names == ["oracle", "snapkv", "pyramidkv", "h2o", "streaming", "untrained, as shipped (avg 5)",
+                     "untrained, unpooled", "adapter, as shipped (avg 5)", "adapter, unpooled"]
+    assert f"{log[-1]['kl']:.4f}" in table[-1]
+    cells = {name: l.split(" | ")[1:3] for name, l in zip(names, table[1:])}
+    assert all(c.endswith("(100%)") for c in cells["oracle"]) and all(c.endswith("(0%)") for c in cells["snapkv"])
+    for name, (c8, _) in cells.items():  # value (share): the share is gap_closed of the printed values
+        v, snap, orc = (float(cells[x][0].split()[0]) for x in (name, "snapkv", "oracle"))
+        share = int(c8.split("(")[1].rstrip("%)"))
+        assert abs(share - 100 * gap_closed(v, snap, orc)) <= 1 + 100 * 1e-3 / (orc - snap), name
+    # --answer-kl: a second table, the same rows, lower is better: it comes first (the headline)
     train.main(argv(model_dir, out, "--eval-only", str(out / "adapter.safetensors"), "--budgets", "8,16",
                     "--pool", "avg", "--answer-kl"))
     table = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| ")]
-    assert table[len(names) + 1].startswith("| answer KL (2 held-out) | C=8 | C=16 |")
-    assert [l.split(" | ")[0][2:] for l in table[len(names) + 2:]] == names
+    assert table[0].startswith("| answer KL (2 held-out; gap closed) | C=8 | C=16 |")
+    assert [l.split(" | ")[0][2:] for l in table[1:len(names) + 1]] == names
+    assert table[len(names) + 1].startswith("| recall@C (2 held-out; gap closed) | C=8 | C=16 |")
+    kl_cells = {name: l.split(" | ")[1:3] for name, l in zip(names, table[1:])}
+    assert all(c.endswith("(100%)") for c in kl_cells["oracle"]) and all(c.endswith("(0%)") for c in kl_cells["snapkv"])
 
 
 def test_init_continues_an_adapter_and_keeps_its_untrained_reference(model_dir, tmp_path, stub_prompts):
@@ -573,18 +612,50 @@ def test_batched_loss_equals_the_mean_of_per_sample_losses(tmp_path):
     per_sample = []
     for r in rows:
         cache, gt, _ = train.ground_truth(model, r)
-        loss = train.kl_loss(gt, lk.lookahead_pass(model, mod, cache, len(cache), per_query_head=True))
-        per_sample.append(loss)
-    (sum(per_sample) / 3).backward()
-    grads = {n: p.grad.clone() for n, p in mod.named_parameters()}
+        per_sample.append(train.batch_loss(model, mod, cache, gt, len(cache)))
+    mean = sum(per_sample) / 3
+    mean.backward()
+    # (None: the last layer's v/o/MLP LoRA, which no score reads)
+    grad = lambda p: torch.zeros_like(p) if p.grad is None else p.grad.clone()  # noqa: E731
+    grads = {n: grad(p) for n, p in mod.named_parameters()}
+    assert sum(g.abs().sum() > 0 for g in grads.values()) > len(grads) / 2
     mod.zero_grad()
     cache, gt, lengths = train.load_batch(paths, "cpu", torch.float32)
     assert lengths.tolist() == [20, 33, 27] and cache.k[0].shape[2] == 33
-    loss = train.kl_loss(gt, lk.lookahead_pass(model, mod, cache, lengths, per_query_head=True))
-    assert loss.item() == pytest.approx((sum(per_sample) / 3).item(), rel=1e-5)
+    loss = train.batch_loss(model, mod, cache, gt, lengths)
+    assert loss.item() == pytest.approx(mean.item(), rel=1e-5)
     loss.backward()
     for n, p in mod.named_parameters():
-        assert torch.allclose(p.grad, grads[n], atol=1e-6), n
+        assert torch.allclose(grad(p), grads[n], atol=1e-6), n
+    mod.zero_grad(set_to_none=True)
+
+    # optimizer_step: micro-batches of 1 and 2 samples, each sample weighing 1/3 of the step; SGD with lr 1
+    # moves every parameter by minus the gradient of the mean (no clipping at 1e9)
+    before = {n: p.detach().clone() for n, p in mod.named_parameters()}
+    micro = [train.load_batch(paths[:1], "cpu", torch.float32), train.load_batch(paths[1:], "cpu", torch.float32)]
+    step_loss = train.optimizer_step(mod, torch.optim.SGD(mod.parameters(), lr=1.0), model, micro, 3, clip=1e9)
+    assert step_loss.dim() == 0 and step_loss.item() == pytest.approx(mean.item(), rel=1e-5)
+    for n, p in mod.named_parameters():
+        assert torch.allclose(p.detach(), before[n] - grads[n], atol=1e-6), n
+        assert p.grad is None  # zeroed for the next step
+    # with a clip, the step's gradient norm is cut to it
+    with torch.no_grad():
+        for n, p in mod.named_parameters():
+            p.copy_(before[n])
+    train.optimizer_step(mod, torch.optim.SGD(mod.parameters(), lr=1.0), model, micro, 3, clip=1e-3)
+    moved = torch.cat([(p.detach() - before[n]).flatten() for n, p in mod.named_parameters()])
+    assert moved.norm().item() == pytest.approx(1e-3, rel=1e-3)
+    # two ranks (FakeDist: the other rank's gradient is this one's) over 6 samples: the same step
+    with torch.no_grad():
+        for n, p in mod.named_parameters():
+            p.copy_(before[n])
+    fake = FakeDist()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train, "dist", fake)
+        step2 = train.optimizer_step(mod, torch.optim.SGD(mod.parameters(), lr=1.0), model, micro, 6, 1e9, world=2)
+    assert fake.reduced > 0 and step2.item() == pytest.approx(mean.item() / 2, rel=1e-5)  # this rank's share
+    for n, p in mod.named_parameters():
+        assert torch.allclose(p.detach(), before[n] - grads[n], atol=1e-6), n
 
 
 def test_a_killed_data_stage_resumes_and_rebuilds_missing_samples(model_dir, tmp_path, stub_prompts):
@@ -603,19 +674,70 @@ def test_a_killed_data_stage_resumes_and_rebuilds_missing_samples(model_dir, tmp
         train.main(argv(model_dir, tmp_path / "e", "--store-gb", "0.00001"))
 
 
+def test_stage_train_only_reads_and_trains_on_the_rows_with_samples(model_dir, tmp_path, monkeypatch):
+    """--stage train never writes data (a data stage may be appending to OUT): no prompt made, no sample
+    rebuilt, data.jsonl untouched; it trains on the training rows whose sample files exist."""
+    out = tmp_path / "t"
+    write_data(out, model_dir)
+    monkeypatch.setattr(data, "make_training_prompts", fake_prompts)
+    train.main(argv(model_dir, out, "--stage", "data"))
+    files = sorted((out / "samples").glob("*.safetensors"))
+    files[0].unlink()  # its row is in data.jsonl, its sample not (yet)
+    jsonl, left = (out / "data.jsonl").read_bytes(), {f: f.read_bytes() for f in files[1:]}
+    monkeypatch.setattr(data, "make_training_prompts", lambda *a, **k: pytest.fail("no prompt may be made"))
+    read, load_batch = [], train.load_batch
+    monkeypatch.setattr(train, "load_batch", lambda paths, *a: (read.extend(paths), load_batch(paths, *a))[1])
+    train.main(argv(model_dir, out, "--stage", "train", "--n-train", "9"))
+    assert (out / "data.jsonl").read_bytes() == jsonl and not files[0].exists()
+    assert sorted((out / "samples").glob("*.safetensors")) == files[1:]
+    assert all(f.read_bytes() == b for f, b in left.items())
+    assert set(read) == set(files[1:])  # every epoch: the three samples there are, never the missing one
+    meta = json.loads((out / "adapter.json").read_text())
+    assert meta["train_data"]["n_train"] == 3 and meta["steps"] == 2  # 3 micro-batches of 1, 2 a step, 2 epochs
+
+
+def test_copy_frac_reaches_the_training_prompts_only(model_dir, tmp_path, monkeypatch):
+    asked = []
+
+    def recording(tok, n, split="train", **kw):
+        asked.append((split, kw["copy_frac"]))
+        return fake_prompts(tok, n, split)
+
+    monkeypatch.setattr(data, "make_training_prompts", recording)
+    out = tmp_path / "c"
+    write_data(out, model_dir)
+    train.main(argv(model_dir, out, "--stage", "data", "--n-train", "5", "--copy-frac", "0.7",
+                    "--max-new-tokens", "3"))
+    assert asked == [("train", 0.7), ("heldout", None)]  # held-out prompts keep the default mix
+    assert len((out / "data.jsonl").read_text().splitlines()) == 6  # the one new row answered and appended
+
+
+def test_new_module_is_the_seeded_untrained_module(model_dir):
+    model = load_model(model_dir)
+    args = train.get_args(["--n-tokens", "6", "--rank", "4", "--targets", "q_proj,v_proj", "--pool", "max",
+                           "--kernel", "3", "--lookahead-window", "2", "--seed", "5"])
+    torch.manual_seed(123)  # whatever the global state: --seed decides the draw
+    got = train.new_module(model, args)
+    torch.manual_seed(5)
+    want = lk.untrained_module(model, 6, 4, args.alpha, ("q_proj", "v_proj"), "max", 3, 2)
+    assert got.metadata() == want.metadata() and got.window == 2 and got.targets == ("q_proj", "v_proj")
+    assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), want.state_dict().values()))
+    assert train.new_module(model, train.get_args([])).targets == LookaheadModule.TARGETS  # --targets all
+
+
 def test_heldout_eval_reports_lookahead_with_and_without_its_pooling():
     model = tiny_model()
     rows = [dict(prompt_ids=rand_list(n, n), response_ids=rand_list(5, 100 + n)) for n in (40, 52)]
     heldout = [train.ground_truth(model, r, window=4) for r in rows]
     torch.manual_seed(0)
     plain = LookaheadModule(model.config, n_tokens=4, embed_std=0.5, pool="none")
-    r = train.evaluate(model, plain, heldout, budget=12, window=4)
-    assert r["recall_lookahead"] == r["recall_lookahead_nopool"]  # nothing to pool
+    r = train.heldout_metrics(model, plain, heldout, budget=12, window=4)
+    assert r["recall_lookahead"] == r["recall_lookahead_unpooled"]  # nothing to pool
     torch.manual_seed(0)
     pooled = LookaheadModule(model.config, n_tokens=4, embed_std=0.5, pool="avg", kernel=5)
-    p = train.evaluate(model, pooled, heldout, budget=12, window=4)
-    assert p["recall_lookahead_nopool"] == r["recall_lookahead_nopool"] and p["kl"] == r["kl"]  # same module
-    assert p["recall_lookahead"] != p["recall_lookahead_nopool"]
+    p = train.heldout_metrics(model, pooled, heldout, budget=12, window=4)
+    assert p["recall_lookahead_unpooled"] == r["recall_lookahead_unpooled"] and p["kl"] == r["kl"]  # same module
+    assert p["recall_lookahead"] != p["recall_lookahead_unpooled"]
 
 
 def test_heldout_eval_scores_once_for_several_budgets_under_the_oracle():
@@ -624,56 +746,40 @@ def test_heldout_eval_scores_once_for_several_budgets_under_the_oracle():
     heldout = [train.ground_truth(model, r, window=4) for r in rows]
     torch.manual_seed(0)
     module = LookaheadModule(model.config, n_tokens=4, embed_std=0.5, pool="avg", kernel=5)
-    r = train.evaluate(model, module, heldout, budget=12, window=4, budgets=(8, 12, 24))
-    assert r == {**r, **train.evaluate(model, module, heldout, budget=12, window=4)}  # the same numbers at C = 12
-    for m in ("lookahead", "lookahead_nopool", "snapkv", "h2o", "streaming"):  # equal budgets in every layer
+    r = train.heldout_metrics(model, module, heldout, budget=12, window=4, budgets=(8, 12, 24))
+    assert r == {**r, **train.heldout_metrics(model, module, heldout, budget=12, window=4)}  # the same at C = 12
+    for m in ("lookahead", "lookahead_unpooled", "snapkv", "h2o", "streaming"):  # equal budgets in every layer
         assert r[f"recall_{m}"] == r[f"recall_{m}@12"]
         for C in (8, 12, 24):
             assert 0 < r[f"recall_{m}@{C}"] <= r[f"recall_oracle@{C}"] + 1e-6  # the exact top C is the ceiling
         assert r[f"recall_{m}@8"] <= r[f"recall_{m}@12"] <= r[f"recall_{m}@24"]
     assert r["recall_oracle@8"] < r["recall_oracle@24"] < 1
+    assert {k.split("@")[0] for k in r if k.startswith("recall_")} == {f"recall_{row}" for row in train.HELDOUT_ROWS}
 
 
-def test_heldout_answer_kl_is_zero_without_eviction_and_uses_the_full_cache_logits():
+def test_heldout_answer_kl_is_zero_without_eviction_and_uses_answer_tokens_2_to_R():
     model = tiny_model()
     rows = [dict(prompt_ids=rand_list(n, n), response_ids=rand_list(6, 100 + n)) for n in (40, 52)]
     heldout = [train.ground_truth(model, r, window=4) for r in rows]
-    # the full-cache reference equals one forward over [prompt; answer] (answer tokens 1..R-1)
-    p, a = rows[0]["prompt_ids"], rows[0]["response_ids"]
-    ids = torch.tensor([p + a])
-    with torch.no_grad():
-        whole = model(ids, positions=torch.arange(len(ids[0]))[None], logits_at=None)[0].float().log_softmax(-1)
-        forced = evaluate.forced_logprobs(model, heldout[0][0], None, heldout[0][2]["response"], torch.tensor([len(p)]))
-    torch.testing.assert_close(forced, whole[len(p):len(p) + len(a) - 1], atol=1e-4, rtol=1e-4)
-    # without the first-token logits, the same rows as with them, minus the first
-    small = heldout[0][0].copy()
-    for l in range(len(small.k)):
-        small.gather(l, torch.arange(0, len(p), 3)[None, None].expand(1, small.k[l].shape[1], -1))
-    with torch.no_grad():
-        ref = evaluate.forced_logprobs(model, small, whole[len(p) - 1][None], heldout[0][2]["response"],
-                                       torch.tensor([len(p)]))
-        mine = evaluate.forced_logprobs(model, small, None, heldout[0][2]["response"], torch.tensor([len(p)]))
-    torch.testing.assert_close(mine, ref[1:], atol=1e-4, rtol=1e-4)
-    # the held-out answer KL on a compressed cache keeps the answer at positions S.. (not len(cache)..):
-    # the oracle's row at C = 8, computed by hand
+    # the held-out answer KL on a compressed cache keeps the answer at positions S.. (not len(cache)..), and
+    # counts answer tokens 2..R (metrics.forced_logprobs): the oracle's row at C = 8, computed by hand
     hand = []
-    with torch.no_grad():
-        for cache, gt, extra in heldout:
-            S, nxt = len(cache), torch.tensor([len(cache)])
-            small = cache.copy()
-            for l, idx in enumerate(lk.select(lk.stack(train.group_mean(gt, model.config.num_key_value_heads)), 8)):
-                small.gather(l, idx)
-            full = evaluate.forced_logprobs(model, cache, None, extra["response"], nxt)
-            hand.append(evaluate.answer_kl(full, evaluate.forced_logprobs(model, small, None, extra["response"], nxt)))
+    for cache, gt, extra in heldout:
+        nxt = torch.tensor([len(cache)])
+        small = lk.keep_slots(cache.copy(), lk.select(lk.stack_layers(train.group_mean(gt, model.config.num_key_value_heads)), 8))
+        full = forced_logprobs(model, cache, extra["response"], nxt)
+        assert full.shape[0] == 5  # 6 answer tokens, the first one the prefill's
+        hand.append(answer_kl(full, forced_logprobs(model, small, extra["response"], nxt)))
     torch.manual_seed(0)
     plain = LookaheadModule(model.config, n_tokens=4, embed_std=0.5)
-    got = train.evaluate(model, plain, heldout, budget=8, window=4, answer_kl=("oracle",))["answer_kl_oracle@8"]
-    assert got == pytest.approx(sum(hand) / len(hand), rel=1e-5)
+    got = train.heldout_metrics(model, plain, heldout, budget=8, window=4, answer_kl_rows=("oracle",))
+    assert got["answer_kl_oracle@8"] == pytest.approx(sum(hand) / len(hand), rel=1e-5)
     torch.manual_seed(0)
     module = LookaheadModule(model.config, n_tokens=4, embed_std=0.5, pool="avg", kernel=5)
-    r = train.evaluate(model, module, heldout, budget=8, window=4, budgets=(8, 64), answer_kl=train.HELDOUT_METHODS)
-    for m in train.HELDOUT_METHODS:
+    r = train.heldout_metrics(model, module, heldout, budget=8, window=4, budgets=(8, 64),
+                              answer_kl_rows=tuple(train.HELDOUT_ROWS))
+    for m in train.HELDOUT_ROWS:
         assert abs(r[f"answer_kl_{m}@64"]) < 1e-5  # C >= S: nothing evicted, the same distributions
         assert r[f"answer_kl_{m}@8"] > 1e-4  # 8 of 40-52 slots: the answer changes
-    assert "answer_kl_snapkv@8" not in train.evaluate(model, module, heldout, budget=8, window=4, budgets=(8,),
-                                                      answer_kl=("lookahead",))
+    assert "answer_kl_snapkv@8" not in train.heldout_metrics(model, module, heldout, budget=8, window=4, budgets=(8,),
+                                                             answer_kl_rows=("lookahead",))

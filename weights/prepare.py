@@ -256,7 +256,10 @@ def get_args(argv=None):
 
 def main(argv=None):
     try:
-        print(f"ready: {prepare(get_args(argv).out)}")
+        out = get_args(argv).out
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} is a file: pass a folder for the converted model")
+        print(f"ready: {prepare(out)}")
     except (ValueError, OSError, ImportError) as e:  # one line that says what to do, no traceback
         raise SystemExit(f"error: {e}")
 

@@ -1,0 +1,224 @@
+"""
+The methods LookaheadKV is compared with, one Scorer each (lookaheadkv.py has the method itself
+and the steps every method shares: the prefill, the scores, the eviction). Each class says only
+what it adds to the prefill and how it scores; its docstring cites its paper.
+
+    full        FullKV: no eviction
+    streaming   StreamingLLM: 4 sink tokens + the most recent ones
+    random      RandomKV: random scores (a sanity floor)
+    snapkv      SnapKV: attention of the last `window` prompt queries, pooled
+    pyramidkv   PyramidKV: SnapKV's scores, per-layer budgets falling with depth (mean C)
+    h2o         H2O: attention each key gets from ALL prompt queries, per query that sees it
+    laq         LAQ: SnapKV-compress, draft 8 tokens, re-score the full cache with their queries
+    oracle      Oracle: the true future (the full-cache answer's attention); needs that answer
+
+SCORERS maps every method's name, lookahead included, to its class (lookaheadkv.make_scorer).
+"""
+
+import torch
+
+from lookaheadkv import LookaheadKV, Scorer, WindowHook, answer_attention, group_attention, keep_slots, stack_layers
+from model import Hook
+
+
+class FullKV(Scorer):
+    """No eviction: the reference every method is measured against."""
+
+    evicts = False
+
+
+class StreamingLLM(Scorer):
+    """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks",
+    arXiv 2309.17453): keep the first n_sink tokens, which soak up attention whatever they say,
+    and the most recent C - n_sink. No attention is looked at."""
+
+    pooled = False
+
+    def __init__(self, eviction, module=None, response=None):
+        self.sinks = eviction.n_sink
+        super().__init__(eviction)
+
+    def score(self, model, run):
+        S, L, Hkv = run.positions.shape[1], len(run.cache.k), run.cache.k[0].shape[1]
+        slot = torch.arange(S, device=run.positions.device).float()
+        return slot.expand(L, run.positions.shape[0], Hkv, S)  # recency
+
+
+class RandomKV(Scorer):
+    """Random scores: the floor any method must beat."""
+
+    pooled = False
+
+    def score(self, model, run):
+        (B, S), L, Hkv = run.positions.shape, len(run.cache.k), run.cache.k[0].shape[1]
+        g = torch.Generator(device="cpu").manual_seed(self.eviction.seed)
+        return torch.rand(L, B, Hkv, S, generator=g).to(run.positions.device)
+
+
+class SnapKV(Scorer):
+    """SnapKV (Li et al., "SnapKV: LLM Knows What You Are Looking for Before Generation", arXiv
+    2404.14469): the last `window` prompt tokens play the answer; their mean attention over the
+    prompt (softmax over all keys, causal inside the window, mean over the GQA group) is the
+    score, pooled along the prefix; the window itself is always kept, inside C."""
+
+    def __init__(self, eviction, module=None, response=None):
+        self.window = eviction.window
+        super().__init__(eviction)
+
+    def prefill_hook(self, S):
+        return WindowHook(self.window, S)
+
+    def score(self, model, run):
+        return stack_layers(run.hook.scores)
+
+
+class PyramidKV(SnapKV):
+    """PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
+    Information Funneling", arXiv 2406.02069): SnapKV's scores, but early layers (broad attention)
+    get more slots than late ones (focused attention): budgets fall linearly, mean C."""
+
+    def budgets(self, n_layers, S):
+        return pyramid_budgets(self.eviction.budget, self.window, n_layers, self.eviction.pyramid_beta, S)
+
+
+def pyramid_budgets(budget, window, n_layers, beta, S=None):
+    """PyramidKV: budgets fall linearly from the first layer to the last, mean over layers = C.
+    A layer cannot keep more than the S prompt tokens: what a clipped layer cannot use goes
+    to the other layers, evenly, so the mean stays C (while C <= S)."""
+    if n_layers == 1:
+        return [budget]
+    avail = budget - window
+    lo = avail // beta
+    hi = 2 * avail - lo
+    b = [window + round(hi - l * (hi - lo) / max(n_layers - 1, 1)) for l in range(n_layers)]
+    if S is None:
+        return b
+    spare = sum(max(x - S, 0) for x in b)
+    b = [min(x, S) for x in b]
+    while spare > 0 and any(x < S for x in b):
+        room = [l for l in range(n_layers) if b[l] < S]
+        share, extra = divmod(spare, len(room))
+        for i, l in enumerate(room):
+            b[l] += share + (i < extra)
+        spare = sum(max(x - S, 0) for x in b)
+        b = [min(x, S) for x in b]
+    return b
+
+
+class H2OHook(Hook):
+    """H2O's prefill score: attention each key receives from ALL prompt queries, summed, then
+    divided by how many queries can see it (else early tokens win by position alone).
+    Queries are processed `rows` at a time, so memory is O(rows x S), never S x S."""
+
+    every_chunk = True  # with chunked prefill, every chunk's queries count
+
+    def __init__(self, rows=256):
+        self.rows, self.sums = rows, {}
+
+    def attn(self, layer, q, k, key_valid):
+        Tq, Tk = q.shape[2], k.shape[2]
+        total = torch.zeros(k.shape[0], k.shape[1], Tk, device=k.device)  # (B, H_kv, Tk)
+        for i in range(0, Tq, self.rows):
+            j = min(i + self.rows, Tq)
+            # keys the sub-chunk's queries see: up to slot Tk - Tq + j
+            seen = Tk - Tq + j
+            probs = group_attention(q[:, :, i:j], k[:, :, :seen], None if key_valid is None else key_valid[..., :seen])
+            total[..., : Tk - Tq + j] += probs.sum(dim=2)
+        prev = self.sums.get(layer)
+        if prev is not None:  # an earlier prefill chunk: its keys are a prefix of these
+            total[..., : prev.shape[-1]] += prev
+        self.sums[layer] = total
+
+    def scores(self, key_valid, G):
+        S = next(iter(self.sums.values())).shape[-1]
+        valid = torch.ones(1, 1, S, device=self.sums[0].device) if key_valid is None else key_valid.float()
+        seen_by = valid.flip(-1).cumsum(-1).flip(-1) * G  # real queries at or after each slot, x group
+        return {l: s / seen_by.clamp(min=1) for l, s in self.sums.items()}
+
+
+class H2O(Scorer):
+    """H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
+    Language Models", arXiv 2306.14048), prefill form: the attention each key receives from ALL
+    prompt queries, divided by how many queries can see it (else early tokens win by position
+    alone). Computed in blocks of query rows inside the prefill: never an S x S matrix. Like
+    SnapKV it keeps the last `window` tokens."""
+
+    def __init__(self, eviction, module=None, response=None):
+        self.window = eviction.window
+        super().__init__(eviction)
+
+    def prefill_hook(self, S):
+        return H2OHook()
+
+    def score(self, model, run):
+        cfg = model.config
+        return stack_layers(run.hook.scores(run.valid, cfg.num_attention_heads // cfg.num_key_value_heads))
+
+
+class LAQ(SnapKV):
+    """LAQ (Lookahead Q-Cache, arXiv 2505.20334): a pseudo future from a real draft. Compress
+    with SnapKV, greedily draft `laq_tokens` tokens on that small cache, then score the FULL
+    prompt cache with the draft's queries plus the last `laq_tokens` prompt queries; pool and
+    keep the top C (window kept). Decoding starts from the original first-token logits."""
+
+    budget_dependent = True  # the draft runs on the SnapKV-compressed cache of size C
+
+    def prefill_hook(self, S):
+        return WindowHook(self.window, S, keep_queries=self.eviction.laq_tokens)
+
+    def score(self, model, run):
+        # shallow copy: gathering in it leaves the full cache alone
+        draft_cache = keep_slots(run.cache.copy(), self.evict(stack_layers(run.hook.scores), run.positions, run.valid))
+        return stack_layers(laq_scores(model, run.cache, draft_cache, run.logits, run.next_pos, run.hook.queries,
+                                self.eviction.laq_tokens, run.valid))
+
+
+@torch.no_grad()
+def laq_scores(model, cache, draft_cache, logits, next_pos, window_q, n, valid):
+    """LAQ: greedily draft n tokens on the compressed cache, keep the drafted tokens' queries,
+    then score the FULL prompt cache with them plus the last n prompt queries (window_q)."""
+    S = len(cache)
+    recorder = QueryRecorder()
+    tok = logits.argmax(-1)  # (B,)
+    for t in range(n):
+        out = model(tok[:, None], positions=(next_pos + t)[:, None], cache=draft_cache, hook=recorder)
+        tok = out[:, -1].argmax(-1)
+    scores = {}
+    for l in range(len(cache.k)):
+        k = cache.k[l][:, :, :S]
+        draft_q = torch.cat(recorder.q[l], dim=2)  # (B, H, n, D): they come after every prompt key
+        p_window = group_attention(window_q[l], k, valid)  # (B, H_kv, G*n, S), causal in the prompt
+        p_draft = group_attention(draft_q, k, valid, causal=False)  # (B, H_kv, G*n, S)
+        scores[l] = torch.cat([p_window, p_draft], dim=2).mean(dim=2)
+    return scores
+
+
+class QueryRecorder(Hook):
+    """Keeps each layer's queries of every forward call (for LAQ's draft tokens)."""
+
+    def __init__(self):
+        self.q = {}
+
+    def attn(self, layer, q, k, key_valid):
+        self.q.setdefault(layer, []).append(q)
+
+
+class Oracle(Scorer):
+    """The true future: the full-cache greedy answer (B, R) run on top of the prompt cache; the
+    mean attention of its R queries over the prompt. It needs the whole answer first, so it is a
+    ceiling, not a method; unpooled (the exact top C of the truth)."""
+
+    pooled = False
+
+    def __init__(self, eviction, module=None, response=None):
+        if response is None:
+            raise ValueError("method oracle needs the full-cache answer first (response=...)")
+        self.response = response
+        super().__init__(eviction)
+
+    def score(self, model, run):
+        return stack_layers(answer_attention(model, run.cache, self.response, run.next_pos))
+
+
+SCORERS = {"full": FullKV, "streaming": StreamingLLM, "random": RandomKV, "snapkv": SnapKV, "pyramidkv": PyramidKV,
+           "h2o": H2O, "laq": LAQ, "oracle": Oracle, "lookahead": LookaheadKV}

@@ -1,0 +1,91 @@
+"""
+How a compressed cache is judged: the measures train.py's held-out eval and evaluate.py share.
+
+    recall@C    the share of the true future attention (the full-cache answer's attention over the
+                prompt, per layer and KV head) that the kept slots hold: recall_of_kept
+    answer KL   FullKV's answer teacher-forced through the full and the compressed cache; the mean
+                KL(full || compressed) of the next-token distributions: forced_logprobs, answer_kl
+    gap closed  how much of the distance from SnapKV to the oracle a method covers: gap_closed
+
+Answer KL counts answer tokens 2..R. The first answer token is predicted by the prefill itself,
+before any eviction, so it is the same for every method; tokens 2..R are the ones a compressed
+cache predicts. An answer of one token (the stop token) has KL 0.
+"""
+
+import time
+
+import torch
+
+
+def recall_of_kept(kept, true):
+    """Share of the true future attention mass that the kept slots hold. kept: per layer, the
+    kept prompt slots (B, H_kv, C_l); true: per layer, scores (B, H_kv, S), L1-normalised here
+    per (row, KV head). Mean over layers, KV heads and rows."""
+    r = []
+    for layer, idx in enumerate(kept):
+        t = true[layer].float()
+        t = t / t.sum(-1, keepdim=True).clamp(min=1e-12)
+        r.append(t.gather(-1, idx).sum(-1).mean())
+    return torch.stack(r).mean().item()
+
+
+@torch.no_grad()
+def forced_logprobs(model, cache, response, next_pos):
+    """(R-1, V) float32 log-probs of answer tokens 2..R, with the answer `response` (1, R)
+    teacher-forced on a copy of `cache` in ONE forward of its first R-1 tokens at next_pos (1,) on."""
+    R = response.shape[1]
+    if R < 2:
+        return torch.zeros(0, model.lm_head.weight.shape[0], device=response.device)
+    positions = next_pos[:, None] + torch.arange(R - 1, device=response.device)  # next_pos .. next_pos+R-2
+    logits = model(response[:, :-1], positions=positions, cache=cache.copy(), logits_at=None)  # (1, R-1, V)
+    return logits[0].float().log_softmax(-1)
+
+
+def answer_kl(logp_full, logp):
+    """Mean over the answer positions of KL(p_full || p), from log-probs (R-1, V) in float32 as
+    forced_logprobs returns them. Clamped at 0 per position: identical distributions can round to -1e-9."""
+    if logp.shape[0] == 0:
+        return 0.0
+    kl = (logp_full.exp() * (logp_full - logp)).sum(-1)  # (R-1,)
+    return kl.clamp(min=0).mean().item()
+
+
+def gap_closed(method, snapkv, oracle, lower_is_better=False):
+    """The share of the SnapKV-to-oracle gap a method closes: 0 = SnapKV, 1 = the oracle, < 0 worse
+    than SnapKV. For answer KL (lower is better) and recall (higher is better) alike; None when
+    there is no gap to close."""
+    gap = (snapkv - oracle) if lower_is_better else (oracle - snapkv)
+    if gap <= 1e-12:
+        return None
+    return ((snapkv - method) if lower_is_better else (method - snapkv)) / gap
+
+
+class Stopwatch:
+    """Time marks on the device's own timeline. On CUDA they are events recorded in the stream, not
+    synchronisations: the CPU keeps queueing the scoring kernels while the GPU still runs the
+    prefill, so their launch cost hides behind it, as it would in a server. On CPU, wall time.
+    compress(..., clock=Stopwatch(device)) marks the end of the prefill and of the eviction."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.marks = []
+
+    def mark(self):
+        if self.cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def ms(self, i, j):  # from mark i to mark j (waits for mark j on CUDA)
+        if self.cuda:
+            self.marks[j].synchronize()
+            return self.marks[i].elapsed_time(self.marks[j])
+        return (self.marks[j] - self.marks[i]) * 1e3
+
+
+def keep_fraction(kept, S):
+    """(S,) per prompt token of batch row 0, the share of (layer, KV head) pairs that kept it
+    (generate.py --show and examples/plot_kept.py draw it). kept: per layer (B, H_kv, C_l)."""
+    slots = torch.cat([k[0].flatten() for k in kept])  # row 0's kept slots, every layer and KV head
+    return (torch.bincount(slots, minlength=S) / (len(kept) * kept[0].shape[1])).cpu()

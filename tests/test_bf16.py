@@ -1,0 +1,161 @@
+"""bfloat16, the dtype the GPU runs the base model in (model.default_dtype on CUDA; train.py --dtype),
+checked on the CPU against float32 on tiny random models. Every other test runs in float32, so this
+file is where a bf16-only problem (a dtype mix, a cast lost, a loss that overflows, scores that stop
+being comparable) would show before the GPU does.
+
+- the data stage in bf16 gives finite targets, and the training step on its samples (the module in
+  float32, as train.py trains it) has a finite loss and gradients that point where fp32's point:
+  cosine similarity > 0.99 for the whole gradient and for each parameter (measured here: > 0.999);
+- one-pass and two-pass lookahead scores agree in bf16 to within bf16's own error (their difference
+  is at most the largest difference between the bf16 and the fp32 scores);
+- eviction in bf16 keeps the same slots as in fp32 for every (budget, layer, KV head) whose fp32
+  margin between the C-th and the (C+1)-th pooled score exceeds twice the largest bf16 score error of
+  that head (so rounding cannot reorder them); heads without such a margin are skipped, and each
+  method must have some that qualify. The errors themselves must stay under 8% of the head's largest
+  score: bf16 keeps 8 significant bits (relative rounding 2^-8 = 0.4%), and logits of magnitude ~10
+  turn that into up to ~4% of a probability; 8% is that with a factor 2 of room (measured: <= 4.4%).
+
+Small shapes and one thread: bf16 matmuls are slow on CPU; the tests take under a second (plus imports)."""
+
+import copy
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lookaheadkv as lk
+import train
+from lookaheadkv import EvictConfig, LookaheadModule, compress, lookahead_pass
+from test_lookaheadkv import rand_ids, random_module, tiny_model
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The same tiny random model in float32 and in bfloat16, and a module with a nonzero LoRA on all
+    seven projections (train.py's default targets)."""
+    with torch.no_grad():
+        m32 = tiny_model(num_hidden_layers=3)
+        module = random_module(m32.config, 8, LookaheadModule.TARGETS)
+    return m32, copy.deepcopy(m32).to(BF16), module
+
+
+def kept_of(result):
+    """The kept slots per layer from compress's result (its 4th item: the list, or stats["kept"])."""
+    k = result[3]
+    return k["kept"] if isinstance(k, dict) else k
+
+
+def test_training_step_in_bf16_matches_fp32(models, tmp_path):
+    """The data stage in bf16 (three prompts answered together, left-padded), its samples saved as
+    train.py saves them; then the training step on them with the bf16 model and with the fp32 one:
+    the bf16 loss is finite and within 2% of fp32's, each gradient's cosine similarity to fp32's is
+    > 0.99, and clipping + AdamW leave a finite float32 module."""
+    m32, m16, module = models
+    prompts = [rand_ids(1, n, seed=n)[0].tolist() for n in (40, 31, 36)]
+    tok = types.SimpleNamespace(stop_ids=())
+    with torch.no_grad():
+        samples = train.answer_and_target(m16, tok, prompts, 6)
+    paths = []
+    for i, s in enumerate(samples):
+        assert s["k"].dtype == BF16 and torch.isfinite(s["target"]).all() and s["target"].sum() > 0
+        paths.append(tmp_path / f"{i}.safetensors")
+        train.save_sample(paths[-1], s, BF16)
+
+    def step(model):
+        m = copy.deepcopy(module).requires_grad_(True)
+        cache, gt, lengths = train.load_batch(paths, "cpu", model.lm_head.weight.dtype)
+        pred = lookahead_pass(model, m, cache, lengths, per_query_head=True)
+        loss = train.kl_loss(gt, pred)
+        loss.backward()
+        return m, loss, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    _, loss32, g32 = step(m32)
+    m, loss16, g16 = step(m16)
+    assert loss16.dtype == torch.float32 and torch.isfinite(loss16)
+    assert loss16.item() == pytest.approx(loss32.item(), rel=0.02)
+    assert g16.keys() == g32.keys() and len(g32) == 1 + 2 * 7 * 2 + 2 * 2  # embeddings, 2 full layers, the last's q,k
+    flat = lambda g: torch.cat([v.flatten() for v in g.values()])
+    assert F.cosine_similarity(flat(g16), flat(g32), dim=0) > 0.99
+    for n in g32:
+        assert torch.isfinite(g16[n]).all() and g16[n].dtype == torch.float32
+        assert F.cosine_similarity(g16[n].flatten(), g32[n].flatten(), dim=0) > 0.99, n
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+    opt.step()
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in m.parameters())
+
+
+@torch.no_grad()
+def test_one_pass_equals_two_pass_in_bf16(models):
+    """The lookahead rows riding in the prefill (one pass) and run on top of the prompt cache (two
+    passes) score alike in bf16: they differ by no more than bf16 differs from fp32 (bf16 rounding is
+    the only thing allowed between them), and keep the same slots where the margin is clear."""
+    m32, m16, module = models
+    ids = rand_ids(1, 48, seed=5)
+    run = {}
+    for name, model, one_pass in (("fp32", m32, True), ("one", m16, True), ("two", m16, False)):
+        ec = EvictConfig("lookahead", budget=12, one_pass=one_pass, chunk_size=16)
+        run[name] = lk.prefill_and_score(model, ids, ec, module=module)[1]
+    bf16_err = (run["one"].scores - run["fp32"].scores).abs().max()
+    assert 0 < bf16_err < 0.08 * run["fp32"].scores.max()  # the model did run in bf16, and not far off
+    assert (run["one"].scores - run["two"].scores).abs().max() <= bf16_err
+    one, two = (compress(m16, ids, EvictConfig("lookahead", budget=12, one_pass=p, chunk_size=16), module=module)
+                for p in (True, False))
+    assert torch.allclose(one[1].float(), two[1].float(), atol=0.05)  # first-token logits: bf16 rounding apart
+    assert_same_kept_where_clear(run["fp32"], run["one"], module, EvictConfig("lookahead", budget=12),
+                                 [kept_of(one), kept_of(two)], min_clear=1)
+
+
+def clear_heads(scorer, r32, r16, C):
+    """(L, B, H_kv) bool: where fp32's pooled gap between the C-th and (C+1)-th score (protected tokens
+    counted as +inf, as select does) exceeds twice the head's largest bf16 error, so rounding cannot
+    swap them. Also asserts that error is < 8% of the head's largest score."""
+    p32, p16 = (lk.pool_scores(r.scores.float(), scorer.pool, scorer.kernel, scorer.window) for r in (r32, r16))
+    err = (p16 - p32).abs().amax(-1)
+    assert (err < 0.08 * p32.amax(-1)).all(), "bf16 scores are further from fp32 than bf16 rounding explains"
+    protect = scorer.protect(r32.positions)
+    s = p32 if protect is None else p32.masked_fill(protect, float("inf"))
+    top = s.sort(-1, descending=True).values
+    return top[..., C - 1] - top[..., C] > 2 * err
+
+
+def assert_same_kept_where_clear(r32, r16, module, ec, kept16s, min_clear):
+    """Each of kept16s (per layer (B, H_kv, C)) holds, on every clear head, fp32's top C."""
+    scorer = lk.make_scorer(ec, module)
+    clear = clear_heads(scorer, r32, r16, ec.budget)
+    assert clear.sum() >= min_clear, "no head with a clear margin: the comparison would prove nothing"
+    kept32 = scorer.evict(r32.scores, r32.positions, r32.valid)
+    for kept16 in kept16s:
+        for l in range(clear.shape[0]):
+            same = (kept16[l] == kept32[l]).all(-1)  # (B, H_kv), both in slot order
+            assert same[clear[l]].all(), f"layer {l}: bf16 kept other slots on a head with a clear margin"
+    return clear.sum().item()
+
+
+@pytest.mark.parametrize("method", ["snapkv", "lookahead", "h2o"])
+@torch.no_grad()
+def test_eviction_keeps_fp32_slots_where_margins_are_clear(models, method):
+    """compress() in bf16 (the whole GPU path: chunked prefill, scoring, pooling, top-C, the gather)
+    keeps, at budgets 4, 8 and 12, exactly fp32's slots on every (layer, KV head) whose fp32 margin
+    is clear of the bf16 error; the file asserts that enough heads qualify to make this a test."""
+    m32, m16, module = models
+    ids = rand_ids(1, 48, seed=5)
+    n_clear = 0
+    for C in (4, 8, 12):
+        ec = EvictConfig(method, budget=C, window=2, chunk_size=16)
+        r32, r16 = (lk.prefill_and_score(m, ids, ec, module=module)[1] for m in (m32, m16))
+        res16 = compress(m16, ids, ec, module=module)
+        assert res16[0].k[0].dtype == BF16
+        n_clear += assert_same_kept_where_clear(r32, r16, module, ec, [kept_of(res16)], min_clear=0)
+    assert n_clear >= 5, f"only {n_clear} clear (budget, layer, head) cases"
