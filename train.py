@@ -9,9 +9,10 @@ after a kill, rerun the same command: the data stage keeps what it wrote, --resu
         --adapter-out weights/SmolLM2-135M-Instruct.lookahead.safetensors
 (the LoRA on all seven projections, the default --targets all; with --targets q_proj,k_proj: the
 adapter shipped before it, weights/SmolLM2-135M-Instruct.lookahead-qk.safetensors)
-One GPU, paper-like scale (longer prompts and answers, more of them):
+One GPU, paper-like scale (longer prompts and answers, more of them; the prompt caches recomputed in
+the step instead of kept on disk, which would take ~430 GB here: README.md, "Training on one GPU"):
     python train.py --out runs/gpu --n-train 8000 --n-heldout 128 --max-tokens 4096 --max-new-tokens 256 \
-        --gen-batch 64 --micro-batch 32 --epochs 2
+        --gen-batch 64 --micro-batch 32 --epochs 2 --store-dtype none
 Several GPUs (data parallel: each rank takes every world_size-th micro-batch; build the samples first):
     python train.py --stage data ... && torchrun --nproc_per_node=8 train.py ...
 CPU smoke run (a few minutes on 2 cores):
@@ -105,16 +106,20 @@ def sample_path(out, row_id):
 
 def save_sample(path, sample, store_dtype):
     """The prompt's cache in store_dtype (bfloat16 halves the disk: the cache is an input, not a
-    target), the target in float32. Written to a temporary name first: a kill leaves no half file."""
+    target), the target in float32; store_dtype None: the target alone (the cache is recomputed at
+    every step, prompt_cache). Written to a temporary name first: a kill leaves no half file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = dict(k=sample["k"].to(store_dtype), v=sample["v"].to(store_dtype), target=sample["target"].float())
+    tensors = dict(target=sample["target"].float())
+    if store_dtype is not None:
+        tensors.update(k=sample["k"].to(store_dtype), v=sample["v"].to(store_dtype))
     save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, str(path.with_suffix(".tmp")))
     os.replace(path.with_suffix(".tmp"), path)
 
 
 def sample_bytes(cfg, S, store_dtype):
     """Disk size of one sample of S prompt tokens."""
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * S * store_dtype.itemsize
+    kv = 0 if store_dtype is None else 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * S * \
+        store_dtype.itemsize
     return kv + cfg.num_hidden_layers * cfg.num_attention_heads * S * 4
 
 
@@ -147,7 +152,7 @@ def build_dataset(model, tok, args, out, rank=0):
                                                  long_max=args.long_max, seed=args.seed,
                                                  copy_frac=args.copy_frac if split == "train" else None)
             todo += [dict(p, split=split) for p in prompts if p["id"] not in done]
-    store = getattr(torch, args.store_dtype)
+    store = None if args.store_dtype == "none" else getattr(torch, args.store_dtype)
     missing = [r for r in rows if r["split"] == "train" and not sample_path(out, r["id"]).exists()]
     if (todo or missing) and rank != 0:
         raise ValueError("build the dataset first on one process (python train.py --stage data)")
@@ -231,8 +236,16 @@ def ground_truth(model, row, window=0):
 def load_batch(paths, dev, dtype):
     """Sample files of different lengths, left-padded into one batch: a KVCache with (B, H_kv, S, D)
     per layer and its valid mask (B, 1, S), the targets {layer: (B, H, S)} (zero on padding, so
-    they add nothing to the KL) and each row's prompt length (B,), where its lookahead rows start."""
+    they add nothing to the KL) and each row's prompt length (B,), where its lookahead rows start.
+    Files without the cache (--store-dtype none) give cache None: prompt_cache makes it."""
     items = [load_file(str(p)) for p in paths]
+    if "k" not in items[0]:
+        lengths = [it["target"].shape[-1] for it in items]
+        S = max(lengths)
+        target = torch.zeros(items[0]["target"].shape[0], len(items), items[0]["target"].shape[1], S, device=dev)
+        for b, (it, n) in enumerate(zip(items, lengths)):
+            target[:, b, :, S - n:] = it["target"]
+        return None, {l: target[l] for l in range(target.shape[0])}, torch.tensor(lengths, device=dev)
     lengths = [it["target"].shape[-1] for it in items]
     B, S = len(items), max(lengths)
     L, Hkv, _, D = items[0]["k"].shape
@@ -250,6 +263,14 @@ def load_batch(paths, dev, dtype):
     for l in range(L):
         cache.k[l], cache.v[l], cache.valid[l] = k[l], v[l], valid
     return cache, {l: target[l] for l in range(L)}, torch.tensor(lengths, device=dev)
+
+
+@torch.no_grad()
+def prompt_cache(model, prompts):
+    """The prompts' KV cache, left-padded together as load_batch pads them, made by one prefill: what a
+    training step does instead of reading it from disk with --store-dtype none (cheap on a GPU)."""
+    ids, pad_mask = left_pad(prompts, model.lm_head.weight.device)
+    return compress(model, ids, EvictConfig("full"), pad_mask=pad_mask)[0]
 
 
 def micro_batches(rows, size):
@@ -407,8 +428,9 @@ def get_args(argv=None):
       "exactly (data.COPY_TASKS; default: the task weights, about a third); held-out prompts keep the default")
     a("--max-new-tokens", type=int, default=256, help="length cap of the base model's answers (paper: 512)")
     a("--gen-batch", type=int, default=None, help="prompts answered together (default 32 on CUDA, 8 on CPU)")
-    a("--store-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-      help="dtype of the prompt caches kept on disk (OUT/samples) for every epoch")
+    a("--store-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "none"],
+      help="dtype of the prompt caches kept on disk (OUT/samples) for every epoch; none: keep only the targets "
+      "and recompute each prompt's cache at every step (a GPU's choice: on the CPU it is 7.6x slower)")
     a("--store-gb", type=float, default=40, help="refuse to build samples that would take more disk than this")
     # module
     a("--n-tokens", type=int, default=32, help="M, lookahead tokens")
@@ -734,8 +756,14 @@ def train(args):
         # the step's micro-batches are read from disk by a second thread while the first ones train
         loads = [reader.submit(load_batch, [sample_path(out, train_rows[i]["id"]) for i in idx], dev, dtype)
                  for idx in mine]
-        loss = optimizer_step(module, opt, model, (load.result() for load in loads), n_step, args.clip, loss_pool,
-                              world, args.loss_skip).item()
+
+        def batch(idx, load):  # (cache, targets, lengths), the cache recomputed if the files do not hold it
+            cache, gt, lengths = load.result()
+            cache = cache if cache is not None else prompt_cache(model, [train_rows[i]["prompt_ids"] for i in idx])
+            return cache, gt, lengths
+
+        loss = optimizer_step(module, opt, model, (batch(idx, load) for idx, load in zip(mine, loads)), n_step,
+                              args.clip, loss_pool, world, args.loss_skip).item()
         step += 1
         n_seen += n_step
         bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{n_seen / (time.perf_counter() - t0):.1f}")

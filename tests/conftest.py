@@ -4,10 +4,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Every test runs torch on one thread. The tensors are tiny (or, for the real model, the machine
+    is a shared 2-core one): a second OpenMP thread spin-waiting on a busy core makes ops ~100x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 
 # --- tiny random Hugging Face checkpoints (used by tests/test_model.py) -------------------------
-
-import pytest
 
 HF_FAMILIES = {  # model_type -> (config class, model class) names in transformers
     "llama": ("LlamaConfig", "LlamaForCausalLM"),

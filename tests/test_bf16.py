@@ -32,12 +32,6 @@ from test_lookaheadkv import rand_ids, random_module, tiny_model
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

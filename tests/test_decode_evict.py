@@ -22,7 +22,7 @@ import lookaheadkv as lk
 from decode_eviction import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
 from lookaheadkv import EvictConfig, compress, decode
 from model import Hook, ModelConfig, Tokenizer, Transformer, attention_mask, load_model
-from test_lookaheadkv import _no_grad_one_thread, rand_ids, random_module, tiny_model  # noqa: F401 (autouse)
+from test_lookaheadkv import _no_grad, rand_ids, random_module, tiny_model  # noqa: F401 (autouse)
 
 W, C, N = 4, 16, 5  # window, (decode) budget, every
 ATOL = 1e-4

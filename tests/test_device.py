@@ -164,12 +164,8 @@ def _causal_bias_new(cls, *args, **kwargs):  # seam 3
 
 
 @pytest.fixture(autouse=True)
-def _one_thread_and_causal_bias(monkeypatch):
+def _causal_bias(monkeypatch):
     monkeypatch.setattr(CausalBias, "__new__", _causal_bias_new)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture

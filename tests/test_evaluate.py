@@ -19,14 +19,6 @@ from metrics import forced_logprobs
 from model import load_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy machine every op of a multi-threaded
-    torch waits for a descheduled thread (this file: 0.2 s against 7 s per prompt)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 # -----------------------------------------------------------------------------
 # metrics

@@ -28,14 +28,9 @@ ATOL = 1e-5
 
 
 @pytest.fixture(autouse=True)
-def _no_grad_one_thread():
-    # one thread: these tensors are tiny, and on a shared 2-core machine a second OpenMP thread
-    # spin-waiting on a busy core makes the file ~100x slower (12 s instead of 0.1 s per test)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _no_grad():
     with torch.no_grad():
         yield
-    torch.set_num_threads(n)
 
 
 def tiny_model(seed=0, **kw):

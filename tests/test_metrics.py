@@ -8,7 +8,7 @@ import torch
 
 import metrics
 from lookaheadkv import EvictConfig, compress, keep_slots
-from test_lookaheadkv import V, _no_grad_one_thread, rand_ids, tiny_model  # noqa: F401 (autouse)
+from test_lookaheadkv import V, _no_grad, rand_ids, tiny_model  # noqa: F401 (autouse)
 
 
 def test_recall_of_kept_known_value():

@@ -30,13 +30,6 @@ def _no_grad():
         yield
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: a second OpenMP thread gains nothing, and on a shared, busy machine it spin-waits
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def pos(start, n, B=1):

@@ -14,13 +14,6 @@ FOLDER = Path(__file__).resolve().parents[1] / "weights" / "SmolLM2-135M-Instruc
 ADAPTER = FOLDER.parent / "SmolLM2-135M-Instruct.lookahead.safetensors"  # shipped in the repo
 pytestmark = pytest.mark.skipif(not (FOLDER / "model.safetensors").exists(), reason="run python weights/prepare.py")
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # on a shared 2-core machine a second OpenMP thread spin-waiting on a busy core slows every op
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 FILLER = ("The committee met again in the spring to review the harbour accounts, the state of the roads "

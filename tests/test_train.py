@@ -30,15 +30,6 @@ TINY = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_laye
             num_key_value_heads=2, head_dim=16, name="tiny")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny tensors: a second OpenMP thread spin-waiting on a shared, busy core costs ~100x
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_model(seed=0):
     torch.manual_seed(seed)
     model = Transformer(ModelConfig(**TINY)).float().eval().requires_grad_(False)
@@ -55,6 +46,17 @@ def rand_list(n, seed):
 # -----------------------------------------------------------------------------
 # the loss
 
+
+
+def write_samples(model, rows, folder):
+    """Each row's sample file (its prompt cache and target, float32) in folder; their paths."""
+    paths = []
+    for i, r in enumerate(rows):
+        cache, gt, _ = train.ground_truth(model, r)
+        paths.append(folder / f"{i}.safetensors")
+        train.save_sample(paths[-1], dict(k=torch.cat(cache.k), v=torch.cat(cache.v),
+                                          target=torch.cat([gt[l] for l in range(len(gt))])), torch.float32)
+    return paths
 
 def test_kl_loss_known_values():
     gt = {0: torch.tensor([[[1.0, 3.0]]])}  # p = (1/4, 3/4)
@@ -84,12 +86,7 @@ def test_loss_skip_leaves_each_samples_first_tokens_out(tmp_path):
     real tokens (the sinks every method keeps), as if they were not there."""
     model = tiny_model()
     rows = [dict(prompt_ids=rand_list(n, n), response_ids=rand_list(5, 100 + n)) for n in (20, 27)]
-    paths = []
-    for i, r in enumerate(rows):
-        cache, gt, _ = train.ground_truth(model, r)
-        paths.append(tmp_path / f"{i}.safetensors")
-        train.save_sample(paths[-1], dict(k=torch.cat(cache.k), v=torch.cat(cache.v),
-                                          target=torch.cat([gt[l] for l in range(len(gt))])), torch.float32)
+    paths = write_samples(model, rows, tmp_path)
     torch.manual_seed(3)
     mod = LookaheadModule(model.config, n_tokens=4, embed_std=0.5)
     cache, gt, lengths = train.load_batch(paths, "cpu", torch.float32)
@@ -597,12 +594,7 @@ def test_batched_loss_equals_the_mean_of_per_sample_losses(tmp_path):
     model = tiny_model()
     cfg = model.config
     rows = [dict(prompt_ids=rand_list(n, n), response_ids=rand_list(5, 100 + n)) for n in (20, 33, 27)]
-    paths = []
-    for i, r in enumerate(rows):
-        cache, gt, _ = train.ground_truth(model, r)
-        paths.append(tmp_path / f"{i}.safetensors")
-        train.save_sample(paths[-1], dict(k=torch.cat(cache.k), v=torch.cat(cache.v),
-                                          target=torch.cat([gt[l] for l in range(len(gt))])), torch.float32)
+    paths = write_samples(model, rows, tmp_path)
     torch.manual_seed(3)
     mod = LookaheadModule(cfg, n_tokens=4, embed_std=0.5)
     with torch.no_grad():
@@ -783,3 +775,18 @@ def test_heldout_answer_kl_is_zero_without_eviction_and_uses_answer_tokens_2_to_
         assert r[f"answer_kl_{m}@8"] > 1e-4  # 8 of 40-52 slots: the answer changes
     assert "answer_kl_snapkv@8" not in train.heldout_metrics(model, module, heldout, budget=8, window=4, budgets=(8,),
                                                              answer_kl_rows=("lookahead",))
+
+
+def test_recomputed_prompt_caches_train_like_stored_ones(model_dir, tmp_path, stub_prompts):
+    """--store-dtype none keeps only the targets and recomputes each prompt's cache in the step
+    (prompt_cache): the same adapter as caches kept on disk in float32, and sample files without k, v."""
+    stored, recomputed = tmp_path / "stored", tmp_path / "recomputed"
+    for out in (stored, recomputed):
+        write_data(out, model_dir)
+    train.main(argv(model_dir, stored, "--store-dtype", "float32"))
+    train.main(argv(model_dir, recomputed, "--store-dtype", "none"))
+    files = sorted((recomputed / "samples").glob("*.safetensors"))
+    assert files and all(set(load_file(str(f))) == {"target"} for f in files)
+    pa, pb = adapter(stored / "adapter.safetensors"), adapter(recomputed / "adapter.safetensors")
+    for k in pa:
+        assert torch.allclose(pa[k], pb[k], atol=1e-5), k
