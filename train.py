@@ -228,6 +228,27 @@ def ground_truth(model, row, window=0):
     return cache, gt, extra
 
 
+def heldout_ground_truth(model, rows, window, out=None):
+    """ground_truth of every held-out row, kept in OUT/heldout (one file per row, ~50 KB per prompt
+    token) so that later --eval-only runs on the same rows skip the forwards. Without out: computed."""
+    items = []
+    for r in tqdm(rows, desc="held-out ground truth"):
+        path = None if out is None else Path(out) / "heldout" / (sample_path(out, r["id"]).stem + f"-w{window}.pt")
+        if path is not None and path.exists():
+            saved = torch.load(path, map_location=model.lm_head.weight.device)
+            cache = KVCache(len(saved["k"]))
+            cache.k, cache.v = saved["k"], saved["v"]
+            items.append((cache, saved["gt"], saved["extra"]))
+            continue
+        cache, gt, extra = ground_truth(model, r, window)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(dict(k=cache.k, v=cache.v, gt=gt, extra=extra), path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+        items.append((cache, gt, extra))
+    return items
+
+
 # -----------------------------------------------------------------------------
 # Stage 3: the loss. The prediction is lookaheadkv.lookahead_pass(..., per_query_head=True): the M
 # lookahead rows on top of the prompt cache (the two-pass form), the only rows with gradients.
@@ -598,7 +619,7 @@ def eval_only(model, module, held_rows, args):
     """--eval-only ADAPTER[,ADAPTER...]: held-out metrics of each adapter next to the untrained init
     (same seed), on one held-out ground truth: the table of an ablation in one command. With
     --answer-kl, the headline: the share of the SnapKV-to-oracle gap each row closes in answer KL."""
-    heldout = [ground_truth(model, r, window=args.window) for r in tqdm(held_rows, desc="held-out ground truth")]
+    heldout = heldout_ground_truth(model, held_rows, args.window, args.out)
     adapters = [("untrained", module)] + [(path, LookaheadModule.load(path, model.config, args.device))
                                           for path in args.eval_only.split(",")]
     Cs = [int(c) for c in args.budgets.split(",")] if args.budgets else []
@@ -721,8 +742,7 @@ def train(args):
     # --- held-out ground truth with the SnapKV / H2O scores of the same forward (rank 0 evaluates alone)
     t0 = time.perf_counter()
     held_rows = held_rows if rank == 0 else []
-    heldout = [ground_truth(model, r, window=args.window)
-               for r in tqdm(held_rows, desc="held-out ground truth", disable=rank > 0)]
+    heldout = heldout_ground_truth(model, held_rows, args.window, out)
     dtype = model.lm_head.weight.dtype
     reader = ThreadPoolExecutor(max_workers=1)
 

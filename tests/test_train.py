@@ -790,3 +790,20 @@ def test_recomputed_prompt_caches_train_like_stored_ones(model_dir, tmp_path, st
     pa, pb = adapter(stored / "adapter.safetensors"), adapter(recomputed / "adapter.safetensors")
     for k in pa:
         assert torch.allclose(pa[k], pb[k], atol=1e-5), k
+
+
+def test_heldout_ground_truth_is_kept_and_read_back(tmp_path):
+    """heldout_ground_truth writes each row's ground truth once (OUT/heldout) and a second call reads
+    it back: the same cache, target and baseline scores as computing it again."""
+    model = tiny_model()
+    rows = [dict(id=f"h{n}", prompt_ids=rand_list(n, n), response_ids=rand_list(5, 100 + n)) for n in (20, 27)]
+    first = train.heldout_ground_truth(model, rows, 4, tmp_path)
+    assert len(list((tmp_path / "heldout").glob("*.pt"))) == 2
+    again = train.heldout_ground_truth(model, rows, 4, tmp_path)
+    fresh = [train.ground_truth(model, r, 4) for r in rows]
+    for (c1, g1, e1), (c2, g2, e2) in zip(again, fresh):
+        for l in range(len(c1.k)):
+            assert torch.equal(c1.k[l], c2.k[l]) and torch.equal(c1.v[l], c2.v[l])
+            assert torch.equal(g1[l], g2[l]) and torch.equal(e1["snapkv"][l], e2["snapkv"][l])
+        assert torch.equal(e1["response"], e2["response"])
+    assert [len(c) for c, _, _ in first] == [20, 27]
