@@ -392,7 +392,7 @@ def heldout_metrics(model, module, heldout, budget, window=32, budgets=(), answe
     rows = HELDOUT_ROWS if rows is None else rows
     kl, rec = [], {(row, C): [] for row in rows for C in Cs}
     akl = {(row, C): [] for row in answer_kl_rows for C in Cs}
-    for cache, gt, extra in heldout:
+    for cache, gt, extra in tqdm(heldout, desc="held-out metrics", leave=False, disable=len(heldout) < 8):
         S = len(cache)
         positions = torch.arange(S, device=cache.k[0].device)[None]  # (1, S)
         next_pos = torch.tensor([S], device=positions.device)
@@ -459,9 +459,10 @@ def get_args(argv=None):
     a("--alpha", type=float, default=32)
     a("--targets", default="all", help="LoRA targets: all (the seven projections, as the shipped adapter and "
       "the paper's release), or any of q,k,v,o,gate,up,down _proj; '' or none: the embeddings alone")
-    a("--pool", default="avg", choices=POOLS,
-      help="scoring pooling the adapter will use at eviction (README sections 1-2)")
-    a("--kernel", type=int, default=5)
+    a("--pool", default="none", choices=POOLS,
+      help="the selection rule the adapter's .json will name (lookaheadkv.pool_scores; the shipped one: none, "
+      "chosen on held-out answers: RESULTS.md, section 1)")
+    a("--kernel", type=int, default=1, help="the rule's width (avg, max: odd)")
     a("--pool-loss", action="store_true", help="smooth target and prediction with --pool / --kernel in the loss "
       "too (train with the pooling you ship; default: the loss compares unpooled scores)")
     a("--loss-skip", type=int, default=0, help="leave each prompt's first N tokens (attention sinks, kept by "

@@ -182,7 +182,7 @@ def test_good_arguments_still_run(prompt, tiny_model, capsys):
 
 @pytest.mark.parametrize("main, argv, needle", [
     (train.main, ["--model", "{model}", "--out", "{tmp}/o", "--n-train", "0"], "--n-train 0: must be at least 1"),
-    (train.main, ["--model", "{model}", "--out", "{tmp}/o", "--kernel", "4"], "pooling width 4 must be odd"),
+    (train.main, ["--model", "{model}", "--out", "{tmp}/o", "--pool", "avg", "--kernel", "4"], "pooling width 4 must be odd"),
     (train.main, ["--model", "{model}", "--out", "{tmp}/o", "--device", "gpu"], "is not a device"),
     (evaluate.main, ["--model", "{model}", "--budgets", "8,0"], "--budgets"),
     (evaluate.main, ["--model", "{model}", "--methods", "snapkv", "--budgets", "8", "--window", "8"],

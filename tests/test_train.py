@@ -481,7 +481,7 @@ def test_eval_only_reports_the_untrained_init_and_the_adapter(model_dir, tmp_pat
     same init), and the adapter row the final eval of the run that saved it."""
     out = tmp_path / "e"
     write_data(out, model_dir, n_heldout=2)
-    train.main(argv(model_dir, out, "--eval-every", "1"))
+    train.main(argv(model_dir, out, "--eval-every", "1", "--pool", "avg", "--kernel", "5"))
     log = [json.loads(l) for l in (out / "log.jsonl").read_text().splitlines()]
     capsys.readouterr()
     train.main(argv(model_dir, out, "--eval-only", str(out / "adapter.safetensors")))
@@ -497,7 +497,7 @@ def test_eval_only_reports_the_untrained_init_and_the_adapter(model_dir, tmp_pat
     # --budgets: one markdown table, the baselines once and each adapter pooled / unpooled, and per cell the
     # share of the SnapKV-to-oracle gap closed
     train.main(argv(model_dir, out, "--eval-only", str(out / "adapter.safetensors"), "--budgets", "8,16",
-                    "--pool", "avg"))
+                    "--pool", "avg", "--kernel", "5"))
     text = capsys.readouterr().out
     table = [l for l in text.splitlines() if l.startswith("| ")]
     assert table[0].startswith("| recall@C (2 held-out; gap closed) | C=8 | C=16 |")
@@ -513,7 +513,7 @@ def test_eval_only_reports_the_untrained_init_and_the_adapter(model_dir, tmp_pat
         assert abs(share - 100 * gap_closed(v, snap, orc)) <= 1 + 100 * 1e-3 / (orc - snap), name
     # --answer-kl: a second table, the same rows, lower is better: it comes first (the headline)
     train.main(argv(model_dir, out, "--eval-only", str(out / "adapter.safetensors"), "--budgets", "8,16",
-                    "--pool", "avg", "--answer-kl"))
+                    "--pool", "avg", "--kernel", "5", "--answer-kl"))
     table = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| ")]
     assert table[0].startswith("| answer KL (2 held-out; gap closed) | C=8 | C=16 |")
     assert [l.split(" | ")[0][2:] for l in table[1:len(names) + 1]] == names
