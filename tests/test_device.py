@@ -377,15 +377,13 @@ def write_samples(tmp_path, lengths, cfg, seed=0):
 
 
 def training_step(model, module, opt, paths):
-    """The body of train.py's loop for one micro-batch and one optimiser step."""
+    """train.py's own optimiser step (train.optimizer_step: batch_loss, backward, clip, AdamW) over one
+    micro-batch loaded as train.py loads it; then the prediction again, for the checks."""
     cache, gt, lengths = train.load_batch(paths, DEV, model.lm_head.weight.dtype)
-    pred = lookahead_pass(model, module, cache, lengths, per_query_head=True)
-    loss = train.kl_loss(gt, pred)
-    loss.backward()
+    loss = train.optimizer_step(module, opt, model, [(cache, gt, lengths)], len(paths), clip=1.0)
     loss.item()  # train.py logs it: a host read
-    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        pred = lookahead_pass(model, module, cache, lengths, per_query_head=True)
     return cache, gt, lengths, pred, loss
 
 
@@ -414,6 +412,8 @@ def test_training_step(tmp_path, check):
     assert set(grads) == {n for n, _ in module.named_parameters()} - no_grad and set(grads.values()) == {DEV}
     state = [s for p in params for s in opt.state[p].values()]
     assert state and all(s.device == DEV or s.dim() == 0 for s in state)  # exp_avg(_sq) on it; step: 0-dim
+    # --store-dtype none: the step makes the prompt caches itself (train.prompt_cache), left-padded
+    assert_cache_on_device(train.prompt_cache(model, [list(range(3, 15)), list(range(2, 21))]))
 
 
 def test_adapter_round_trip(tmp_path, check):
