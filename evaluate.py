@@ -95,8 +95,9 @@ from tqdm import tqdm
 
 import data
 from decode_eviction import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
-from lookaheadkv import (POOLS, METHODS, check_pooling, EvictConfig, LookaheadModule, Prefilled, answer_attention, decode, default_adapter_path,
-                         greedy, keep_slots, make_scorer, prefill_and_score, untrained_module)
+from lookaheadkv import (METHODS, POOLS, EvictConfig, LookaheadModule, Prefilled, answer_attention, check_pooling,
+                         decode, default_adapter_path, greedy, keep_slots, make_scorer, prefill_and_score,
+                         untrained_module)
 from metrics import Stopwatch, answer_kl, forced_logprobs, gap_closed, recall_of_kept
 from model import Tokenizer, check_device, check_model_dir, load_model, resolve_model
 

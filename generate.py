@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 from decode_eviction import DECODE_METHODS, DecodeEviction, add_turn
-from lookaheadkv import (POOLS, METHODS, EvictConfig, LookaheadModule, check_pooling, compress, decode, default_adapter_path,
-                         greedy, make_scorer)
+from lookaheadkv import (METHODS, POOLS, EvictConfig, LookaheadModule, check_pooling, compress, decode,
+                         default_adapter_path, greedy, make_scorer)
 from metrics import Stopwatch, keep_fraction
 from model import Tokenizer, check_device, check_model_dir, decode_utf8, load_model, resolve_model
 

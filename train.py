@@ -56,8 +56,9 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import data
-from lookaheadkv import (POOLS, check_pooling, EvictConfig, LookaheadModule, Prefilled, answer_attention, compress, greedy,
-                         keep_slots, lookahead_pass, make_scorer, pool_scores, select, stack_layers, untrained_module)
+from lookaheadkv import (POOLS, EvictConfig, LookaheadModule, Prefilled, answer_attention, check_pooling, compress,
+                         greedy, keep_slots, lookahead_pass, make_scorer, pool_scores, select, stack_layers,
+                         untrained_module)
 from metrics import answer_kl, forced_logprobs, gap_closed, recall_of_kept
 from model import Hook, KVCache, Tokenizer, check_device, check_model_dir, load_model, resolve_model
 
@@ -518,7 +519,8 @@ def check_args(args):
     for flag, value in positive:
         if not value > 0:
             raise ValueError(f"{flag} {value}: must be greater than 0")
-    for flag, value in [("--warmup", args.warmup), ("--long-frac", args.long_frac), ("--copy-frac", args.copy_frac or 0)]:
+    fractions = [("--warmup", args.warmup), ("--long-frac", args.long_frac), ("--copy-frac", args.copy_frac or 0)]
+    for flag, value in fractions:
         if not 0 <= value <= 1:
             raise ValueError(f"{flag} {value}: must be a fraction between 0 and 1")
     if args.weight_decay < 0:
