@@ -4,7 +4,7 @@ e.g. the baselines of one run next to the lookahead rows of a run with other poo
 
     python examples/plot_eval.py --out examples/eval-plot.png \
         "runs/eval2k:full,snapkv,pyramidkv,h2o,laq,streaming,oracle,lookahead=lookahead unpooled" \
-        "runs/eval2k-avg:lookahead=lookahead (shipped: avg-pool 5),lookahead-untrained=untrained (avg-pool 5)"
+        "runs/eval2k-avg:lookahead=lookahead (avg-pool 5),lookahead-untrained=untrained (avg-pool 5)"
 
 Each argument is DIR (every method of DIR/results.json) or DIR:METHOD[=LABEL],... (those methods,
 renamed). Rows are averaged over the prompts each run holds, as evaluate.py's tables are.
