@@ -282,7 +282,7 @@ def answer_attention(model, cache, answers, next_pos, answer_mask=None, per_quer
 
 
 # -----------------------------------------------------------------------------
-# 4. Turning scores into kept slots: pooling, top-C, per-layer budgets, one gather per layer
+# 4. Turning scores into kept slots: the smoothing rules, top-C, one gather per layer
 
 
 POOLS = ("none", "avg", "max", "chunk", "carry")  # the rules a method may smooth its scores with before top-C
@@ -353,7 +353,7 @@ def keep_slots(cache, kept):
 
 
 # -----------------------------------------------------------------------------
-# 5. A method is a Scorer: what it adds to the prefill, how it scores; LookaheadKV first
+# 5. A method is a Scorer: what it adds to the prefill and how it scores (the baselines: baselines.py)
 
 
 @dataclass
