@@ -374,7 +374,7 @@ def train_stages(model, module, args, S):
     Returns seconds per sample answered, training samples per second cached and recomputed."""
     import tempfile
 
-    from train import answer_and_target, batch_loss, left_pad, load_batch, save_sample
+    from train import answer_and_target, batch_loss, load_batch, prompt_cache, save_sample
 
     class NoStop:
         stop_ids = set()
@@ -397,9 +397,8 @@ def train_stages(model, module, args, S):
             return loss.item()
 
         def recompute():  # the same step, the prompt caches made by a no-grad prefill instead of read from disk
-            ids, pad_mask = left_pad([prompts[i % len(prompts)] for i in range(args.micro_batch)], args.device)
-            cache, _, lengths, _ = compress(model, ids, EvictConfig("full"), pad_mask=pad_mask)
-            _, gt, _ = load_batch(batch, args.device, next(model.parameters()).dtype)
+            cache = prompt_cache(model, [prompts[i % len(prompts)] for i in range(args.micro_batch)])
+            _, gt, lengths = load_batch(batch, args.device, next(model.parameters()).dtype)
             loss = batch_loss(model, module, cache, gt, lengths)
             loss.backward()
             module.zero_grad(set_to_none=True)

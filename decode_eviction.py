@@ -24,7 +24,8 @@ import copy
 import torch
 
 from baselines import H2OHook
-from lookaheadkv import EvictConfig, group_attention, keep_slots, lookahead_pass, make_scorer, prefill, stack_layers
+from lookaheadkv import (EvictConfig, decode_step, group_attention, keep_slots, lookahead_pass, make_scorer, prefill,
+                         stack_layers)
 from model import Hook
 
 
@@ -191,7 +192,7 @@ def forced_logprobs_evicting(model, cache, logits, next_pos, response, evictor):
     head) as each answer token is generated."""
     rows, sizes, R = [], [len(cache)], response.shape[1]
     for t in range(R - 1):
-        logits = model(response[:, t:t + 1], positions=(next_pos + t)[:, None], cache=cache, hook=evictor.hook)[:, -1]
+        logits = decode_step(model, cache, response[:, t], next_pos + t, evictor.hook)  # as decode() feeds a token
         rows.append(logits)
         evictor.after_step(model, cache, next_pos + t + 1)
         sizes.append(len(cache))

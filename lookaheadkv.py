@@ -442,8 +442,9 @@ class LookaheadKV(Scorer):
     prompt predicts the answer's. One-pass (default): the rows ride in the prefill's last chunk
     and their K/V are cut off after scoring; two-pass: a second forward of the M rows on top of
     the prompt cache (the training form). Both give the same scores (causal attention, LoRA on
-    the lookahead rows only). Pooled, and with a protected window of recent tokens or none, as its
-    adapter says (module.pool, .kernel, .window; the shipped one: none, its queries see the end)."""
+    the lookahead rows only). Its selection rule and protected window of recent tokens are its
+    adapter's (module.pool, .kernel, .window; the shipped one: unpooled, no window: its queries
+    already sit after the prompt's last tokens)."""
 
     def __init__(self, eviction, module=None, response=None):
         if module is None:

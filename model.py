@@ -401,9 +401,7 @@ def load_model(path, device="cpu", dtype=None):
     from safetensors import safe_open
 
     path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"no config.json in {path}: pass --model a Hugging Face folder "
-                                f"(config.json, *.safetensors, tokenizer.json), or run python weights/prepare.py")
+    check_model_dir(path)
     cfg = ModelConfig.from_hf_config(path)
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):  # no random init: every weight is copied from the checkpoint

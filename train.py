@@ -234,7 +234,9 @@ def heldout_ground_truth(model, rows, window, out=None):
     token) so that later --eval-only runs on the same rows skip the forwards. Without out: computed."""
     items = []
     for r in tqdm(rows, desc="held-out ground truth"):
-        path = None if out is None else Path(out) / "heldout" / (sample_path(out, r["id"]).stem + f"-w{window}.pt")
+        # named by what it is made of: the model, the prompt, the answer and the window
+        key = json.dumps([model.config.fingerprint(), r["prompt_ids"], r["response_ids"], window])
+        path = None if out is None else Path(out) / "heldout" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
         if path is not None and path.exists():
             saved = torch.load(path, map_location=model.lm_head.weight.device)
             cache = KVCache(len(saved["k"]))
@@ -261,29 +263,26 @@ def load_batch(paths, dev, dtype):
     they add nothing to the KL) and each row's prompt length (B,), where its lookahead rows start.
     Files without the cache (--store-dtype none) give cache None: prompt_cache makes it."""
     items = [load_file(str(p)) for p in paths]
-    if "k" not in items[0]:
-        lengths = [it["target"].shape[-1] for it in items]
-        S = max(lengths)
-        target = torch.zeros(items[0]["target"].shape[0], len(items), items[0]["target"].shape[1], S, device=dev)
-        for b, (it, n) in enumerate(zip(items, lengths)):
-            target[:, b, :, S - n:] = it["target"]
-        return None, {l: target[l] for l in range(target.shape[0])}, torch.tensor(lengths, device=dev)
     lengths = [it["target"].shape[-1] for it in items]
     B, S = len(items), max(lengths)
-    L, Hkv, _, D = items[0]["k"].shape
-    H = items[0]["target"].shape[1]
+    L, H = items[0]["target"].shape[:2]
+    stored = "k" in items[0]
     # one copy per sample, straight into its slot of the padded batch (and from bfloat16 to dtype)
-    k = torch.zeros(L, B, Hkv, S, D, dtype=dtype, device=dev)
-    v = torch.zeros_like(k)
     target = torch.zeros(L, B, H, S, device=dev)
+    if stored:
+        k = torch.zeros(L, B, *items[0]["k"].shape[1:2], S, items[0]["k"].shape[-1], dtype=dtype, device=dev)
+        v = torch.zeros_like(k)
     for b, (it, n) in enumerate(zip(items, lengths)):
-        k[:, b, :, S - n:] = it["k"]
-        v[:, b, :, S - n:] = it["v"]
         target[:, b, :, S - n:] = it["target"]
-    valid = (torch.arange(S)[None] >= S - torch.tensor(lengths)[:, None])[:, None].to(dev)  # (B, 1, S)
-    cache = KVCache(L)
-    for l in range(L):
-        cache.k[l], cache.v[l], cache.valid[l] = k[l], v[l], valid
+        if stored:
+            k[:, b, :, S - n:] = it["k"]
+            v[:, b, :, S - n:] = it["v"]
+    cache = None
+    if stored:
+        valid = (torch.arange(S)[None] >= S - torch.tensor(lengths)[:, None])[:, None].to(dev)  # (B, 1, S)
+        cache = KVCache(L)
+        for l in range(L):
+            cache.k[l], cache.v[l], cache.valid[l] = k[l], v[l], valid
     return cache, {l: target[l] for l in range(L)}, torch.tensor(lengths, device=dev)
 
 
@@ -373,6 +372,8 @@ def rule_rows(rules):
     rows = {}
     for rule in filter(None, (r.strip() for r in rules.split(","))):
         pool, _, width = rule.partition(":")
+        if width and not width.isdigit():
+            raise ValueError(f"--rules {rules!r}: each rule is POOL or POOL:WIDTH, e.g. max:7,chunk:8")
         kernel = int(width) if width else 1
         check_pooling(pool, kernel)
         rows[f"lookahead_{pool}{kernel if pool != 'none' else ''}"] = ("lookahead", pool, kernel)
@@ -638,7 +639,7 @@ def eval_only(model, module, held_rows, args):
         akl = base + own + tuple(extra) if args.answer_kl and Cs else ()
         result = heldout_metrics(model, m, heldout, args.budget, args.window, Cs, answer_kl_rows=akl, rows=rows)
         print_heldout(f"{label:9s} ({len(heldout)})", result, args.budget)
-        table.append((label, f"{m.pool} {m.kernel}", result))
+        table.append((label, m, result))
     if Cs:
         print_tables(table, Cs, len(heldout), extra)
 
@@ -664,9 +665,9 @@ def print_tables(table, Cs, n, extra=()):
         print("|---" * (len(Cs) + 2) + "|")
         for row in ("oracle", "snapkv", "pyramidkv", "h2o", "streaming"):
             print(f"| {row} | {cells(first, row)} | |")
-        for label, pool, r in table:
-            if not pool.startswith("none"):
-                print(f"| {label}, as shipped ({pool}) | {cells(r, 'lookahead')} | {r['kl']:.4f} |")
+        for label, m, r in table:
+            if m.pool != "none":
+                print(f"| {label}, as shipped ({m.pool} {m.kernel}) | {cells(r, 'lookahead')} | {r['kl']:.4f} |")
             print(f"| {label}, unpooled | {cells(r, 'lookahead_unpooled')} | {r['kl']:.4f} |")
             for row in extra:
                 print(f"| {label}, {row.removeprefix('lookahead_')} | {cells(r, row)} | {r['kl']:.4f} |")
