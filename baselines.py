@@ -168,7 +168,8 @@ class LAQ(SnapKV):
 
     def score(self, model, run):
         # shallow copy: gathering in it leaves the full cache alone
-        draft_cache = keep_slots(run.cache.copy(), self.evict(stack_layers(run.hook.scores), run.positions, run.valid))
+        draft_cache = keep_slots(run.cache.copy(), self.evict(stack_layers(run.hook.scores), run.positions, run.valid,
+                                                               surprisal=run.surprisal))
         return stack_layers(laq_scores(model, run.cache, draft_cache, run.logits, run.next_pos, run.hook.queries,
                                 self.eviction.laq_tokens, run.valid))
 

@@ -118,6 +118,8 @@ class DecodeEviction:
         self.scorer = make_scorer(EvictConfig(method, budget, window=window, pool=pool, kernel=kernel, n_sink=n_sink),
                                   module)  # the method's pooling (lookahead: its adapter's)
         self.scorer.window = window  # after the prefill, every method keeps the latest `window` slots
+        if self.scorer.needs_surprisal:  # the span rule reads each token's surprisal, which is not kept for
+            self.scorer.pool, self.scorer.kernel = "none", 1  # generated tokens: here it selects unpooled
         make_hook, self.scores = DECODE_FORMS[method]
         self.budget, self.every, self.window = budget, every, window
         self.hook = make_hook(window)  # watches every forward on the cache from now on

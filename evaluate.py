@@ -331,7 +331,7 @@ def eviction_config(method, budget, args):
 
 def prefill_once(model, ids, scorer, eviction, module, full):
     """The method's prefill and scores, shared by every budget: (run, prefill_ms, score_ms)."""
-    if scorer.prefill_hook(ids.shape[1]) is None and scorer.extra_rows() is None:
+    if scorer.prefill_hook(ids.shape[1]) is None and scorer.extra_rows() is None and not scorer.needs_surprisal:
         # nothing watches the prefill (streaming, random, oracle): it would be FullKV's own, so reuse it
         run = dataclasses.replace(full.run, cache=full.run.cache.copy())
         clock = Stopwatch(ids.device)
@@ -362,7 +362,7 @@ def compact_caches(model, ids, method, budgets, full, modules, args):
         scores, rescore = run.scores, scorer.budget_dependent and C != eviction.budget
         if rescore:  # LAQ: its draft runs on the C-slot cache, so each C scores anew (on the same prefill)
             scores = scorer_c.score(model, run)
-        kept = scorer_c.evict(scores, run.positions, run.valid)
+        kept = scorer_c.evict(scores, run.positions, run.valid, surprisal=run.surprisal)
         cache = keep_slots(run.cache.copy(), kept)  # shallow copy: gather replaces its entries, run.cache stays whole
         clock.mark()
         yield C, run, cache, kept, prefill_ms, (0.0 if rescore else score_ms) + clock.ms(0, 1)

@@ -285,7 +285,8 @@ def answer_attention(model, cache, answers, next_pos, answer_mask=None, per_quer
 # 4. Turning scores into kept slots: the smoothing rules, top-C, one gather per layer
 
 
-POOLS = ("none", "avg", "max", "chunk", "carry")  # the rules a method may smooth its scores with before top-C
+POOLS = ("none", "avg", "max", "chunk", "carry", "span")  # the rules a method may smooth its scores with before top-C
+SURPRISE_NATS = 2.0  # the span rule's gate: a token the model gave p < e^-2 (about 0.14) was not predictable
 
 
 def check_pooling(pool, kernel):
@@ -298,7 +299,56 @@ def check_pooling(pool, kernel):
         raise ValueError(f"pooling width {kernel} must be >= 1")
 
 
-def pool_scores(s, pool, kernel, window=0):
+def token_surprisal(model, hidden, ids, rows=256):
+    """How unpredictable each prompt token was to the model: -log p(ids[t] | ids[<t]) in nats, (B, S)
+    float32, from the final normed hidden states (B, S, hidden) of the prompt's own forward (row
+    t - 1 predicts token t), `rows` rows at a time so that no (S, vocab) tensor is made. The first
+    token has no context and gets 0 (with left padding the caller zeroes each row's first real token)."""
+    B, S = ids.shape
+    out = torch.zeros(B, S, device=ids.device)
+    for a in range(0, S - 1, rows):
+        b = min(a + rows, S - 1)
+        logp = model.lm_head(hidden[:, a:b]).float().log_softmax(-1)  # (B, b - a, V)
+        out[:, a + 1:b + 1] = -logp.gather(-1, ids[:, a + 1:b + 1, None])[..., 0]
+    return out
+
+
+def _shift(t, o, fill):
+    """t (..., n) moved o places along the last dim: out[i] = t[i - o] (o < 0: t[i + |o|]), `fill` outside."""
+    if o == 0:
+        return t
+    out = torch.full_like(t, fill)
+    if o > 0:
+        out[..., o:] = t[..., :-o]
+    else:
+        out[..., :o] = t[..., -o:]
+    return out
+
+
+def span_scores(x, surprisal, kernel, decay=0.95):
+    """The span rule: scores x (..., B, H_kv, n), surprisal (B, n). A run of consecutive tokens that
+    were each unpredictable (surprisal > SURPRISE_NATS: the digits of a number, the pieces of a rare
+    name or an identifier) is one span; inside it every token gets the best score within kernel - 1
+    places on either side, times decay per place. So once any token of a number is scored, the
+    whole number is kept, while predictable text is selected token by token as unpooled. After
+    kvpress's QuerySpanPress (carry with decay, granted only to tokens the model could not
+    predict), made two-sided: the lookahead rows may score any digit of the number, not its first."""
+    u = surprisal > SURPRISE_NATS  # (B, n)
+    joined = torch.zeros_like(u)
+    joined[:, 1:] = u[:, 1:] & u[:, :-1]  # token t and t - 1 in one span
+    joined = joined[:, None]  # (B, 1, n), broadcast over the KV heads (and the layers in front)
+    out = x
+    left = right = torch.ones_like(joined)
+    for o in range(1, kernel):
+        left = left & _shift(joined, o - 1, False)  # t - o .. t one span: joined at t - o + 1 .. t
+        right = right & _shift(joined, -o, False)  # t .. t + o one span: joined at t + 1 .. t + o
+        carried = decay ** o
+        out = torch.maximum(out, torch.where(left, _shift(x, o, 0.0) * carried, out))
+        out = torch.maximum(out, torch.where(right, _shift(x, -o, 0.0) * carried, out))
+    return out
+
+
+def pool_scores(s, pool, kernel, window=0, surprisal=None):
     """Smooth scores (..., S) along the sequence before the top C, so that whole spans (every digit
     of a number, every token of a name) are kept rather than scattered tokens. One rule each:
         avg    SnapKV's pooling: the mean over a centred window; a peak is divided by the width
@@ -309,6 +359,8 @@ def pool_scores(s, pool, kernel, window=0):
         carry  a peak carried forward over the next kernel - 1 tokens (a one-sided dilation, after
                kvpress's QuerySpanPress, without its decay and surprise gate): once the first token
                of a number or identifier is scored, the rest of it follows
+        span   a peak shared, with decay, inside a run of tokens the model could not predict
+               (span_scores; needs `surprisal` (B, S), which prefill_and_score computes for it)
     With a protected window (kept anyway), only the prefix before it is smoothed, as in SnapKV's
     code, so the window's large scores do not leak into the tokens before it. Edges: avg pads with
     zeros and divides by the full width; max, carry and chunk ignore the padding."""
@@ -316,6 +368,11 @@ def pool_scores(s, pool, kernel, window=0):
         return s
     S = s.shape[-1]
     n = S - window  # the smoothed prefix
+    if pool == "span":
+        if surprisal is None:
+            raise ValueError("the span rule needs each prompt token's surprisal (prefill_and_score computes it)")
+        pooled = span_scores(s[..., :n].float(), surprisal[:, :n].to(s.device), kernel).to(s.dtype)
+        return torch.cat([pooled, s[..., n:]], dim=-1) if window else pooled
     x = s[..., :n].reshape(-1, 1, n).float()  # (rows, 1, n)
     if pool == "avg":
         pooled = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2)
@@ -367,6 +424,7 @@ class Prefilled:
     next_pos: torch.Tensor  # (B,) the position of the first generated token, = S_b
     valid: torch.Tensor | None  # (B, 1, S) False on left padding, or None
     scores: torch.Tensor | None = None  # (L, B, H_kv, S) once scored
+    surprisal: torch.Tensor | None = None  # (B, S) -log p of each prompt token, when the rule needs it (span)
 
 
 class Scorer:
@@ -420,10 +478,15 @@ class Scorer:
     def budgets(self, n_layers, S):
         return [min(self.eviction.budget, S)] * n_layers
 
-    def evict(self, scores, positions, valid=None, budget=None):
+    @property
+    def needs_surprisal(self):  # the span rule reads how predictable each prompt token was
+        return self.pool == "span" and self.kernel > 1
+
+    def evict(self, scores, positions, valid=None, budget=None, surprisal=None):
         """The shared step: scores (L, B, H_kv, S) -> per layer the kept slots (B, H_kv, C_l), in slot
-        order. budget: the same C for every layer instead of the method's (decode_eviction.py)."""
-        scores = pool_scores(scores, self.pool, self.kernel, self.window)
+        order. budget: the same C for every layer instead of the method's (decode_eviction.py);
+        surprisal (B, S): the span rule's input (Prefilled.surprisal)."""
+        scores = pool_scores(scores, self.pool, self.kernel, self.window, surprisal)
         protect = self.protect(positions)
         budgets = self.budgets(scores.shape[0], scores.shape[-1]) if budget is None else [budget] * scores.shape[0]
         if len(set(budgets)) == 1:  # one top-k for all layers
@@ -471,22 +534,28 @@ class LookaheadKV(Scorer):
 # 6. prefill -> score -> evict -> return, then decode
 
 
-def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=4096, logits_at=-1, tail=0):
+def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=4096, logits_at=-1, tail=0,
+            keep_hidden=False):
     """Run embeddings x (B, T, C) through the model into `cache`, chunk by chunk so a 32K prompt's
     activations stay bounded. The LAST chunk is a full one (the first takes the remainder), so
     window scorers find all their queries in it; the last `tail` rows (the lookahead rows) ride
     along with it, so the prompt is chunked exactly as without them. The hook sees only the last
-    chunk unless it says every_chunk. Returns the logits at row `logits_at` (B, 1, V)."""
+    chunk unless it says every_chunk. Returns the logits at row `logits_at` (B, 1, V); with
+    keep_hidden, (logits, the prompt rows' final normed hidden states (B, P, hidden))."""
     T = x.shape[1]
     P = T - tail  # the prompt
     bounds = sorted({0, *range(P % chunk_size, P, chunk_size)}) + [T]
+    hidden = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         last = b == T
         h = hook if (last or getattr(hook, "every_chunk", False)) else None
         out = model(inputs_embeds=x[:, a:b], positions=positions[:, a:b], cache=cache,
                     pad_mask=None if pad_mask is None else pad_mask[:, a:b], hook=h,
-                    logits_at=(logits_at % T - a) if last else -1)
-    return out
+                    logits_at=(logits_at % T - a) if last else -1, hidden=keep_hidden)
+        if keep_hidden:
+            out, rows = out
+            hidden.append(rows[:, :P - a])  # the prompt's rows only, not the lookahead rows after it
+    return (out, torch.cat(hidden, dim=1)) if keep_hidden else out
 
 
 def prefill_and_score(model, ids, eviction, pad_mask=None, module=None, response=None, clock=None):
@@ -516,11 +585,17 @@ def prefill_and_score(model, ids, eviction, pad_mask=None, module=None, response
         mask_all = None if pad_mask is None else torch.cat([pad_mask, pad_mask.new_ones(B, M)], dim=1)
     chunk = max(eviction.chunk_size, scorer.window)  # a hook sees the last chunk only: it holds the whole window
     cache = KVCache(cfg.num_hidden_layers)
-    logits = prefill(model, x_all, pos_all, cache, mask_all, hook, chunk, logits_at=S - 1, tail=x_all.shape[1] - S)
+    surprise = evicting and scorer.needs_surprisal
+    logits = prefill(model, x_all, pos_all, cache, mask_all, hook, chunk, logits_at=S - 1, tail=x_all.shape[1] - S,
+                     keep_hidden=surprise)
     cache.truncate(S)  # rows after the prompt are scored, then discarded: never in the cache
+    run = Prefilled(cache, hook, None, positions, next_pos, valid)
+    if surprise:  # the span rule: how unpredictable each prompt token was, from this same forward
+        logits, hidden = logits
+        run.surprisal = token_surprisal(model, hidden, ids).masked_fill(positions == 0, 0.0)  # (B, S)
+    run.logits = logits[:, -1]
     if clock is not None:
         clock.mark()
-    run = Prefilled(cache, hook, logits[:, -1], positions, next_pos, valid)
 
     # 2. score: (L, B, H_kv, S), every layer at once, so pooling and top-k are a few launches in all
     if evicting:
@@ -541,7 +616,7 @@ def compress(model, ids, eviction, pad_mask=None, module=None, response=None, cl
     kept = None
     if run.scores is not None:
         # 3. evict: pool, one top-k for all layers (per layer when budgets differ), one gather per layer
-        kept = scorer.evict(run.scores, run.positions, run.valid)
+        kept = scorer.evict(run.scores, run.positions, run.valid, surprisal=run.surprisal)
         keep_slots(run.cache, kept)
     if clock is not None:
         clock.mark()

@@ -369,12 +369,14 @@ class Transformer(nn.Module):
         self.inv_freq = rope_inv_freq(cfg)
 
     def forward(self, input_ids=None, positions=None, cache=None, pad_mask=None, inputs_embeds=None,
-                hook=None, logits_at=None):
+                hook=None, logits_at=None, hidden=False):
         """input_ids (B, T) or inputs_embeds (B, T, hidden); positions (B, T) the RoPE position of
         each token; cache: a KVCache that the chunk is appended to; pad_mask (B, T) True for
         real tokens (left padding); hook: see Hook; logits_at: None for the logits of every row,
         or one row index (a prompt's other logits are never used: skip a (T, vocab) matmul).
-        Returns logits (B, T or 1, vocab)."""
+        Returns logits (B, T or 1, vocab); with hidden=True, (logits, h): h (B, T, hidden) the final
+        normed hidden state of every row, from which each token's probability can be read a slice
+        at a time (lookaheadkv.token_surprisal) without the (T, vocab) tensor."""
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.inv_freq.device != x.device:
             self.inv_freq = self.inv_freq.to(x.device)
@@ -383,9 +385,9 @@ class Transformer(nn.Module):
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, pad_mask, hook)
-        if logits_at is not None:
-            x = x[:, logits_at].unsqueeze(1)  # (B, 1, hidden)
-        return self.lm_head(self.model.norm(x))
+        h = self.model.norm(x)  # (B, T, hidden)
+        logits = self.lm_head(h if logits_at is None else h[:, logits_at].unsqueeze(1))  # (B, T or 1, vocab)
+        return (logits, h) if hidden else logits
 
 
 # -----------------------------------------------------------------------------

@@ -58,7 +58,7 @@ from tqdm import tqdm
 import data
 from lookaheadkv import (POOLS, EvictConfig, LookaheadModule, Prefilled, answer_attention, check_pooling, compress,
                          greedy, keep_slots, lookahead_pass, make_scorer, pool_scores, select, stack_layers,
-                         untrained_module)
+                         token_surprisal, untrained_module)
 from metrics import answer_kl, forced_logprobs, gap_closed, recall_of_kept
 from model import Hook, KVCache, Tokenizer, check_device, check_model_dir, load_model, resolve_model
 
@@ -213,20 +213,32 @@ class PromptHooks(Hook):
 @torch.no_grad()
 def ground_truth(model, row, window=0):
     """For a data.jsonl row: the prompt's KV cache, the target {layer: (1, H, S)} (the answer's
-    attention over the prompt, answer_attention per query head) and extra: the answer (1, R) and,
-    with window > 0, SnapKV's and H2O's scores {layer: (1, H_kv, S)} from the same prompt forward."""
+    attention over the prompt, answer_attention per query head) and extra: the answer (1, R), each
+    prompt token's surprisal (1, S) (the span rule's input) and, with window > 0, SnapKV's and H2O's
+    scores {layer: (1, H_kv, S)}, all from the same prompt forward."""
     dev = model.lm_head.weight.device
     prompt, response = torch.tensor([row["prompt_ids"]], device=dev), torch.tensor([row["response_ids"]], device=dev)
     S = prompt.shape[1]
     cache = KVCache(model.config.num_hidden_layers)
     hook = PromptHooks(S, window) if window else None
-    model(prompt, positions=torch.arange(S, device=dev)[None], cache=cache, hook=hook, logits_at=-1)
+    _, hidden = model(prompt, positions=torch.arange(S, device=dev)[None], cache=cache, hook=hook, logits_at=-1,
+                      hidden=True)
     gt = answer_attention(model, cache, response, torch.tensor([S], device=dev), per_query_head=True)
-    extra = dict(response=response)
+    extra = dict(response=response, surprisal=token_surprisal(model, hidden, prompt))
     if window:
         G = model.config.num_attention_heads // model.config.num_key_value_heads
         extra.update(snapkv=hook.snapkv.scores, h2o=hook.h2o.scores(None, G))
     return cache, gt, extra
+
+
+@torch.no_grad()
+def prompt_surprisal(model, prompt_ids):
+    """(1, S) each prompt token's surprisal, by a forward of its own (ground_truth gets it for free)."""
+    ids = torch.tensor([prompt_ids], device=model.lm_head.weight.device)
+    S = ids.shape[1]
+    _, hidden = model(ids, positions=torch.arange(S, device=ids.device)[None],
+                      cache=KVCache(model.config.num_hidden_layers), logits_at=-1, hidden=True)
+    return token_surprisal(model, hidden, ids)
 
 
 def heldout_ground_truth(model, rows, window, out=None):
@@ -241,6 +253,10 @@ def heldout_ground_truth(model, rows, window, out=None):
             saved = torch.load(path, map_location=model.lm_head.weight.device)
             cache = KVCache(len(saved["k"]))
             cache.k, cache.v = saved["k"], saved["v"]
+            if "surprisal" not in saved["extra"]:  # a file from before the span rule: add it, once
+                saved["extra"]["surprisal"] = prompt_surprisal(model, r["prompt_ids"])
+                torch.save(saved, path.with_suffix(".tmp"))
+                os.replace(path.with_suffix(".tmp"), path)
             items.append((cache, saved["gt"], saved["extra"]))
             continue
         cache, gt, extra = ground_truth(model, r, window)
@@ -413,7 +429,7 @@ def heldout_metrics(model, module, heldout, budget, window=32, budgets=(), answe
                 scorer = make_scorer(EvictConfig(method, C, window=window, pool=pool, kernel=kernel), module=module)
                 if method == "streaming":  # scores from positions alone
                     scores[method] = scorer.score(model, Prefilled(cache, None, None, positions, next_pos, None))
-                kept = scorer.evict(scores[method], positions)
+                kept = scorer.evict(scores[method], positions, surprisal=extra.get("surprisal"))
             r.append(recall_of_kept(kept, true))
             if (row, C) in akl:
                 small = keep_slots(cache.copy(), kept)
@@ -531,6 +547,9 @@ def check_args(args):
                          f"need min <= max <= long-max")
     parse_targets(args.targets)
     check_pooling(args.pool, args.kernel)
+    if args.pool_loss and args.pool == "span":
+        raise ValueError("--pool-loss cannot use the span rule (the loss has no surprisal): drop --pool-loss, "
+                         "the rule is applied at eviction")
     rule_rows(args.rules)
     try:
         budgets = [int(c) for c in args.budgets.split(",") if c.strip()]

@@ -173,6 +173,17 @@ def test_cache_never_exceeds_budget_plus_every(method):
     assert len(cache) == C + 30 - 6 * N and watch.p == S + 30  # every layer and KV head the same count
 
 
+def test_an_adapter_with_the_span_rule_selects_unpooled_while_decoding():
+    """The span rule reads each prompt token's surprisal, which generated tokens do not have: decode-phase
+    eviction with such an adapter selects unpooled (its window kept) instead of failing mid-answer."""
+    model, mod, ids, cache, logits, pos = setup("lookahead")
+    mod.pool, mod.kernel = "span", 8
+    ev = DecodeEviction("lookahead", C, N, window=W, module=mod)
+    assert (ev.scorer.pool, ev.scorer.kernel) == ("none", 1)
+    toks = list(decode(model, cache, logits, pos, 12, **watching(ev)))
+    assert len(toks) == 12 and ev.log and all(after == C for _, _, after in ev.log)
+
+
 @pytest.mark.parametrize("method", DECODE_METHODS)
 def test_a_budget_that_holds_everything_is_fullkv(method):
     """C_d >= prompt + answer: nothing is evicted, and decoding equals FullKV's token for token."""

@@ -9,6 +9,7 @@ attention is far from uniform and a wrong index or position changes the numbers)
 
 import json
 import math
+from dataclasses import replace as dataclasses_replace
 
 import pytest
 import torch
@@ -950,6 +951,57 @@ def test_chunk_and_carry_pooling_hand_values():
         lk.check_pooling("carry", 0)
     with pytest.raises(ValueError, match="unknown pooling 'sum'"):
         lk.check_pooling("sum", 3)
+
+
+def test_span_rule_hand_values():
+    """span: a peak shared, with decay 0.95 per place, inside a run of unpredictable tokens (surprisal
+    above SURPRISE_NATS), on both sides, at most kernel - 1 places; predictable tokens keep their own."""
+    hi, lo = 5.0, 0.1  # surprisal in nats: tokens 1..4 are one unpredictable run (a number's digits)
+    surprisal = torch.tensor([[lo, hi, hi, hi, hi, lo, hi]])
+    s = torch.tensor([[[0.0, 0.0, 0.0, 2.0, 0.0, 1.0, 0.0]]])  # the scorer found the number's third digit
+    p = lk.pool_scores(s, "span", 3, surprisal=surprisal)[0, 0].tolist()
+    # digits 1..4 within 2 places of the peak get it, decayed; token 5 (predictable) and 6 (its own run) do not
+    assert p == pytest.approx([0.0, 2 * 0.95 ** 2, 2 * 0.95, 2.0, 2 * 0.95, 1.0, 0.0])
+    assert select(lk.pool_scores(s, "span", 3, surprisal=surprisal), 4).tolist() == [[[1, 2, 3, 4]]]
+    assert select(s, 4).tolist() != [[[1, 2, 3, 4]]]  # unpooled keeps scattered tokens
+    assert lk.pool_scores(s, "span", 1, surprisal=surprisal).tolist() == s.tolist()  # width 1: unpooled
+    # with a protected window the window's scores carry nowhere, as for every rule
+    w = lk.pool_scores(torch.tensor([[[0.0, 0.0, 9.0]]]), "span", 3, window=1, surprisal=torch.full((1, 3), hi))
+    assert w.tolist() == [[[0.0, 0.0, 9.0]]]
+    # broadcast over the layers stacked in front, and over the KV heads
+    stacked = lk.pool_scores(s.expand(2, 1, 3, 7), "span", 3, surprisal=surprisal)
+    assert torch.allclose(stacked, torch.tensor(p).expand(2, 1, 3, 7))
+    with pytest.raises(ValueError, match="surprisal"):
+        lk.pool_scores(s, "span", 3)
+
+
+def test_token_surprisal_is_the_models_own_next_token_loss():
+    """token_surprisal reads -log p(token t | tokens < t) from the final hidden states, a slice of rows at a
+    time: the same as the cross-entropy of the full logits; prefill_and_score gives it to the span rule
+    (with left padding, each row's first real token gets 0) and a span rule keeps the same slots in
+    compress() as its own evict step on those scores."""
+    model = tiny_model()
+    ids = rand_ids(2, 37, seed=4)
+    S = ids.shape[1]
+    logits, hidden = model(ids, positions=pos(0, S, 2), cache=KVCache(model.config.num_hidden_layers), hidden=True)
+    ref = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    got = lk.token_surprisal(model, hidden, ids, rows=8)  # rows=8: several slices
+    assert got[:, 0].tolist() == [0.0, 0.0]
+    assert torch.allclose(got[:, 1:], ref, atol=1e-5)
+    mod = random_module(model.config)
+    mod.pool, mod.kernel = "span", 4
+    pad = torch.ones(2, S, dtype=torch.bool)
+    pad[1, :5] = False  # row 1 left-padded by 5
+    ec = EvictConfig("lookahead", budget=12)
+    scorer, run = lk.prefill_and_score(model, ids, ec, pad_mask=pad, module=mod)
+    assert run.surprisal.shape == (2, S) and run.surprisal[1, :6].abs().sum() == 0  # padding and first token
+    assert torch.allclose(run.surprisal[0, 1:], ref[0], atol=1e-4)
+    kept = compress(model, ids, ec, pad_mask=pad, module=mod)[3]
+    again = scorer.evict(run.scores, run.positions, run.valid, surprisal=run.surprisal)
+    assert all(torch.equal(a, b) for a, b in zip(kept, again))
+    unpooled = lk.make_scorer(dataclasses_replace(ec, pool="none"), module=mod).evict(run.scores, run.positions,
+                                                                                    run.valid)
+    assert any(not torch.equal(a, b) for a, b in zip(kept, unpooled))  # the rule changed what is kept
 
 
 def test_laq_pools_its_final_rescores(monkeypatch):

@@ -346,6 +346,8 @@ def test_resume_equals_uninterrupted_run(model_dir, tmp_path, stub_prompts, monk
 def test_no_training_data_is_an_error(model_dir, tmp_path, stub_prompts):
     with pytest.raises(SystemExit, match=r"^error: --n-train 0: must be at least 1$"):  # before the model loads
         train.main(argv(model_dir, tmp_path / "o", "--n-train", "0", "--n-heldout", "0"))
+    with pytest.raises(SystemExit, match=r"^error: --pool-loss cannot use the span rule"):
+        train.main(argv(model_dir, tmp_path / "o", "--pool", "span", "--kernel", "8", "--pool-loss"))
     write_data(tmp_path / "o", model_dir)  # rows, but no sample file written yet
     with pytest.raises(SystemExit, match="no training samples.*--n-train > 0"):
         train.main(argv(model_dir, tmp_path / "o", "--stage", "train"))
@@ -806,4 +808,13 @@ def test_heldout_ground_truth_is_kept_and_read_back(tmp_path):
             assert torch.equal(c1.k[l], c2.k[l]) and torch.equal(c1.v[l], c2.v[l])
             assert torch.equal(g1[l], g2[l]) and torch.equal(e1["snapkv"][l], e2["snapkv"][l])
         assert torch.equal(e1["response"], e2["response"])
+        assert torch.allclose(e1["surprisal"], e2["surprisal"]) and e1["surprisal"].shape == (1, len(c1))
     assert [len(c) for c, _, _ in first] == [20, 27]
+    # a file written before the span rule (no surprisal) gets it added on its first read, as computed now
+    path = next((tmp_path / "heldout").glob("*.pt"))
+    saved = torch.load(path)
+    del saved["extra"]["surprisal"]
+    torch.save(saved, path)
+    train.heldout_ground_truth(model, rows, 4, tmp_path)
+    added = torch.load(path)["extra"]["surprisal"]
+    assert any(added.shape == e["surprisal"].shape and torch.allclose(added, e["surprisal"]) for _, _, e in fresh)
