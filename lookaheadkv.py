@@ -125,7 +125,7 @@ class LookaheadModule(nn.Module):
 
     TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, cfg, n_tokens=32, rank=8, alpha=32, targets=TARGETS, embed_std=0.02, pool="none", kernel=1,
+    def __init__(self, cfg, n_tokens=32, rank=8, alpha=32, targets=TARGETS, embed_std=0.02, pool="span", kernel=8,
                  window=0):
         check_pooling(pool, kernel)
         super().__init__()
@@ -201,7 +201,7 @@ class LookaheadModule(nn.Module):
         return m.to(device)
 
 
-def untrained_module(model, n_tokens=32, rank=8, alpha=32, targets=LookaheadModule.TARGETS, pool="none", kernel=1,
+def untrained_module(model, n_tokens=32, rank=8, alpha=32, targets=LookaheadModule.TARGETS, pool="span", kernel=8,
                      window=0):
     """The module before training, for `model`: P drawn with the std of its token embeddings (so the
     M rows start at the scale of real tokens), LoRA B = 0 (so they start as the base model's own

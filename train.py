@@ -477,10 +477,10 @@ def get_args(argv=None):
     a("--alpha", type=float, default=32)
     a("--targets", default="all", help="LoRA targets: all (the seven projections, as the shipped adapter and "
       "the paper's release), or any of q,k,v,o,gate,up,down _proj; '' or none: the embeddings alone")
-    a("--pool", default="none", choices=POOLS,
-      help="the selection rule the adapter's .json will name (lookaheadkv.pool_scores; the shipped one: none, "
-      "chosen on held-out answers: RESULTS.md, section 1)")
-    a("--kernel", type=int, default=1, help="the rule's width (avg, max: odd)")
+    a("--pool", default="span", choices=POOLS,
+      help="the selection rule the adapter's .json will name (lookaheadkv.pool_scores; the shipped one: span 8, "
+      "chosen on held-out answers and checked on two other sets: RESULTS.md, section 4.2)")
+    a("--kernel", type=int, default=8, help="the rule's width (avg, max: odd)")
     a("--pool-loss", action="store_true", help="smooth target and prediction with --pool / --kernel in the loss "
       "too (train with the pooling you ship; default: the loss compares unpooled scores)")
     a("--loss-skip", type=int, default=0, help="leave each prompt's first N tokens (attention sinks, kept by "
@@ -548,8 +548,8 @@ def check_args(args):
     parse_targets(args.targets)
     check_pooling(args.pool, args.kernel)
     if args.pool_loss and args.pool == "span":
-        raise ValueError("--pool-loss cannot use the span rule (the loss has no surprisal): drop --pool-loss, "
-                         "the rule is applied at eviction")
+        raise ValueError("--pool-loss cannot use the span rule (the loss has no surprisal): pass --pool none, avg, "
+                         "max, chunk or carry with it, or drop --pool-loss (the rule is applied at eviction)")
     rule_rows(args.rules)
     try:
         budgets = [int(c) for c in args.budgets.split(",") if c.strip()]

@@ -41,6 +41,10 @@ def models():
     with torch.no_grad():
         m32 = tiny_model(num_hidden_layers=3)
         module = random_module(m32.config, 8, LookaheadModule.TARGETS)
+    # unpooled: these tests compare scores and top-C under rounding. Random tokens are all unpredictable,
+    # so the span rule (the shipped one) would share scores across whole runs and leave no clear margin;
+    # its bf16 input, the surprisal, has a test of its own below
+    module.pool, module.kernel = "none", 1
     return m32, copy.deepcopy(m32).to(BF16), module
 
 
@@ -115,7 +119,10 @@ def clear_heads(scorer, r32, r16, C):
     """(L, B, H_kv) bool: where fp32's pooled gap between the C-th and (C+1)-th score (protected tokens
     counted as +inf, as select does) exceeds twice the head's largest bf16 error, so rounding cannot
     swap them. Also asserts that error is < 8% of the head's largest score."""
-    p32, p16 = (lk.pool_scores(r.scores.float(), scorer.pool, scorer.kernel, scorer.window) for r in (r32, r16))
+    if scorer.needs_surprisal:  # the span rule's gate: the same unpredictable runs in bf16 as in fp32
+        assert torch.equal(r32.surprisal > lk.SURPRISE_NATS, r16.surprisal > lk.SURPRISE_NATS)
+    p32, p16 = (lk.pool_scores(r.scores.float(), scorer.pool, scorer.kernel, scorer.window, r.surprisal)
+                for r in (r32, r16))
     err = (p16 - p32).abs().amax(-1)
     assert (err < 0.08 * p32.amax(-1)).all(), "bf16 scores are further from fp32 than bf16 rounding explains"
     protect = scorer.protect(r32.positions)
@@ -129,7 +136,7 @@ def assert_same_kept_where_clear(r32, r16, module, ec, kept16s, min_clear):
     scorer = lk.make_scorer(ec, module)
     clear = clear_heads(scorer, r32, r16, ec.budget)
     assert clear.sum() >= min_clear, "no head with a clear margin: the comparison would prove nothing"
-    kept32 = scorer.evict(r32.scores, r32.positions, r32.valid)
+    kept32 = scorer.evict(r32.scores, r32.positions, r32.valid, surprisal=r32.surprisal)
     for kept16 in kept16s:
         for l in range(clear.shape[0]):
             same = (kept16[l] == kept32[l]).all(-1)  # (B, H_kv), both in slot order
@@ -153,3 +160,23 @@ def test_eviction_keeps_fp32_slots_where_margins_are_clear(models, method):
         assert res16[0].k[0].dtype == BF16
         n_clear += assert_same_kept_where_clear(r32, r16, module, ec, [kept_of(res16)], min_clear=0)
     assert n_clear >= 5, f"only {n_clear} clear (budget, layer, head) cases"
+
+
+@torch.no_grad()
+def test_surprisal_in_bf16_is_fp32s_within_rounding(models):
+    """The span rule's input on the GPU path: token_surprisal from a bf16 prefill is float32 and within
+    bf16 rounding of fp32's, and the span rule runs on bf16 scores (pooled in float32, returned as bf16,
+    never below a token's own score, above it for some)."""
+    m32, m16, module = models
+    ids = rand_ids(2, 40, seed=8)
+    span = copy.deepcopy(module)
+    span.pool, span.kernel = "span", 8
+    ec = EvictConfig("lookahead", budget=12, chunk_size=16)
+    r32, r16 = (lk.prefill_and_score(m, ids, ec, module=span)[1] for m in (m32, m16))
+    assert r16.surprisal.dtype == torch.float32
+    assert 0 < (r16.surprisal - r32.surprisal).abs().max() < 0.05 * r32.surprisal.max()  # bf16 did run
+    s16 = r16.scores.to(BF16)
+    pooled = lk.pool_scores(s16, "span", 8, surprisal=r16.surprisal)
+    assert pooled.dtype == BF16 and (pooled >= s16).all() and (pooled > s16).any()
+    kept = compress(m16, ids, ec, module=span)[3]
+    assert all(k.shape == (2, m16.config.num_key_value_heads, 12) for k in kept)

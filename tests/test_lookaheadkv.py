@@ -308,8 +308,11 @@ def test_two_pass_equals_one_masked_pass(targets):
     for l in range(cfg.num_hidden_layers):
         assert c1.k[l].shape[2] == C  # the lookahead rows are gone from the cache
         assert torch.allclose(c1.k[l], c2.k[l], atol=ATOL) and torch.allclose(c1.v[l], c2.v[l], atol=ATOL)
-        # and the kept set is the top-C of the two-pass scores, pooled as the module says
-        pooled = lk.pool_scores(ha.scores[l], mod.pool, mod.kernel)
+        # and the kept set is the top-C of the two-pass scores, pooled as the module says (the span rule:
+        # with each prompt token's surprisal, here from the plain forward's logits)
+        logp = plain[:, :S - 1].log_softmax(-1)
+        surprisal = torch.cat([torch.zeros(1, 1), -logp.gather(-1, ids[:, 1:, None])[..., 0]], dim=1)  # (1, S)
+        pooled = lk.pool_scores(ha.scores[l], mod.pool, mod.kernel, surprisal=surprisal)
         assert torch.equal(kept_slots(cache.k[l][:, :, :S], c1.k[l]), select(pooled, C))
 
 
