@@ -727,6 +727,9 @@ def evaluate(args):
     if "lookahead" in modules:
         adapter = Path(args.adapter or default_adapter_path(model.config)).read_bytes()
         settings["adapter"] = hashlib.sha256(adapter).hexdigest()[:16]  # a retrained adapter needs a new --out
+        # and so does another selection rule in its .json (the weights alone do not say how it selects)
+        la = modules["lookahead"]
+        settings["adapter_rule"] = f"{la.pool}:{la.kernel}:{la.window}"
     path = out / "results.json"
     saved = dict(settings={}, results=[])
     if path.exists():

@@ -12,10 +12,19 @@ answer: evaluate.py compares every method with FullKV's own answer (answer KL, f
     python examples/foreign_tasks.py --out runs/foreign/tasks.jsonl
     python evaluate.py --tasks runs/foreign/tasks.jsonl --methods snapkv,pyramidkv,h2o,lookahead,lookahead-untrained \
         --budgets 64,128,256 --max-new-tokens 48 --out runs/foreign
+
+With --facts, other documents of the same two kinds each get one planted fact instead (a five-digit
+code, a seven-digit number or a made-up full name, drawn from a fixed seed, at a different depth in
+each) and a question about it at the end: an exact answer that survives eviction only if every one
+of its tokens does. evaluate.py scores these by string match (accuracy), as the 2K suite:
+
+    python examples/foreign_tasks.py --facts --out runs/facts/tasks.jsonl
+    python evaluate.py --tasks runs/facts/tasks.jsonl --budgets 64,128,256 --max-new-tokens 24 --out runs/facts
 """
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -73,20 +82,62 @@ def build(per_kind=8, max_chars=7500, min_chars=6000):
     return rows
 
 
+PLACES = ("harbour", "granite", "willow", "northern", "lantern", "copper", "meadow", "citadel", "orchard", "beacon",
+          "tannery", "quarry")
+FIRST = ("Ilse", "Tobin", "Marisol", "Kaspar", "Odile", "Renzo", "Saoirse", "Bertil", "Yevgenia", "Caspian")
+SURNAME = (("Wendel", "Orsk", "Vantre", "Halvor", "Quill", "Brisco"), ("thorpe", "avec", "beck", "ingham", "ström", "lund"))
+FACTS = (  # (the planted sentence, the question, the kind of value)
+    ("The access code for the {place} archive is {value}.",
+     "What is the access code for the {place} archive? Answer with the code only.", "code"),
+    ("The registration number of the {place} office is {value}.",
+     "What is the registration number of the {place} office? Answer with the number only.", "number"),
+    ("The agreement for the {place} project was signed by {value}.",
+     "Who signed the agreement for the {place} project? Answer with the full name only.", "name"),
+)
+
+
+def draw(kind, rng):
+    if kind == "code":
+        return str(rng.randrange(10_000, 100_000))  # five digits
+    if kind == "number":
+        return str(rng.randrange(1_000_000, 10_000_000))  # seven digits
+    return f"{rng.choice(FIRST)} {rng.choice(SURNAME[0])}{rng.choice(SURNAME[1])}"
+
+
+def build_facts(n=12, max_chars=7500, min_chars=6000, seed=0):
+    """n prompts: documents the plain build does not use (reference topics after its first 8, in
+    order), each cut to max_chars, with one fact planted at a paragraph end at depth 20-80% and the
+    question after the document."""
+    rng = random.Random(seed)
+    refs = [d for d in documents(min_chars) if d[1] == "reference"][8:]
+    rows = []
+    for i, (doc_id, kind, text) in enumerate(refs[:n]):
+        sentence, question, value_kind = FACTS[i % len(FACTS)]
+        place, value = PLACES[i % len(PLACES)], draw(value_kind, rng)
+        paragraphs = cut(text, max_chars).split("\n\n")
+        at = max(1, round(len(paragraphs) * (0.2 + 0.6 * (i % 4) / 3)))  # depth 20%, 40%, 60%, 80%
+        paragraphs.insert(at, sentence.format(place=place, value=value))
+        prompt = "\n\n".join(paragraphs) + "\n\n" + question.format(place=place)
+        rows.append(dict(id=f"fact/{value_kind}/{doc_id}", task=f"fact_{value_kind}", prompt=prompt, answers=[value]))
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/foreign/tasks.jsonl")
     p.add_argument("--per-kind", type=int, default=8, help="prompts per kind of document")
     p.add_argument("--max-chars", type=int, default=7500, help="document length cap (about 1.5-2K tokens)")
+    p.add_argument("--facts", action="store_true", help="planted facts with exact answers instead (see above)")
+    p.add_argument("--n-facts", type=int, default=12, help="--facts: how many prompts")
     args = p.parse_args(argv)
-    rows = build(args.per_kind, args.max_chars)
+    rows = build_facts(args.n_facts, args.max_chars) if args.facts else build(args.per_kind, args.max_chars)
     if not rows:
         sys.exit("no documents found: this needs Python's pydoc_data or /usr/share/common-licenses")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    kinds = {k: sum(r["task"] == k for r in rows) for k in ("reference", "licence")}
+    kinds = {k: sum(r["task"] == k for r in rows) for k in sorted({r["task"] for r in rows})}
     print(f"wrote {len(rows)} prompts to {args.out}: {kinds}")
 
 

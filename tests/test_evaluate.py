@@ -148,6 +148,17 @@ def test_foreign_tasks_cut_at_paragraphs_and_alternate_the_request(tmp_path, mon
     out = tmp_path / "t.jsonl"
     foreign.main(["--out", str(out), "--per-kind", "2", "--max-chars", "2000"])
     assert [json.loads(l)["task"] for l in out.read_text().splitlines()] == ["reference", "reference", "licence"]
+    # --facts: documents after the first 8 references, one planted fact each with its exact answer, the question last
+    docs = [(f"reference/t{i}", "reference", text) for i in range(14)]
+    facts = foreign.build_facts(n=6, max_chars=3000)
+    assert [r["id"].split("/", 2)[2] for r in facts] == [f"reference/t{i}" for i in range(8, 14)]
+    assert [r["task"] for r in facts[:3]] == ["fact_code", "fact_number", "fact_name"]
+    for r in facts:
+        (value,) = r["answers"]
+        assert r["prompt"].count(value) == 1 and r["prompt"].endswith("only.")
+        assert r["prompt"].index(value) < r["prompt"].rindex("\n\n")  # planted inside the document
+    assert len(facts[0]["answers"][0]) == 5 and len(facts[1]["answers"][0]) == 7 and " " in facts[2]["answers"][0]
+    assert foreign.build_facts(n=6, max_chars=3000) == facts  # a fixed seed: the same prompts every time
 
 
 # -----------------------------------------------------------------------------
@@ -234,6 +245,12 @@ def test_end_to_end_and_resume(tiny, capsys):
 
     with pytest.raises(SystemExit, match="other settings: max_new_tokens 6 \\(now 5\\)"):
         evaluate.main(argv(tiny) + ["--max-new-tokens", "5"])
+    # the same weights with another selection rule in the .json are another adapter
+    meta = json.loads((tiny / "adapter.json").read_text())
+    (tiny / "rule.safetensors").write_bytes((tiny / "adapter.safetensors").read_bytes())
+    (tiny / "rule.json").write_text(json.dumps({**meta, "pool": "max", "kernel": 3}))
+    with pytest.raises(SystemExit, match="other settings: adapter_rule"):
+        evaluate.main(argv(tiny) + ["--adapter", str(tiny / "rule.safetensors")])
 
     # entries from an evaluate.py without answer_kl are run again, and come out as before
     old = json.loads(path.read_text())
