@@ -46,6 +46,8 @@ from model import ModelConfig, Transformer, check_device, check_model_dir, defau
 VARIANTS = {
     "lookahead": dict(method="lookahead", one_pass=True),  # the M rows ride along in the prefill
     "lookahead-2pass": dict(method="lookahead", one_pass=False),  # a 2nd forward of the M rows
+    # top-C of the raw scores: no surprisal to compute (the span rule's cost is lookahead minus this row)
+    "lookahead-unpooled": dict(method="lookahead", one_pass=True, pool="none", kernel=1),
     "full-1chunk": dict(method="full", chunk_size=1 << 30),  # prefill in one chunk (a diagnostic)
 }
 DEFAULT_LENGTHS = {"overhead": ([1024, 2048], [8192, 32768]), "decode": ([1024], [8192]),  # (CPU, CUDA)
@@ -423,7 +425,7 @@ def get_args(argv=None):
     a("--adapter", default=None, help="lookahead adapter .safetensors (default: an untrained module, same speed)")
     a("--methods", default=None,
       help=f"overhead rows, any of: {', '.join(m for m in METHODS if m != 'oracle')}, {', '.join(VARIANTS)} (default "
-      f"full,snapkv,h2o,laq,lookahead,lookahead-2pass); decode-cost rows: {', '.join(DECODE_METHODS)} (default all)")
+      f"full,snapkv,h2o,laq,lookahead,lookahead-unpooled,lookahead-2pass); decode-cost rows: {', '.join(DECODE_METHODS)} (default all)")
     a("--lengths", default=None, help="prompt lengths, comma-separated (default, CPU / CUDA: "
       + "; ".join(f"{m} {c[0]} / {c[1]}" for m, c in DEFAULT_LENGTHS.items()) + ")")
     a("--budget", type=int, default=128, help="C: KV slots kept per (layer, KV head)")
@@ -452,7 +454,8 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     if args.methods is None:  # each mode's rows
         decode_cost = args.mode == "decode-cost"
-        args.methods = ",".join(DECODE_METHODS) if decode_cost else "full,snapkv,h2o,laq,lookahead,lookahead-2pass"
+        args.methods = (",".join(DECODE_METHODS) if decode_cost
+                        else "full,snapkv,h2o,laq,lookahead,lookahead-unpooled,lookahead-2pass")
     args.methods = args.methods.split(",")
     bad = [m for m in args.methods if m not in VARIANTS and (m not in METHODS or m == "oracle")]
     if bad:
@@ -518,7 +521,7 @@ def bench(args):
 def quick(args):
     """The GPU preset: sets args, returns the (config, lengths) jobs."""
     args.mode, args.repeats, args.h2o_max_len = "overhead", 5, args.h2o_max_len or 16384
-    args.methods = ["full", "full-1chunk", "snapkv", "h2o", "laq", "lookahead", "lookahead-2pass"]
+    args.methods = ["full", "full-1chunk", "snapkv", "h2o", "laq", "lookahead", "lookahead-unpooled", "lookahead-2pass"]
     return QUICK
 
 

@@ -47,7 +47,7 @@ def kv_bytes(slots, B=1):
 def test_overhead_rows(tiny_config, tmp_path, capsys):
     out = tmp_path / "bench.json"
     rows = run(tiny_config, "--lengths", "64,128", "--json", str(out))
-    methods = ["full", "snapkv", "h2o", "laq", "lookahead", "lookahead-2pass"]
+    methods = ["full", "snapkv", "h2o", "laq", "lookahead", "lookahead-unpooled", "lookahead-2pass"]
     assert [(r["method"], r["S"]) for r in rows] == [(m, S) for S in (64, 128) for m in methods]
     for r in rows:
         assert r["prefill_ms"] > 0 and r["total_ms"] > 0
@@ -156,7 +156,7 @@ def test_quick_preset_runs_on_cpu_with_shrunk_8b_shapes(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     jobs = [(shrunk(Path(c).stem, tmp_path), [160, 200]) for c, _ in jobs]  # 3 and 4 chunks of 64
     rows = bench.run(args, jobs)
-    methods = ["full-1chunk", "snapkv", "h2o", "laq", "lookahead", "lookahead-2pass"]
+    methods = ["full-1chunk", "snapkv", "h2o", "laq", "lookahead", "lookahead-unpooled", "lookahead-2pass"]
     assert [(r["model"], r["method"], r["S"]) for r in rows] == [
         (m, x, S) for m in ("llama-3.1-8b", "qwen3-8b") for S in (160, 200) for x in ["full"] + methods]
     for r in rows:
