@@ -343,8 +343,8 @@ def span_scores(x, surprisal, kernel, decay=0.95):
         left = left & _shift(joined, o - 1, False)  # t - o .. t one span: joined at t - o + 1 .. t
         right = right & _shift(joined, -o, False)  # t .. t + o one span: joined at t + 1 .. t + o
         carried = decay ** o
-        out = torch.maximum(out, torch.where(left, _shift(x, o, 0.0) * carried, out))
-        out = torch.maximum(out, torch.where(right, _shift(x, -o, 0.0) * carried, out))
+        out = torch.where(left, torch.maximum(out, _shift(x, o, 0.0) * carried), out)  # from o places before
+        out = torch.where(right, torch.maximum(out, _shift(x, -o, 0.0) * carried), out)  # from o places after
     return out
 
 
@@ -363,7 +363,7 @@ def pool_scores(s, pool, kernel, window=0, surprisal=None):
                (span_scores; needs `surprisal` (B, S), which prefill_and_score computes for it)
     With a protected window (kept anyway), only the prefix before it is smoothed, as in SnapKV's
     code, so the window's large scores do not leak into the tokens before it. Edges: avg pads with
-    zeros and divides by the full width; max, carry and chunk ignore the padding."""
+    zeros and divides by the full width; max, carry, chunk and span ignore the padding."""
     if pool == "none" or kernel == 1:
         return s
     S = s.shape[-1]
@@ -506,8 +506,8 @@ class LookaheadKV(Scorer):
     and their K/V are cut off after scoring; two-pass: a second forward of the M rows on top of
     the prompt cache (the training form). Both give the same scores (causal attention, LoRA on
     the lookahead rows only). Its selection rule and protected window of recent tokens are its
-    adapter's (module.pool, .kernel, .window; the shipped one: unpooled, no window: its queries
-    already sit after the prompt's last tokens)."""
+    adapter's (module.pool, .kernel, .window; the shipped one: the span rule of width 8, no window:
+    its queries already sit after the prompt's last tokens)."""
 
     def __init__(self, eviction, module=None, response=None):
         if module is None:
