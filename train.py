@@ -692,13 +692,20 @@ def print_tables(table, Cs, n, extra=()):
                 print(f"| {label}, {row.removeprefix('lookahead_')} | {cells(r, row)} | {r['kl']:.4f} |")
 
 
-def adapter_metadata(args, n_train, n_held, step, total, stopped_early, log, init_info):
+def describe_rows(train_rows, n_held):
+    """The training data as its rows are, not as this command's flags say (with --stage train or --init the
+    data stage ran earlier, maybe with other flags): sources, prompt and answer lengths, the copy tasks' share."""
+    prompt = [len(r["prompt_ids"]) for r in train_rows] or [0]
+    answer = [len(r["response_ids"]) for r in train_rows] or [0]
+    return dict(sources=sorted({r.get("source", "?") for r in train_rows}), n_train=len(train_rows), n_heldout=n_held,
+                prompt_tokens=[min(prompt), max(prompt)], answer_tokens_max=max(answer),
+                copy_share=round(sum(r.get("task") in data.COPY_TASKS for r in train_rows) / max(1, len(train_rows)),
+                                 3), python=data.PYTHON)
+
+
+def adapter_metadata(args, train_rows, n_held, step, total, stopped_early, log, init_info):
     """What the shipped .json says about how the adapter was made."""
-    info = dict(train_data=dict(sources=list(data.SOURCES), n_train=n_train, n_heldout=n_held,
-                                min_tokens=args.min_tokens, max_tokens=args.max_tokens,
-                                max_new_tokens=args.max_new_tokens, long_frac=args.long_frac,
-                                copy_frac=args.copy_frac,
-                                long_max=args.long_max, python=data.PYTHON),
+    info = dict(train_data=describe_rows(train_rows, n_held),
                 steps=step, planned_steps=total, stopped_early=stopped_early, batch=args.batch, lr=args.lr,
                 pool_loss=args.pool_loss, loss_skip=args.loss_skip,
                 epochs=args.epochs, heldout=log[-1] if log else None, untrained=log[0] if log else None)
@@ -821,7 +828,7 @@ def train(args):
     if rank == 0:
         if stopped_early:
             save_checkpoint(ckpt, module, opt, step, log)
-        module.info = adapter_metadata(args, len(train_rows), len(held_rows), step, total, stopped_early, log,
+        module.info = adapter_metadata(args, train_rows, len(held_rows), step, total, stopped_early, log,
                                        init_info)
         dest = Path(args.adapter_out) if args.adapter_out else out / "adapter.safetensors"
         module.save(dest)

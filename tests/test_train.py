@@ -688,6 +688,13 @@ def test_stage_train_only_reads_and_trains_on_the_rows_with_samples(model_dir, t
     assert set(read) == set(files[1:])  # every epoch: the three samples there are, never the missing one
     meta = json.loads((out / "adapter.json").read_text())
     assert meta["train_data"]["n_train"] == 3 and meta["steps"] == 2  # 3 micro-batches of 1, 2 a step, 2 epochs
+    # the data as its rows are (lengths, copy share), whatever this command's data flags say
+    rows = [json.loads(l) for l in (out / "data.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["split"] == "train" and train.sample_path(out, r["id"]).exists()]
+    lengths = [len(r["prompt_ids"]) for r in train_rows]
+    assert meta["train_data"]["prompt_tokens"] == [min(lengths), max(lengths)]
+    assert meta["train_data"]["answer_tokens_max"] == max(len(r["response_ids"]) for r in train_rows)
+    assert 0 <= meta["train_data"]["copy_share"] <= 1
 
 
 def test_copy_frac_reaches_the_training_prompts_only(model_dir, tmp_path, monkeypatch):
