@@ -40,20 +40,17 @@ costs one forward, not R. A budget C >= S evicts nothing: that row is FullKV's o
 
 Prints a tqdm bar, then a markdown table per metric (accuracy, answer_kl, fidelity, exact,
 recall, prefill_ms, score_ms) and, per method, the smallest budget at which it reaches 90% of
-FullKV's accuracy. E.g. the shipped adapter on the 24 prompts of the 2K suite (RESULTS.md
-section 2; ~30 min on one CPU thread next to another job):
+FullKV's accuracy. E.g. the shipped adapter (span 8, its .json) on the 24 prompts of the 2K suite
+(RESULTS.md section 2; ~10 min on one CPU thread next to another job):
 
-    $ python evaluate.py --methods snapkv,oracle,lookahead,lookahead-untrained --threads 1 --out runs/eval2k-none
+    $ python evaluate.py --methods lookahead --threads 1 --out runs/ft3/eval2k
     ...
     ### answer_kl: mean KL(FullKV || method) of the next-token distributions along FullKV's answer, ...
 
     | method | C=64 | C=128 | C=256 | C=512 |
     |---|---|---|---|---|
     | full | 0.0000 | 0.0000 | 0.0000 | 0.0000 |
-    | snapkv | 0.9578 | 0.8144 | 0.6101 | 0.3886 |
-    | oracle | 0.0546 | 0.0245 | 0.0100 | 0.0031 |
-    | lookahead | 0.9145 | 0.7446 | 0.4604 | 0.2546 |
-    | lookahead-untrained | 1.0259 | 0.7063 | 0.4513 | 0.2253 |
+    | lookahead | 0.6368 | 0.3788 | 0.1970 | 0.0839 |
     ...
 
 and writes OUT/results.md (these tables, plus accuracy per task) and OUT/results.json (one

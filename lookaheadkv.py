@@ -562,7 +562,8 @@ def prefill_and_score(model, ids, eviction, pad_mask=None, module=None, response
     """Steps 1 and 2 of compress: returns (scorer, run), run a Prefilled with the full prompt cache
     and run.scores (L, B, H_kv, S), or None when there is nothing to evict (S <= C, full).
     Scores do not depend on the budget (except LAQ's), so one call serves every budget.
-    clock: anything with a mark() method (e.g. a Stopwatch), marked after the prefill."""
+    clock: anything with a mark() method (e.g. a Stopwatch), marked after the prefill (and the
+    span rule's surprisal, read from it)."""
     scorer = make_scorer(eviction, module, response)  # checks the method's inputs and the budget
     cfg, dev = model.config, ids.device
     B, S = ids.shape

@@ -231,16 +231,6 @@ def ground_truth(model, row, window=0):
     return cache, gt, extra
 
 
-@torch.no_grad()
-def prompt_surprisal(model, prompt_ids):
-    """(1, S) each prompt token's surprisal, by a forward of its own (ground_truth gets it for free)."""
-    ids = torch.tensor([prompt_ids], device=model.lm_head.weight.device)
-    S = ids.shape[1]
-    _, hidden = model(ids, positions=torch.arange(S, device=ids.device)[None],
-                      cache=KVCache(model.config.num_hidden_layers), logits_at=-1, hidden=True)
-    return token_surprisal(model, hidden, ids)
-
-
 def heldout_ground_truth(model, rows, window, out=None):
     """ground_truth of every held-out row, kept in OUT/heldout (one file per row, ~50 KB per prompt
     token) so that later --eval-only runs on the same rows skip the forwards. Without out: computed."""
@@ -249,14 +239,10 @@ def heldout_ground_truth(model, rows, window, out=None):
         # named by what it is made of: the model, the prompt, the answer and the window
         key = json.dumps([model.config.fingerprint(), r["prompt_ids"], r["response_ids"], window])
         path = None if out is None else Path(out) / "heldout" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
-        if path is not None and path.exists():
-            saved = torch.load(path, map_location=model.lm_head.weight.device)
+        saved = torch.load(path, map_location=model.lm_head.weight.device) if path and path.exists() else None
+        if saved is not None and "surprisal" in saved["extra"]:  # (a file from before the span rule is made again)
             cache = KVCache(len(saved["k"]))
             cache.k, cache.v = saved["k"], saved["v"]
-            if "surprisal" not in saved["extra"]:  # a file from before the span rule: add it, once
-                saved["extra"]["surprisal"] = prompt_surprisal(model, r["prompt_ids"])
-                torch.save(saved, path.with_suffix(".tmp"))
-                os.replace(path.with_suffix(".tmp"), path)
             items.append((cache, saved["gt"], saved["extra"]))
             continue
         cache, gt, extra = ground_truth(model, r, window)

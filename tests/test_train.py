@@ -817,7 +817,7 @@ def test_heldout_ground_truth_is_kept_and_read_back(tmp_path):
         assert torch.equal(e1["response"], e2["response"])
         assert torch.allclose(e1["surprisal"], e2["surprisal"]) and e1["surprisal"].shape == (1, len(c1))
     assert [len(c) for c, _, _ in first] == [20, 27]
-    # a file written before the span rule (no surprisal) gets it added on its first read, as computed now
+    # a file written before the span rule (no surprisal) is made again on its first read, surprisal included
     path = next((tmp_path / "heldout").glob("*.pt"))
     saved = torch.load(path)
     del saved["extra"]["surprisal"]
