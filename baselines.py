@@ -17,7 +17,8 @@ SCORERS maps every method's name, lookahead included, to its class (lookaheadkv.
 
 import torch
 
-from lookaheadkv import LookaheadKV, Scorer, WindowHook, answer_attention, group_attention, keep_slots, stack_layers
+from lookaheadkv import (LookaheadKV, Scorer, WindowHook, answer_attention, fit_to_prompt, group_attention, keep_slots,
+                         stack_layers)
 from model import Hook
 
 
@@ -78,6 +79,8 @@ class PyramidKV(SnapKV):
     get more slots than late ones (focused attention): budgets fall linearly, mean C."""
 
     def budgets(self, n_layers, S):
+        if self.eviction.layer_weights is not None:  # another profile asked for (or "uniform"): not a pyramid
+            return super().budgets(n_layers, S)
         return pyramid_budgets(self.eviction.budget, self.window, n_layers, self.eviction.pyramid_beta, S)
 
 
@@ -91,18 +94,7 @@ def pyramid_budgets(budget, window, n_layers, beta, S=None):
     lo = avail // beta
     hi = 2 * avail - lo
     b = [window + round(hi - l * (hi - lo) / max(n_layers - 1, 1)) for l in range(n_layers)]
-    if S is None:
-        return b
-    spare = sum(max(x - S, 0) for x in b)
-    b = [min(x, S) for x in b]
-    while spare > 0 and any(x < S for x in b):
-        room = [l for l in range(n_layers) if b[l] < S]
-        share, extra = divmod(spare, len(room))
-        for i, l in enumerate(room):
-            b[l] += share + (i < extra)
-        spare = sum(max(x - S, 0) for x in b)
-        b = [min(x, S) for x in b]
-    return b
+    return b if S is None else fit_to_prompt(b, S)
 
 
 class H2OHook(Hook):

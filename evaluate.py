@@ -323,7 +323,8 @@ def eviction_config(method, budget, args):
     """The EvictConfig of a row: lookahead-untrained runs as lookahead; pooling None = the method's own
     (lookaheadkv's scorers: avg 5 for attention scores, the adapter's for lookahead, none for the oracle)."""
     name = "lookahead" if method == UNTRAINED else method
-    return EvictConfig(name, budget, window=args.window, pool=args.pool, kernel=args.kernel)
+    return EvictConfig(name, budget, window=args.window, pool=args.pool, kernel=args.kernel,
+                       layer_weights="uniform" if args.uniform_budgets else None)
 
 
 def prefill_once(model, ids, scorer, eviction, module, full):
@@ -591,6 +592,8 @@ def get_args(argv=None):
       help="score pooling for every method (default: each method's own: avg for attention scores, the adapter's "
       "for lookahead, none for the oracle)")
     a("--kernel", type=int, default=None, help="pooling width, odd (default: each method's own: 5, the adapter's)")
+    a("--uniform-budgets", action="store_true", help="C slots in every layer for every method, as the paper "
+      "evaluates (default: each method's own; lookahead: its adapter's per-layer budgets, mean C)")
     a("--chat", action=argparse.BooleanOptionalAction, default=None,
       help="wrap prompts in the chat template (default: when the tokenizer has one)")
     a("--model", default=None, help="an HF folder (default: weights/SmolLM2-135M-Instruct, prepared if missing)")
@@ -623,7 +626,7 @@ def load_modules(args, model, methods, folder):
         if like is None and path.exists():  # the untrained row alone: still the adapter's shape and pooling
             like = LookaheadModule.load(path, cfg, dev)
         kw = dict(n_tokens=like.n_tokens, rank=like.rank, alpha=like.alpha, targets=like.targets, pool=like.pool,
-                  kernel=like.kernel, window=like.window) if like else {}
+                  kernel=like.kernel, window=like.window, layer_budget=like.layer_budget) if like else {}
         torch.manual_seed(args.seed)  # the same draw on every run: P ~ N(0, std of the token embeddings)
         modules[UNTRAINED] = untrained_module(model, **kw)
     return {m: mod.to(dev).to(dtype).eval() for m, mod in modules.items()}

@@ -59,6 +59,8 @@ def get_args(argv=None):
     p.add_argument("--pool", default=None, choices=POOLS,
                    help="score pooling (default avg; lookahead: the adapter's)")
     p.add_argument("--kernel", type=int, default=None, help="odd pooling width (default 5; lookahead: the adapter's)")
+    p.add_argument("--uniform-budgets", action="store_true", help="C slots in every layer, as the paper evaluates "
+                   "(default: lookahead keeps its adapter's per-layer budgets, mean C; pyramidkv its pyramid)")
     p.add_argument("--two-pass", action="store_true",
                    help="lookahead: score in a second forward (the reference form) instead of inside the prefill")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -128,7 +130,7 @@ def check_args(args):
 def eviction_config(args):
     """The prompt's eviction; pooling None = the method's own (lookahead: its adapter's; the oracle: none)."""
     return EvictConfig(args.method, args.budget, window=args.window, pool=args.pool, kernel=args.kernel,
-                       one_pass=not args.two_pass, seed=args.seed)
+                       one_pass=not args.two_pass, seed=args.seed, layer_weights="uniform" if args.uniform_budgets else None)
 
 
 def read_prompt(arg):
@@ -206,7 +208,8 @@ def run(args):
         t0, clock = time.perf_counter(), Stopwatch(dev)
         clock.mark()
         cache, logits, pos, kept_slots = compress(model, ids_t, eviction, module=module, response=response, clock=clock)
-        kept = max(int(k.shape[2]) for k in cache.k)  # largest count over layers (pyramidkv varies)
+        per_layer = [int(k.shape[2]) for k in cache.k]  # slots per layer (pyramidkv, layer budgets: they vary)
+        kept = max(per_layer)
         kv_kept = cache.nbytes()
         evictor = None  # beyond the paper: the cache held to --decode-budget while the answer grows
         if args.decode_budget is not None:
@@ -219,7 +222,8 @@ def run(args):
         t_end = time.perf_counter()
     n_dec = max(len(out) - 1, 0)
     stats = dict(
-        method=args.method, budget=args.budget, prompt_tokens=S, kept_tokens=min(kept, S), text=tok.decode(out),
+        method=args.method, budget=args.budget, prompt_tokens=S, kept_tokens=round(sum(per_layer) / L),
+        kept_range=[min(per_layer), kept], text=tok.decode(out),
         prefill_ms=round(clock.ms(0, 1), 1), score_ms=round(clock.ms(1, 2) + extra_ms, 1),
         ttft_ms=round((t_first - t0) * 1e3 + extra_ms, 1) if t_first else None,
         decode_tokens_per_s=round(n_dec / (t_end - t_first), 2) if n_dec else None,
@@ -234,7 +238,8 @@ def run(args):
     print(tok.decode(out)[len(printed):])
     print("---")
     print(f"method {args.method}  budget {args.budget}  prompt {S} tokens  "
-          f"kept {stats['kept_tokens']} per (layer, KV head)")
+          f"kept {stats['kept_tokens']} per (layer, KV head)" +
+          (f" on average ({stats['kept_range'][0]}-{kept} by layer)" if stats['kept_range'][0] < kept else ""))
     print(f"prefill {stats['prefill_ms']:.0f} ms  score {stats['score_ms']:.0f} ms  ttft {stats['ttft_ms']:.0f} ms  "
           f"decode {stats['decode_tokens_per_s'] or 0:.1f} tok/s")
     print(f"KV cache {kv_full / 1e6:.1f} MB -> {kv_kept / 1e6:.1f} MB")

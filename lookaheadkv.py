@@ -56,6 +56,9 @@ class EvictConfig:
     laq_tokens: int = 8  # laq: draft length, and the number of last prompt queries added to it
     pyramid_beta: int = 20  # pyramidkv: last layer's budget = first layer's / ~beta (kvpress)
     one_pass: bool = True  # lookahead: append the M rows to the prefill (fast) or a 2nd pass (reference)
+    layer_weights: tuple | str | None = None  # per-layer budgets C * w_l / mean(w); None = the method's own
+    # (lookahead: its adapter's, measured where its selection decides the answer; pyramidkv: the pyramid;
+    # others: C in every layer); "uniform" = C in every layer, as the paper evaluates LookaheadKV
     chunk_size: int = 4096  # prefill in chunks of this many tokens (bounded activations at 32K)
     seed: int = 0  # random
 
@@ -126,7 +129,7 @@ class LookaheadModule(nn.Module):
     TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     def __init__(self, cfg, n_tokens=32, rank=8, alpha=32, targets=TARGETS, embed_std=0.02, pool="span", kernel=8,
-                 window=0):
+                 window=0, layer_budget=None):
         check_pooling(pool, kernel)
         super().__init__()
         bad = [t for t in targets if t not in self.TARGETS]
@@ -135,6 +138,12 @@ class LookaheadModule(nn.Module):
         self.cfg, self.n_tokens, self.rank, self.alpha, self.targets = cfg, n_tokens, rank, alpha, tuple(targets)
         self.pool, self.kernel = pool, kernel  # the scoring options it ships with
         self.window = window  # the last `window` prompt tokens kept whatever their score (0: none)
+        # per-layer budget weights (mean 1), or None: C in every layer. Measured for an adapter by
+        # examples/layer_sensitivity.py: more slots where its choice decides the answer, fewer elsewhere
+        self.layer_budget = None if layer_budget is None else tuple(float(w) for w in layer_budget)
+        if self.layer_budget is not None and len(self.layer_budget) != cfg.num_hidden_layers:
+            raise ValueError(f"layer_budget has {len(self.layer_budget)} weights for a model of "
+                             f"{cfg.num_hidden_layers} layers: measure them for this model (examples/layer_sensitivity.py)")
         self.info = {}  # training metadata, saved with the adapter
         # random init with the scale of real token embeddings: untrained, they already act as
         # generic queries from "somewhere after the prompt", a strong baseline of their own
@@ -165,7 +174,8 @@ class LookaheadModule(nn.Module):
     def metadata(self):
         return dict(base_model=self.cfg.name, base_fingerprint=self.cfg.fingerprint(), n_tokens=self.n_tokens,
                     rank=self.rank, alpha=self.alpha, targets=list(self.targets), pool=self.pool,
-                    kernel=self.kernel, window=self.window, **self.info)
+                    kernel=self.kernel, window=self.window,
+                    layer_budget=None if self.layer_budget is None else list(self.layer_budget), **self.info)
 
     def save(self, path):
         """path.safetensors + path.json (metadata)."""
@@ -192,7 +202,7 @@ class LookaheadModule(nn.Module):
                              f"(fingerprint {meta.get('base_fingerprint')}), not for this model "
                              f"{cfg.name!r} ({cfg.fingerprint()}): train one for it with python train.py")
         m = cls(cfg, meta["n_tokens"], meta["rank"], meta["alpha"], meta["targets"], pool=meta.get("pool", "avg"),
-                kernel=meta.get("kernel", 5), window=meta.get("window", 0))
+                kernel=meta.get("kernel", 5), window=meta.get("window", 0), layer_budget=meta.get("layer_budget"))
         m.info = {k: v for k, v in meta.items() if k not in m.metadata()}
         try:
             m.load_state_dict(load_file(str(path)))
@@ -202,7 +212,7 @@ class LookaheadModule(nn.Module):
 
 
 def untrained_module(model, n_tokens=32, rank=8, alpha=32, targets=LookaheadModule.TARGETS, pool="span", kernel=8,
-                     window=0):
+                     window=0, layer_budget=None):
     """The module before training, for `model`: P drawn with the std of its token embeddings (so the
     M rows start at the scale of real tokens), LoRA B = 0 (so they start as the base model's own
     projections). Float32 on the model's device: the module trains in float32 whatever the model's
@@ -210,7 +220,7 @@ def untrained_module(model, n_tokens=32, rank=8, alpha=32, targets=LookaheadModu
     strong baseline of their own, and the row every trained adapter is compared with."""
     embed = model.model.embed_tokens.weight
     std = embed.float().std().item()
-    module = LookaheadModule(model.config, n_tokens, rank, alpha, targets, std, pool, kernel, window)
+    module = LookaheadModule(model.config, n_tokens, rank, alpha, targets, std, pool, kernel, window, layer_budget)
     return module.to(embed.device)
 
 
@@ -475,8 +485,17 @@ class Scorer:
             keep |= positions < self.sinks  # the first real tokens of each row
         return keep[:, None, :] if (self.window or self.sinks) else None
 
+    own_layer_weights = None  # the method's own per-layer budget weights (None: C in every layer)
+
     def budgets(self, n_layers, S):
-        return [min(self.eviction.budget, S)] * n_layers
+        """Slots per layer: C each, or C * w_l for per-layer weights w (EvictConfig.layer_weights, else the
+        method's own), with the same total (spread_budgets)."""
+        w = self.eviction.layer_weights if self.eviction.layer_weights is not None else self.own_layer_weights
+        if w is None or w == "uniform":
+            return [min(self.eviction.budget, S)] * n_layers
+        if len(w) != n_layers:
+            raise ValueError(f"{len(w)} layer budget weights for a model of {n_layers} layers")
+        return spread_budgets(self.eviction.budget, w, S, least=self.window + self.sinks + 1)
 
     @property
     def needs_surprisal(self):  # the span rule reads how predictable each prompt token was
@@ -492,6 +511,38 @@ class Scorer:
         if len(set(budgets)) == 1:  # one top-k for all layers
             return list(select(scores, budgets[0], valid, protect))
         return [select(scores[l], b, valid, protect) for l, b in enumerate(budgets)]
+
+
+def fit_to_prompt(budgets, S):
+    """A layer cannot keep more than the S prompt tokens: what a clipped layer cannot use goes to
+    the other layers, evenly, so the mean stays C (while C <= S)."""
+    b = list(budgets)
+    spare = sum(max(x - S, 0) for x in b)
+    b = [min(x, S) for x in b]
+    while spare > 0 and any(x < S for x in b):
+        room = [l for l in range(len(b)) if b[l] < S]
+        share, extra = divmod(spare, len(room))
+        for i, l in enumerate(room):
+            b[l] += share + (i < extra)
+        spare = sum(max(x - S, 0) for x in b)
+        b = [min(x, S) for x in b]
+    return b
+
+
+def spread_budgets(budget, weights, S, least=1):
+    """Per-layer budgets C * w_l / mean(w), each at least `least` slots, summing to L * C exactly
+    (largest remainders get the rounding), then fitted to the prompt (fit_to_prompt)."""
+    L = len(weights)
+    total = sum(weights)
+    if not total > 0 or min(weights) < 0:
+        raise ValueError(f"layer budget weights must be >= 0 and not all 0, got {list(weights)}")
+    want = [max(budget * L * w / total, least) for w in weights]
+    scale = (budget * L - least * L) / max(sum(x - least for x in want), 1e-9)  # the floor comes out of the rest
+    want = [least + (x - least) * scale for x in want]
+    b = [math.floor(x) for x in want]
+    for l in sorted(range(L), key=lambda l: b[l] - want[l])[: budget * L - sum(b)]:
+        b[l] += 1
+    return fit_to_prompt(b, S)
 
 
 def stack_layers(scores):
@@ -516,6 +567,7 @@ class LookaheadKV(Scorer):
         self.module = module
         self.default_pool = (module.pool, module.kernel)
         self.window = module.window
+        self.own_layer_weights = module.layer_budget
         super().__init__(eviction)
 
     def prefill_hook(self, S):

@@ -8,7 +8,10 @@ after a kill, rerun the same command: the data stage keeps what it wrote, --resu
         --gen-batch 16 --epochs 2 --eval-every 25 --save-every 5 --resume \
         --adapter-out weights/SmolLM2-135M-Instruct.lookahead.safetensors
 (the LoRA on all seven projections, the default --targets all; with --targets q_proj,k_proj: the
-adapter shipped before it, weights/SmolLM2-135M-Instruct.lookahead-qk.safetensors)
+adapter shipped before it, weights/SmolLM2-135M-Instruct.lookahead-qk.safetensors), then a fine-tune
+on copy-heavy prompts (--init, RESULTS.md section 8) and the adapter's per-layer budgets, measured on
+training rows where its choice decides the answer (not part of training; RESULTS.md section 4.4):
+    python examples/layer_sensitivity.py --out runs/ans --adapter-out weights/SmolLM2-135M-Instruct.lookahead.safetensors
 One GPU, paper-like scale (longer prompts and answers, more of them; the prompt caches recomputed in
 the step instead of kept on disk, which would take ~430 GB here: README.md, "Training on one GPU"):
     python train.py --out runs/gpu --n-train 8000 --n-heldout 128 --max-tokens 4096 --max-new-tokens 256 \
@@ -303,47 +306,70 @@ def micro_batches(rows, size):
     return [order[i:i + size] for i in range(0, len(order), size)]
 
 
-def kl_loss(gt, pred, pool="none", kernel=1, eps=1e-8, drop=None):
+@dataclasses.dataclass
+class Loss:
+    """How the KL is taken; the defaults are the paper's loss. Each field is one train.py flag."""
+
+    pool: str = "none"  # --pool-loss: smooth target and prediction with the shipped rule first
+    kernel: int = 1  # its width
+    skip: int = 0  # --loss-skip: each prompt's first N tokens (the sinks) left out of both distributions
+    power: float = 1.0  # --loss-power: compare s**power (renormalised); < 1 flattens both (see kl_loss)
+    layer_weights: tuple | None = None  # --layer-weights: each layer's weight in the mean (None: all equal)
+
+
+def kl_loss(gt, pred, pool="none", kernel=1, eps=1e-8, drop=None, power=1.0, layer_weights=None):
     """KL(gt || pred) of the L1-normalised scores, averaged over layers and heads: the future's
     attention is the target distribution, the lookahead rows' the prediction. With a pool
     (--pool-loss), both are first smoothed as eviction will smooth the prediction: the module
     then learns which stretch of the prompt the answer reads, not which token of it. drop (B, 1, S)
     True on slots left out of both distributions before they are normalised (--loss-skip: the
-    first tokens, attention sinks that every method keeps, so the loss is spent on the open ones)."""
+    first tokens, attention sinks that every method keeps, so the loss is spent on the open ones).
+    power < 1 (--loss-power) compares s**power instead of s: a token's weight in the KL is its
+    share of the target, so the few slots every method keeps (the sinks, the question: half the
+    mass) dominate the paper's loss, while eviction is decided by the ranks around the C-th slot,
+    where the mass is small. Raising both to power 0.5 turns a 400:1 mass ratio into 20:1, and
+    the ranks are unchanged (top-C of s and of s**power are the same slots).
+    layer_weights (one per layer, --layer-weights): a weighted mean over the layers instead of the plain
+    one, to spend the loss in the layers whose selection the answer depends on (layer_sensitivity)."""
     losses = []
     for l, g in gt.items():
         g, s = pool_scores(g.float(), pool, kernel), pool_scores(pred[l].float(), pool, kernel)
         if drop is not None:
             g, s = g.masked_fill(drop, 0.0), s.masked_fill(drop, 0.0)
+        if power != 1:  # padding and dropped slots stay 0 (and get no gradient: clamp_min passes none)
+            g, s = g.clamp_min(1e-30) ** power * (g > 0), s.clamp_min(1e-30) ** power * (s > 0)
         p = g / g.sum(-1, keepdim=True)
         q = s / s.sum(-1, keepdim=True)
         losses.append((p * ((p + eps).log() - (q + eps).log())).sum(-1).mean())
-    return torch.stack(losses).mean()
+    if layer_weights is None:
+        return torch.stack(losses).mean()
+    w = torch.as_tensor([layer_weights[l] for l in gt], dtype=torch.float32, device=losses[0].device)
+    return (torch.stack(losses) * w).sum() / w.sum()
 
 
-def batch_loss(model, module, cache, gt, lengths, loss_pool=("none", 1), skip=0):
+def batch_loss(model, module, cache, gt, lengths, loss=Loss()):
     """The loss of one micro-batch: the M lookahead rows on top of each sample's prompt cache (the
     two-pass form, B samples in one forward), their attention per query head against the target.
-    skip > 0: each sample's first `skip` real tokens are left out of the loss (kl_loss's drop)."""
+    loss.skip > 0: each sample's first `skip` real tokens are left out of the loss (kl_loss's drop)."""
     pred = lookahead_pass(model, module, cache, lengths, per_query_head=True)
     drop = None
-    if skip:
+    if loss.skip:
         S = next(iter(gt.values())).shape[-1]
         first = S - torch.as_tensor(lengths, device=cache.k[0].device).reshape(-1, 1)  # (B, 1): first real slot
         slot = torch.arange(S, device=first.device)[None]  # (1, S)
-        drop = (slot < first + skip)[:, None]  # (B, 1, S): the padding and the first `skip` tokens
-    return kl_loss(gt, pred, *loss_pool, drop=drop)
+        drop = (slot < first + loss.skip)[:, None]  # (B, 1, S): the padding and the first `skip` tokens
+    return kl_loss(gt, pred, loss.pool, loss.kernel, drop=drop, power=loss.power, layer_weights=loss.layer_weights)
 
 
-def optimizer_step(module, opt, model, micro, n_samples, clip, loss_pool=("none", 1), world=1, skip=0):
+def optimizer_step(module, opt, model, micro, n_samples, clip, loss=Loss(), world=1):
     """One optimiser step over this rank's micro-batches `micro` (an iterable of load_batch results):
     each sample weighs the same in the step's mean over n_samples (all ranks), ranks average their
     gradients, then clip and step. Returns the step's loss as a 0-dim tensor (no sync here)."""
     total = torch.zeros((), device=next(module.parameters()).device)
     for cache, gt, lengths in micro:
-        loss = batch_loss(model, module, cache, gt, lengths, loss_pool, skip) * lengths.shape[0] * world / n_samples
-        loss.backward()
-        total += loss.detach().float() / world
+        part = batch_loss(model, module, cache, gt, lengths, loss) * lengths.shape[0] * world / n_samples
+        part.backward()
+        total += part.detach().float() / world
     if world > 1:
         all_reduce_grads(module, world)
     torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
@@ -361,10 +387,14 @@ def group_mean(scores, n_kv_heads):
     return {l: s.view(s.shape[0], n_kv_heads, -1, s.shape[-1]).mean(2) for l, s in scores.items()}
 
 
-HELDOUT_ROWS = {  # row -> (method, pooling, width): None = the method's own (lookahead: its adapter's)
+HELDOUT_ROWS = {  # row -> (method, pooling, width[, layer budgets]): None = the method's own (lookahead: its adapter's)
     "oracle": ("oracle", None, None), "lookahead": ("lookahead", None, None),
     "lookahead_unpooled": ("lookahead", "none", None), "snapkv": ("snapkv", None, None),
     "pyramidkv": ("pyramidkv", None, None), "h2o": ("h2o", None, None), "streaming": ("streaming", None, None),
+}
+LAYERED_ROWS = {  # with an adapter that has per-layer budgets: the paper's C in every layer, and SnapKV given
+    # the adapter's budgets (what the budgets alone buy a prompt-only method)
+    "lookahead_uniform": ("lookahead", None, None, "uniform"), "snapkv_layered": ("snapkv", None, None, "adapter"),
 }
 
 
@@ -408,11 +438,13 @@ def heldout_metrics(model, module, heldout, budget, window=32, budgets=(), answe
                       pyramidkv=snap, h2o=stack_layers(extra["h2o"]))
         logp_full = forced_logprobs(model, cache, extra["response"], next_pos) if akl else None
         for (row, C), r in rec.items():
-            method, pool, kernel = rows[row]
+            method, pool, kernel, layers = (*rows[row], None)[:4]
+            layers = module.layer_budget if layers == "adapter" else layers
             if method == "oracle":  # its scorer needs a response to run; its eviction is a plain top C
                 kept = list(select(scores["oracle"], C))
             else:
-                scorer = make_scorer(EvictConfig(method, C, window=window, pool=pool, kernel=kernel), module=module)
+                scorer = make_scorer(EvictConfig(method, C, window=window, pool=pool, kernel=kernel,
+                                                 layer_weights=layers), module=module)
                 if method == "streaming":  # scores from positions alone
                     scores[method] = scorer.score(model, Prefilled(cache, None, None, positions, next_pos, None))
                 kept = scorer.evict(scores[method], positions, surprisal=extra.get("surprisal"))
@@ -471,6 +503,11 @@ def get_args(argv=None):
       "too (train with the pooling you ship; default: the loss compares unpooled scores)")
     a("--loss-skip", type=int, default=0, help="leave each prompt's first N tokens (attention sinks, kept by "
       "every method) out of the KL, renormalising over the rest (default 0: the paper's loss)")
+    a("--loss-power", type=float, default=1.0, help="compare target and prediction raised to this power, each "
+      "renormalised: < 1 weighs the tokens near the top-C boundary more and the sinks less (default 1: the paper's)")
+    a("--layer-weights", default=None, metavar="JSON", help="weigh each layer's KL by the \"weights\" list of "
+      "this file (one per layer; examples/layer_sensitivity.py writes it from the answer KL each layer's selection "
+      "costs) instead of the plain mean over layers (the paper's)")
     a("--lookahead-window", type=int, default=0, help="last prompt tokens the adapter always keeps (SnapKV keeps 32)")
     # optimisation
     a("--epochs", type=float, default=3, help="passes over the training rows (a fraction ends mid-pass)")
@@ -518,7 +555,7 @@ def check_args(args):
         if value < lo:
             raise ValueError(f"{flag} {value}: must be at least {lo}")
     positive = [("--lr", args.lr), ("--alpha", args.alpha), ("--epochs", args.epochs), ("--clip", args.clip),
-                ("--store-gb", args.store_gb), ("--max-minutes", args.max_minutes or 1)]
+                ("--store-gb", args.store_gb), ("--max-minutes", args.max_minutes or 1), ("--loss-power", args.loss_power)]
     for flag, value in positive:
         if not value > 0:
             raise ValueError(f"{flag} {value}: must be greater than 0")
@@ -543,9 +580,27 @@ def check_args(args):
         raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated numbers of KV slots, e.g. 64,128,256")
     if any(c < 1 for c in budgets):
         raise ValueError(f"--budgets {args.budgets!r}: every budget must be at least 1")
+    if args.layer_weights:  # a bad file stops here; its length is checked once the model is loaded
+        read_layer_weights(args.layer_weights)
     for path in ([args.init] if args.init else []) + (args.eval_only.split(",") if args.eval_only else []):
         if not Path(path).is_file() or not Path(path).with_suffix(".json").is_file():
             raise FileNotFoundError(f"adapter {path} (and its .json) not found: pass a .safetensors file from train.py")
+
+
+def read_layer_weights(path, n_layers=None):
+    """--layer-weights: the "weights" list of a JSON file, non-negative numbers, not all 0 (one per layer)."""
+    try:
+        weights = json.loads(Path(path).read_text())["weights"]
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--layer-weights {path}: no such file (examples/layer_sensitivity.py writes one)")
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ValueError(f"--layer-weights {path}: expected JSON with a \"weights\" list, one number per layer")
+    if not all(isinstance(w, (int, float)) and w >= 0 for w in weights) or not sum(weights) > 0:
+        raise ValueError(f"--layer-weights {path}: the weights must be numbers >= 0, not all 0")
+    if n_layers is not None and len(weights) != n_layers:
+        raise ValueError(f"--layer-weights {path}: {len(weights)} weights for a model of {n_layers} layers: "
+                         "measure them for this model (examples/layer_sensitivity.py)")
+    return tuple(float(w) for w in weights)
 
 
 def lr_at(step, total, args):
@@ -631,8 +686,12 @@ def eval_only(model, module, held_rows, args):
     heldout = heldout_ground_truth(model, held_rows, args.window, args.out)
     adapters = [("untrained", module)] + [(path, LookaheadModule.load(path, model.config, args.device))
                                           for path in args.eval_only.split(",")]
-    Cs = [int(c) for c in args.budgets.split(",")] if args.budgets else []
+    # the untrained row selects as the adapters do: with the layer budgets of the first adapter that has them
+    module.layer_budget = next((m.layer_budget for _, m in adapters[1:] if m.layer_budget is not None), None)
+    Cs = [int(c) for c in args.budgets.split(",") if c.strip()] if args.budgets else []
     extra = rule_rows(args.rules)
+    if any(m.layer_budget is not None for _, m in adapters):
+        extra = {**LAYERED_ROWS, **extra}
     rows = {**HELDOUT_ROWS, **extra}
     table = []
     for i, (name, m) in enumerate(adapters):
@@ -640,8 +699,8 @@ def eval_only(model, module, held_rows, args):
         # the answer KL of the prompt-only baselines once (with the first row), of each adapter's rows always
         # (its pooled row only if it pools: unpooled, the two rows keep the same slots)
         own = ("lookahead", "lookahead_unpooled") if m.pool != "none" else ("lookahead_unpooled",)
-        base = tuple(r for r in HELDOUT_ROWS if not r.startswith("lookahead")) if i == 0 else ()
-        akl = base + own + tuple(extra) if args.answer_kl and Cs else ()
+        base = tuple(r for r in rows if not r.startswith("lookahead")) if i == 0 else ()
+        akl = base + own + tuple(r for r in extra if r.startswith("lookahead")) if args.answer_kl and Cs else ()
         result = heldout_metrics(model, m, heldout, args.budget, args.window, Cs, answer_kl_rows=akl, rows=rows)
         print_heldout(f"{label:9s} ({len(heldout)})", result, args.budget)
         table.append((label, m, result))
@@ -668,13 +727,14 @@ def print_tables(table, Cs, n, extra=()):
 
         print(f"\n| {title} ({n} held-out; gap closed) | " + " | ".join(f"C={C}" for C in Cs) + " | KL(gt ‖ pred) |")
         print("|---" * (len(Cs) + 2) + "|")
-        for row in ("oracle", "snapkv", "pyramidkv", "h2o", "streaming"):
+        for row in ("oracle", "snapkv", "pyramidkv", "h2o", "streaming") + (("snapkv_layered",) if "snapkv_layered"
+                                                                             in extra else ()):
             print(f"| {row} | {cells(first, row)} | |")
         for label, m, r in table:
             if m.pool != "none":
                 print(f"| {label}, as shipped ({m.pool} {m.kernel}) | {cells(r, 'lookahead')} | {r['kl']:.4f} |")
             print(f"| {label}, unpooled | {cells(r, 'lookahead_unpooled')} | {r['kl']:.4f} |")
-            for row in extra:
+            for row in (r for r in extra if r.startswith("lookahead")):
                 print(f"| {label}, {row.removeprefix('lookahead_')} | {cells(r, row)} | {r['kl']:.4f} |")
 
 
@@ -693,7 +753,8 @@ def adapter_metadata(args, train_rows, n_held, step, total, stopped_early, log, 
     """What the shipped .json says about how the adapter was made."""
     info = dict(train_data=describe_rows(train_rows, n_held),
                 steps=step, planned_steps=total, stopped_early=stopped_early, batch=args.batch, lr=args.lr,
-                pool_loss=args.pool_loss, loss_skip=args.loss_skip,
+                pool_loss=args.pool_loss, loss_skip=args.loss_skip, loss_power=args.loss_power,
+                layer_weights=list(read_layer_weights(args.layer_weights)) if args.layer_weights else None,
                 epochs=args.epochs, heldout=log[-1] if log else None, untrained=log[0] if log else None)
     if init_info:  # step 0 was the init adapter, not an untrained module: keep the init's own reference
         info.update(untrained=init_info.get("untrained"),
@@ -742,7 +803,9 @@ def train(args):
     if args.eval_only:
         return eval_only(model, module, held_rows, args)
     opt = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    loss_pool = (args.pool, args.kernel) if args.pool_loss else ("none", 1)
+    layer_weights = read_layer_weights(args.layer_weights, model.config.num_hidden_layers) if args.layer_weights else None
+    loss = Loss(*((args.pool, args.kernel) if args.pool_loss else ("none", 1)), args.loss_skip, args.loss_power,
+                layer_weights)
     batches = micro_batches(train_rows, args.micro_batch)
     per_step = max(world, args.batch // args.micro_batch)  # micro-batches per optimiser step, all ranks
     steps_per_epoch = max(1, len(batches) // per_step)
@@ -798,11 +861,11 @@ def train(args):
             cache = cache if cache is not None else prompt_cache(model, [train_rows[i]["prompt_ids"] for i in idx])
             return cache, gt, lengths
 
-        loss = optimizer_step(module, opt, model, (batch(idx, load) for idx, load in zip(mine, loads)), n_step,
-                              args.clip, loss_pool, world, args.loss_skip).item()
+        step_loss = optimizer_step(module, opt, model, (batch(idx, load) for idx, load in zip(mine, loads)), n_step,
+                                   args.clip, loss, world).item()
         step += 1
         n_seen += n_step
-        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{n_seen / (time.perf_counter() - t0):.1f}")
+        bar.set_postfix(loss=f"{step_loss:.4f}", samples_s=f"{n_seen / (time.perf_counter() - t0):.1f}")
         bar.update()
         if step % args.eval_every == 0 or step == total:
             do_eval()

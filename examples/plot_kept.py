@@ -71,7 +71,7 @@ def main():
     trained = LookaheadModule.load(default_adapter_path(model.config), model.config)  # the shipped adapter
     torch.manual_seed(0)  # the untrained module: same shape, P ~ N(0, std of the token embeddings), LoRA B = 0
     untrained = untrained_module(model, trained.n_tokens, trained.rank, trained.alpha, trained.targets, trained.pool,
-                                 trained.kernel, trained.window)
+                                 trained.kernel, trained.window, trained.layer_budget)
     modules = {"lookahead": trained, "lookahead-untrained": untrained}
     rows = []
     for name in args.methods.split(","):

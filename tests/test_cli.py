@@ -184,13 +184,14 @@ def test_good_arguments_still_run(prompt, tiny_model, capsys):
     (train.main, ["--model", "{model}", "--out", "{tmp}/o", "--n-train", "0"], "--n-train 0: must be at least 1"),
     (train.main, ["--model", "{model}", "--out", "{tmp}/o", "--pool", "avg", "--kernel", "4"], "pooling width 4 must be odd"),
     (train.main, ["--model", "{model}", "--out", "{tmp}/o", "--device", "gpu"], "is not a device"),
+    (train.main, ["--model", "{model}", "--out", "{tmp}/o", "--loss-power", "0"], "--loss-power 0.0: must be greater"),
     (evaluate.main, ["--model", "{model}", "--budgets", "8,0"], "--budgets"),
     (evaluate.main, ["--model", "{model}", "--methods", "snapkv", "--budgets", "8", "--window", "8"],
      "budget 8 is too small for snapkv"),
     (bench.main, ["--model", NOWHERE], f"--model {NOWHERE}: no config.json"),
     (bench.main, ["--budget", "0", "--device", "cpu"], "--budget 0: must be at least 1"),
     (prepare.main, ["--out", "{tmp}/a-file"], "a-file is a file"),
-], ids=["train-n-train", "train-kernel", "train-device", "evaluate-budgets", "evaluate-window", "bench-model",
+], ids=["train-n-train", "train-kernel", "train-device", "train-loss-power", "evaluate-budgets", "evaluate-window", "bench-model",
         "bench-budget", "prepare-out"])
 def test_other_scripts_bad_values_in_process(main, argv, needle, tmp_path, tiny_model):
     (tmp_path / "a-file").write_text("not a folder")

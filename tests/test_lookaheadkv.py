@@ -1064,3 +1064,44 @@ def test_lookahead_window_keeps_the_last_tokens_and_rides_in_the_adapter(tmp_pat
         assert k.shape[-1] == C and (k[..., -W:] == torch.arange(S - W, S)).all()
     with pytest.raises(ValueError, match="too small for lookahead"):
         compress(model, rand_ids(1, S), EvictConfig("lookahead", budget=W), module=back)
+
+
+@pytest.mark.parametrize("C,w,S", [(16, (1.0, 3.0, 0.0), 100), (128, (0.3,) * 10 + (4.4,) * 3 + (1.0,) * 17, 2000),
+                                   (24, (1.0, 1.0, 6.0), 40), (64, (2.0, 1.0), 65)])
+def test_spread_budgets_follow_the_weights_and_keep_the_mean(C, w, S):
+    """spread_budgets: per layer C * w_l / mean(w), never under `least` nor over S, summing to L * C."""
+    b = lk.spread_budgets(C, w, S, least=2)
+    assert sum(b) == len(w) * C and min(b) >= 2 and max(b) <= S
+    raw = [C * len(w) * x / sum(w) for x in w]
+    if max(raw) <= S and min(raw) >= 2:  # nothing clipped: proportional up to rounding
+        assert all(abs(x - r) < 1 for x, r in zip(b, raw))
+    assert [x for _, x in sorted(zip(w, b))] == sorted(b)  # a larger weight never gets fewer slots
+    with pytest.raises(ValueError, match="must be >= 0"):
+        lk.spread_budgets(C, (1.0, -1.0), S)
+
+
+def test_adapter_layer_budgets_ride_in_its_metadata_and_uniform_overrides_them(tmp_path):
+    """An adapter's per-layer budgets (mean C) travel in its .json; compress keeps them per layer;
+    EvictConfig(layer_weights="uniform") keeps C in every layer, as the paper; SnapKV can be given them."""
+    model = tiny_model(num_hidden_layers=3)
+    cfg = model.config
+    S, C = 60, 12
+    mod = random_module(cfg, 8)
+    mod.layer_budget, mod.info = (0.5, 2.0, 0.5), {}
+    mod.save(tmp_path / "a.safetensors")
+    back = LookaheadModule.load(tmp_path / "a.safetensors", cfg)
+    assert back.layer_budget == (0.5, 2.0, 0.5)
+    ids = rand_ids(1, S, seed=4)
+    _, _, _, kept = compress(model, ids, EvictConfig("lookahead", budget=C), module=back)
+    assert [k.shape[-1] for k in kept] == [6, 24, 6]
+    _, _, _, flat = compress(model, ids, EvictConfig("lookahead", budget=C, layer_weights="uniform"), module=back)
+    assert [k.shape[-1] for k in flat] == [C] * 3
+    # the budgets change how many slots, not the order: each layer's kept set nests in the larger one's
+    assert set(flat[0][0, 0].tolist()) >= set(kept[0][0, 0].tolist())
+    assert set(kept[1][0, 0].tolist()) >= set(flat[1][0, 0].tolist())
+    snap = EvictConfig("snapkv", budget=C, window=4, layer_weights=back.layer_budget)
+    assert [k.shape[-1] for k in compress(model, ids, snap)[3]] == [6, 24, 6]
+    pyr = EvictConfig("pyramidkv", budget=C, window=4, layer_weights="uniform")
+    assert [k.shape[-1] for k in compress(model, ids, pyr)[3]] == [C] * 3
+    with pytest.raises(ValueError, match="2 weights for a model of 3 layers"):
+        LookaheadModule(cfg, n_tokens=4, layer_budget=(1.0, 1.0))

@@ -58,6 +58,27 @@ def test_forced_logprobs_are_answer_tokens_2_to_R():
     assert metrics.answer_kl(got, at_S) > 0 and not torch.allclose(at_S, at_C, atol=1e-3)
 
 
+def test_swap_gains_is_the_answer_kl_each_layer_group_costs():
+    """swap_gains: the method's answer KL, and per group of layers how much lower it is with the oracle's
+    slots in those layers alone; the same slots give no gain, all layers swapped give the whole gap."""
+    model = tiny_model()  # 2 layers, 2 KV heads
+    S, R = 40, 6
+    ids, answer = rand_ids(1, S, seed=3), rand_ids(1, R, seed=4)
+    cache, _, next_pos, _ = compress(model, ids, EvictConfig("full"))
+    method = [torch.arange(0, 8)[None, None].expand(1, 2, -1)] * 2  # the first 8 slots in both layers
+    oracle = [torch.arange(S - 8, S)[None, None].expand(1, 2, -1)] * 2  # the last 8
+    full = metrics.forced_logprobs(model, cache, answer, next_pos)
+    kl = lambda kept: metrics.answer_kl(full, metrics.forced_logprobs(model, keep_slots(cache.copy(), kept),  # noqa
+                                                                      answer, next_pos))
+    base, gains = metrics.swap_gains(model, cache, answer, next_pos, method, oracle, [[0], [1], [0, 1]])
+    assert base == pytest.approx(kl(method)) and base > 0
+    assert gains[0] == pytest.approx(base - kl([oracle[0], method[1]]))
+    assert gains[1] == pytest.approx(base - kl([method[0], oracle[1]]))
+    assert gains[2] == pytest.approx(base - kl(oracle)) and gains[0] != pytest.approx(gains[1])
+    assert metrics.swap_gains(model, cache, answer, next_pos, oracle, oracle, [[0], [1]])[1] == [0.0, 0.0]
+    assert len(cache) == S  # the cache is left as it was
+
+
 def test_gap_closed_hand_values():
     # recall (higher is better): SnapKV 0.6, oracle 0.8
     assert metrics.gap_closed(0.7, 0.6, 0.8) == pytest.approx(0.5)

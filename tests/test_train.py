@@ -81,6 +81,51 @@ def test_kl_loss_known_values():
     assert train.kl_loss(gt3, pred3, drop=drop).item() == pytest.approx(expected.item(), abs=1e-6)
 
 
+def test_loss_power_compares_flattened_distributions():
+    """kl_loss(power=0.5) is the KL of sqrt(target) and sqrt(prediction), each renormalised; padding (0)
+    stays out of both, with a finite gradient; a sink-heavy target weighs the small tokens more."""
+    gt = {0: torch.tensor([[[9.0, 1.0, 0.0]]])}  # the last slot is padding
+    pred = {0: torch.tensor([[[4.0, 1.0, 0.0]]], requires_grad=True)}
+    p, q = torch.tensor([0.75, 0.25]), torch.tensor([2 / 3, 1 / 3])  # sqrt, then normalised
+    expected = (p * (p / q).log()).sum().item()
+    loss = train.kl_loss(gt, pred, power=0.5)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    loss.backward()
+    assert torch.isfinite(pred[0].grad).all() and pred[0].grad[0, 0, 2] == 0 and pred[0].grad[0, 0, 0] != 0
+    assert train.kl_loss(gt, pred, power=1.0).item() == train.kl_loss(gt, pred).item()  # the paper's loss
+    # a sink with 90% of the mass, right; the tail off by 2x on two small tokens: the flattened loss
+    # counts that error more, relative to the same error on the sink
+    sink_gt = {0: torch.tensor([[[90.0, 4.0, 4.0, 2.0]]])}
+    tail_wrong = {0: torch.tensor([[[90.0, 2.0, 2.0, 6.0]]])}
+    sink_wrong = {0: torch.tensor([[[80.0, 8.0, 8.0, 4.0]]])}
+    ratio = lambda power: (train.kl_loss(sink_gt, tail_wrong, power=power) /  # noqa: E731
+                           train.kl_loss(sink_gt, sink_wrong, power=power)).item()
+    assert ratio(0.5) > 1.5 * ratio(1.0)
+
+
+def test_layer_weights_weigh_each_layers_kl(tmp_path):
+    """kl_loss(layer_weights=w): the w-weighted mean of the layers' KLs (all 1: the plain mean, a 0: the
+    layer left out); read_layer_weights refuses a bad file in one line, and a list for another model."""
+    torch.manual_seed(0)
+    gt = {l: torch.rand(1, 2, 9) for l in range(3)}
+    pred = {l: torch.rand(1, 2, 9) for l in range(3)}
+    per_layer = [train.kl_loss({0: gt[l]}, {0: pred[l]}).item() for l in range(3)]
+    assert train.kl_loss(gt, pred, layer_weights=(1, 1, 1)).item() == pytest.approx(train.kl_loss(gt, pred).item())
+    got = train.kl_loss(gt, pred, layer_weights=(2.0, 0.0, 1.0)).item()
+    assert got == pytest.approx((2 * per_layer[0] + per_layer[2]) / 3, rel=1e-6)
+    f = tmp_path / "w.json"
+    f.write_text(json.dumps({"weights": [1, 0.5, 2]}))
+    assert train.read_layer_weights(f, 3) == (1.0, 0.5, 2.0)
+    with pytest.raises(ValueError, match="3 weights for a model of 30 layers"):
+        train.read_layer_weights(f, 30)
+    for bad in ('{"weights": [1, -1, 2]}', '{"weights": [0, 0]}', '[1, 2]', 'not json'):
+        f.write_text(bad)
+        with pytest.raises(ValueError, match="--layer-weights"):
+            train.read_layer_weights(f)
+    with pytest.raises(FileNotFoundError, match="layer_sensitivity.py writes one"):
+        train.read_layer_weights(tmp_path / "none.json")
+
+
 def test_loss_skip_leaves_each_samples_first_tokens_out(tmp_path):
     """batch_loss(skip=k) on a left-padded batch: each sample's loss over its prompt without its first k
     real tokens (the sinks every method keeps), as if they were not there."""
@@ -91,7 +136,7 @@ def test_loss_skip_leaves_each_samples_first_tokens_out(tmp_path):
     mod = LookaheadModule(model.config, n_tokens=4, embed_std=0.5)
     cache, gt, lengths = train.load_batch(paths, "cpu", torch.float32)
     with torch.no_grad():
-        got = train.batch_loss(model, mod, cache, gt, lengths, skip=4).item()
+        got = train.batch_loss(model, mod, cache, gt, lengths, train.Loss(skip=4)).item()
         want = []
         for r in rows:
             c, g, _ = train.ground_truth(model, r)
@@ -522,6 +567,20 @@ def test_eval_only_reports_the_untrained_init_and_the_adapter(model_dir, tmp_pat
     assert table[len(names) + 1].startswith("| recall@C (2 held-out; gap closed) | C=8 | C=16 |")
     kl_cells = {name: l.split(" | ")[1:3] for name, l in zip(names, table[1:])}
     assert all(c.endswith("(100%)") for c in kl_cells["oracle"]) and all(c.endswith("(0%)") for c in kl_cells["snapkv"])
+    # an adapter with per-layer budgets: two more rows, the paper's C in every layer (the same slots as the
+    # adapter without them) and SnapKV given the adapter's budgets
+    meta = json.loads((out / "adapter.json").read_text())
+    n_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    (out / "layered.safetensors").write_bytes((out / "adapter.safetensors").read_bytes())
+    (out / "layered.json").write_text(json.dumps(dict(meta, layer_budget=[0.5] + [1.5] * (n_layers - 1))))
+    train.main(argv(model_dir, out, "--eval-only", f"{out / 'adapter.safetensors'},{out / 'layered.safetensors'}",
+                    "--budgets", "8,16", "--pool", "avg", "--kernel", "5"))
+    rows = {l.split(" | ")[0][2:]: l.split(" | ")[1:3] for l in capsys.readouterr().out.splitlines()
+            if l.startswith("| ")}
+    assert "snapkv_layered" in rows and rows["snapkv_layered"] != rows["snapkv"]
+    plain, layered = str(out / "adapter.safetensors"), str(out / "layered.safetensors")
+    assert rows[f"{layered}, uniform"] == rows[f"{plain}, as shipped (avg 5)"]
+    assert rows[f"{layered}, as shipped (avg 5)"] != rows[f"{plain}, as shipped (avg 5)"]
 
 
 def test_init_continues_an_adapter_and_keeps_its_untrained_reference(model_dir, tmp_path, stub_prompts):
@@ -825,3 +884,33 @@ def test_heldout_ground_truth_is_kept_and_read_back(tmp_path):
     train.heldout_ground_truth(model, rows, 4, tmp_path)
     added = torch.load(path)["extra"]["surprisal"]
     assert any(added.shape == e["surprisal"].shape and torch.allclose(added, e["surprisal"]) for _, _, e in fresh)
+
+
+def test_layer_sensitivity_writes_weights_and_an_adapter_with_budgets(model_dir, tmp_path, stub_prompts, capsys):
+    """examples/layer_sensitivity.py on a tiny run: per layer a gain and a weight (mean 1, the floor kept),
+    the softer budgets (mean 1), and a copy of the adapter whose .json carries those budgets."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("layer_sensitivity", REPO / "examples" / "layer_sensitivity.py")
+    ls = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ls)
+    out = tmp_path / "s"
+    write_data(out, model_dir)
+    train.main(argv(model_dir, out))
+    ls.main(["--out", str(out), "--adapter", str(out / "adapter.safetensors"), "--model", str(model_dir), "--rows", "3",
+             "--budget", "6", "--group", "1", "--adapter-out", str(tmp_path / "lb.safetensors")])
+    got = json.loads((out / "layer_weights.json").read_text())
+    L = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    assert got["rows"] == 3 and len(got["gain"]) == len(got["weights"]) == len(got["budget"]) == L
+    assert max(got["gain"]) > 0 and len(set(got["weights"])) > 1  # the adapter's choice costs something somewhere
+    assert sum(got["weights"]) / L == pytest.approx(1.0) and min(got["weights"]) >= 0.25 - 1e-9
+    assert sum(got["budget"]) / L == pytest.approx(1.0, abs=1e-3)
+    order = sorted(range(L), key=lambda l: got["gain"][l])
+    assert [got["weights"][l] for l in order] == sorted(got["weights"])  # a larger gain, a larger weight
+    cfg = ModelConfig.from_hf_config(model_dir)
+    back = LookaheadModule.load(tmp_path / "lb.safetensors", cfg)
+    assert back.layer_budget == tuple(got["budget"])
+    assert json.loads((tmp_path / "lb.json").read_text())["layer_budget_from"]["rows"] == 3
+    a, b = adapter(out / "adapter.safetensors"), adapter(tmp_path / "lb.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same weights: only the budgets are new
+    assert "layers  answer-KL gain" in capsys.readouterr().out
