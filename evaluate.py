@@ -729,7 +729,9 @@ def evaluate(args):
         settings["adapter"] = hashlib.sha256(adapter).hexdigest()[:16]  # a retrained adapter needs a new --out
         # and so does another selection rule in its .json (the weights alone do not say how it selects)
         la = modules["lookahead"]
-        settings["adapter_rule"] = f"{la.pool}:{la.kernel}:{la.window}"
+        settings["adapter_rule"] = f"{la.pool}:{la.kernel}:{la.window}" + (  # and its per-layer budgets, if any
+            "" if la.layer_budget is None else ":" + hashlib.sha256(str(la.layer_budget).encode()).hexdigest()[:8])
+    settings["uniform_budgets"] = args.uniform_budgets  # C in every layer is another eviction
     path = out / "results.json"
     saved = dict(settings={}, results=[])
     if path.exists():

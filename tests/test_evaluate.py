@@ -251,6 +251,9 @@ def test_end_to_end_and_resume(tiny, capsys):
     (tiny / "rule.json").write_text(json.dumps({**meta, "pool": "max", "kernel": 3}))
     with pytest.raises(SystemExit, match="other settings: adapter_rule"):
         evaluate.main(argv(tiny) + ["--adapter", str(tiny / "rule.safetensors")])
+    (tiny / "rule.json").write_text(json.dumps({**meta, "layer_budget": [0.5, 1.5]}))  # and other layer budgets
+    with pytest.raises(SystemExit, match="other settings: adapter_rule"):
+        evaluate.main(argv(tiny) + ["--adapter", str(tiny / "rule.safetensors")])
 
     # entries from an evaluate.py without answer_kl are run again, and come out as before
     old = json.loads(path.read_text())
