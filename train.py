@@ -800,6 +800,10 @@ def train(args):
     if args.init:  # fine-tune an adapter: the same module shape, its weights, a new schedule
         module = LookaheadModule.load(args.init, model.config, dev)
         init_info = dict(path=Path(args.init).name, **module.info)
+        if module.layer_budget is not None and not args.eval_only:  # measured for the init's weights, not the new ones
+            print0(f"--init {args.init}: its per-layer budgets are dropped; measure them again for the trained "
+                   "adapter (examples/layer_sensitivity.py)")
+            module.layer_budget = None
     if args.eval_only:
         return eval_only(model, module, held_rows, args)
     opt = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=args.weight_decay)

@@ -591,8 +591,11 @@ def test_init_continues_an_adapter_and_keeps_its_untrained_reference(model_dir, 
         write_data(out, model_dir)
     train.main(argv(model_dir, a))
     meta_a = json.loads((a / "adapter.json").read_text())
+    L = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    (a / "adapter.json").write_text(json.dumps(dict(meta_a, layer_budget=[1.5] + [0.5] * (L - 1))))
     train.main(argv(model_dir, b, "--init", str(a / "adapter.safetensors"), "--n-tokens", "4"))
     meta_b = json.loads((b / "adapter.json").read_text())
+    assert meta_b["layer_budget"] is None  # budgets belong to the init's weights: measured again, not inherited
     log_b = [json.loads(line) for line in (b / "log.jsonl").read_text().splitlines()]
     assert meta_b["n_tokens"] == 8 and meta_b["steps"] == 4
     assert log_b[0]["kl"] == pytest.approx(meta_a["heldout"]["kl"])  # step 0 = the init adapter
