@@ -40,18 +40,21 @@ costs one forward, not R. A budget C >= S evicts nothing: that row is FullKV's o
 
 Prints a tqdm bar, then a markdown table per metric (accuracy, answer_kl, fidelity, exact,
 recall, prefill_ms, score_ms) and, per method, the smallest budget at which it reaches 90% of
-FullKV's accuracy. E.g. the shipped adapter (span 8, its .json) on the 24 prompts of the 2K suite
-(RESULTS.md section 2; ~10 min on one CPU thread next to another job):
+FullKV's accuracy. E.g. the shipped adapter (span 8 and its per-layer budgets, its .json) on the 24
+prompts of the 2K suite (RESULTS.md section 2; ~15 min on one CPU thread next to another job):
 
-    $ python evaluate.py --methods lookahead --threads 1 --out runs/ft3/eval2k
+    $ python evaluate.py --methods lookahead,lookahead-untrained --threads 1 --out runs/lb/eval2k-sqrt
     ...
     ### answer_kl: mean KL(FullKV || method) of the next-token distributions along FullKV's answer, ...
 
     | method | C=64 | C=128 | C=256 | C=512 |
     |---|---|---|---|---|
     | full | 0.0000 | 0.0000 | 0.0000 | 0.0000 |
-    | lookahead | 0.6368 | 0.3788 | 0.1970 | 0.0839 |
+    | lookahead | 0.5146 | 0.2504 | 0.1314 | 0.0563 |
+    | lookahead-untrained | 0.6333 | 0.3502 | 0.1833 | 0.0850 |
     ...
+
+(--uniform-budgets keeps C in every layer, as the paper: lookahead 0.6368 / 0.3788 / 0.1970 / 0.0839.)
 
 and writes OUT/results.md (these tables, plus accuracy per task) and OUT/results.json (one
 entry per (sample, method, budget)). Rerunning the same command skips every entry already in

@@ -558,7 +558,8 @@ class LookaheadKV(Scorer):
     the prompt cache (the training form). Both give the same scores (causal attention, LoRA on
     the lookahead rows only). Its selection rule and protected window of recent tokens are its
     adapter's (module.pool, .kernel, .window; the shipped one: the span rule of width 8, no window:
-    its queries already sit after the prompt's last tokens)."""
+    its queries already sit after the prompt's last tokens), and so are its per-layer budgets
+    (module.layer_budget, beyond the paper: C_l slots in layer l, mean C; see budgets())."""
 
     def __init__(self, eviction, module=None, response=None):
         if module is None:
