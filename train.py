@@ -754,7 +754,7 @@ def adapter_metadata(args, train_rows, n_held, step, total, stopped_early, log, 
     info = dict(train_data=describe_rows(train_rows, n_held),
                 steps=step, planned_steps=total, stopped_early=stopped_early, batch=args.batch, lr=args.lr,
                 pool_loss=args.pool_loss, loss_skip=args.loss_skip, loss_power=args.loss_power,
-                layer_weights=list(read_layer_weights(args.layer_weights)) if args.layer_weights else None,
+                layer_weights=args.layer_weights,
                 epochs=args.epochs, heldout=log[-1] if log else None, untrained=log[0] if log else None)
     if init_info:  # step 0 was the init adapter, not an untrained module: keep the init's own reference
         info.update(untrained=init_info.get("untrained"),
@@ -808,8 +808,8 @@ def train(args):
         return eval_only(model, module, held_rows, args)
     opt = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     layer_weights = read_layer_weights(args.layer_weights, model.config.num_hidden_layers) if args.layer_weights else None
-    loss = Loss(*((args.pool, args.kernel) if args.pool_loss else ("none", 1)), args.loss_skip, args.loss_power,
-                layer_weights)
+    loss = Loss(pool=args.pool if args.pool_loss else "none", kernel=args.kernel if args.pool_loss else 1,
+                skip=args.loss_skip, power=args.loss_power, layer_weights=layer_weights)
     batches = micro_batches(train_rows, args.micro_batch)
     per_step = max(world, args.batch // args.micro_batch)  # micro-batches per optimiser step, all ranks
     steps_per_epoch = max(1, len(batches) // per_step)

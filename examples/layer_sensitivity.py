@@ -100,9 +100,8 @@ def run(args):
     gain = [mean(v) for v in gains]
     kl = [mean(v) for v in kls]
     pos = [max(x, 0.0) for x in gain]
-    scale = mean(pos) or 1.0  # no gain anywhere: the plain mean
-    weights = [(1 - args.floor) * pos[i] / scale + args.floor if mean(pos) else 1.0
-               for i, g in enumerate(groups) for _ in g]
+    per_group = [(1 - args.floor) * x / mean(pos) + args.floor for x in pos] if sum(pos) > 0 else [1.0] * len(pos)
+    weights = [per_group[i] for i, g in enumerate(groups) for _ in g]  # one per layer; no gain anywhere: all 1
     soft = [x ** args.budget_power for x in weights]
     budget = [round(x * L / sum(soft), 4) for x in soft]  # mean 1
     print(f"adapter {Path(adapter).name}, {len(rows)} training rows of {args.out}, C = {args.budget}: "
