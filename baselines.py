@@ -1,7 +1,7 @@
 """
-The methods LookaheadKV is compared with, one Scorer each (lookaheadkv.py has the method itself
-and the steps every method shares: the prefill, the scores, the eviction). Each class says only
-what it adds to the prefill and how it scores; its docstring cites its paper.
+The methods LookaheadKV is compared with, one Scorer each (eviction.py has the steps every method
+shares: the prefill, the top C, the gather; lookaheadkv.py the paper). Each class says only what it
+adds to the prefill and how it scores; its docstring cites its paper.
 
     full        FullKV: no eviction
     streaming   StreamingLLM: 4 sink tokens + the most recent ones
@@ -12,28 +12,40 @@ what it adds to the prefill and how it scores; its docstring cites its paper.
     laq         LAQ: SnapKV-compress, draft 8 tokens, re-score the full cache with their queries
     oracle      Oracle: the true future (the full-cache answer's attention); needs that answer
 
-SCORERS maps every method's name, lookahead included, to its class (lookaheadkv.make_scorer).
+A method that can also re-score a cache that grew after the prefill (extensions/decode.py) says how
+in decode_hook / decode_scores: streaming, snapkv, h2o (and lookahead, in lookaheadkv.py).
 """
 
 import torch
 
-from lookaheadkv import (LookaheadKV, Scorer, WindowHook, answer_attention, fit_to_prompt, group_attention, keep_slots,
-                         stack_layers)
+from eviction import (Hooks, Pool, RecentQueries, Scorer, WindowHook, fit_to_prompt, group_attention, keep_slots,
+                      stack_layers)
+from lookaheadkv import answer_attention
 from model import Hook
 
 
-class FullKV(Scorer):
+class Unpooled(Scorer):
+    """A method that selects by its own scores alone (position, chance, the truth): no smoothing."""
+
+    default_rule = Pool("none")
+
+    def __init__(self, eviction, module=None, response=None):
+        if eviction.rule is not None:
+            raise ValueError(f"method {eviction.method} selects by its own scores alone: a selection rule "
+                             f"(--pool {eviction.rule}) does not apply to it")
+        super().__init__(eviction)
+
+
+class FullKV(Unpooled):
     """No eviction: the reference every method is measured against."""
 
     evicts = False
 
 
-class StreamingLLM(Scorer):
+class StreamingLLM(Unpooled):
     """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks",
     arXiv 2309.17453): keep the first n_sink tokens, which soak up attention whatever they say,
     and the most recent C - n_sink. No attention is looked at."""
-
-    pooled = False
 
     def __init__(self, eviction, module=None, response=None):
         self.sinks = eviction.n_sink
@@ -44,11 +56,16 @@ class StreamingLLM(Scorer):
         slot = torch.arange(S, device=run.positions.device).float()
         return slot.expand(L, run.positions.shape[0], Hkv, S)  # recency
 
+    def decode_hook(self, window):
+        return None
 
-class RandomKV(Scorer):
+    def decode_scores(self, model, cache, hook, next_pos):
+        (B, Hkv, n), L = cache.k[0].shape[:3], len(cache.k)  # slots stay in position order: recency again
+        return torch.arange(n, device=cache.k[0].device).float().expand(L, B, Hkv, n)
+
+
+class RandomKV(Unpooled):
     """Random scores: the floor any method must beat."""
-
-    pooled = False
 
     def score(self, model, run):
         (B, S), L, Hkv = run.positions.shape, len(run.cache.k), run.cache.k[0].shape[1]
@@ -60,7 +77,7 @@ class SnapKV(Scorer):
     """SnapKV (Li et al., "SnapKV: LLM Knows What You Are Looking for Before Generation", arXiv
     2404.14469): the last `window` prompt tokens play the answer; their mean attention over the
     prompt (softmax over all keys, causal inside the window, mean over the GQA group) is the
-    score, pooled along the prefix; the window itself is always kept, inside C."""
+    score, avg-pooled (kernel 5) along the prefix; the window itself is always kept, inside C."""
 
     def __init__(self, eviction, module=None, response=None):
         self.window = eviction.window
@@ -72,16 +89,26 @@ class SnapKV(Scorer):
     def score(self, model, run):
         return stack_layers(run.hook.scores)
 
+    # after the prefill: the queries of the last `window` tokens run (the generated ones, or a new turn's
+    # last ones) over every slot; those tokens are the last slots (the window is always kept), so causal
+    # alignment holds
+    def decode_hook(self, window):
+        return RecentQueries(window)
+
+    def decode_scores(self, model, cache, hook, next_pos):
+        return torch.stack([group_attention(hook.q[l], cache.k[l], cache.valid[l]).mean(dim=2)
+                            for l in range(len(cache.k))])
+
 
 class PyramidKV(SnapKV):
     """PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
     Information Funneling", arXiv 2406.02069): SnapKV's scores, but early layers (broad attention)
     get more slots than late ones (focused attention): budgets fall linearly, mean C."""
 
-    def budgets(self, n_layers, S):
-        if self.eviction.layer_weights is not None:  # another profile asked for (or "uniform"): not a pyramid
-            return super().budgets(n_layers, S)
-        return pyramid_budgets(self.eviction.budget, self.window, n_layers, self.eviction.pyramid_beta, S)
+    def own_budgets(self, budget, n_layers, S, least):
+        return pyramid_budgets(budget, self.window, n_layers, self.eviction.pyramid_beta, S)
+
+    decode_hook, decode_scores = Scorer.decode_hook, Scorer.decode_scores  # no decode-phase form of its own
 
 
 def pyramid_budgets(budget, window, n_layers, beta, S=None):
@@ -128,6 +155,30 @@ class H2OHook(Hook):
         return {l: s / seen_by.clamp(min=1) for l, s in self.sums.items()}
 
 
+class RunningH2O(H2OHook):
+    """H2O's native decode-phase form: H2OHook's running sums of the attention each slot has received, over
+    every forward watched since (decode steps, new turns), and how many queries saw each slot (x the group).
+    Both travel with their slots when the cache is gathered; the score is their ratio, as in the prefill."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+
+    def attn(self, layer, q, k, key_valid):
+        super().attn(layer, q, k, key_valid)  # self.sums[layer]: (B, H_kv, Tk), the earlier sums on their slots
+        Tq, Tk, G = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+        # the chunk's queries sit at the last Tq slots: slot j is seen by min(Tq, Tk - j) of them
+        seen = torch.zeros_like(self.sums[layer]) + (Tk - torch.arange(Tk, device=k.device)).clamp(max=Tq) * G
+        prev = self.seen.get(layer)
+        if prev is not None:
+            seen[..., : prev.shape[-1]] += prev
+        self.seen[layer] = seen
+
+    def gather(self, layer, idx):
+        self.sums[layer] = self.sums[layer].gather(-1, idx)
+        self.seen[layer] = self.seen[layer].gather(-1, idx)
+
+
 class H2O(Scorer):
     """H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
     Language Models", arXiv 2306.14048), prefill form: the attention each key receives from ALL
@@ -146,6 +197,12 @@ class H2O(Scorer):
         cfg = model.config
         return stack_layers(run.hook.scores(run.valid, cfg.num_attention_heads // cfg.num_key_value_heads))
 
+    def decode_hook(self, window):
+        return RunningH2O()
+
+    def decode_scores(self, model, cache, hook, next_pos):
+        return stack_layers({l: s / hook.seen[l] for l, s in hook.sums.items()})
+
 
 class LAQ(SnapKV):
     """LAQ (Lookahead Q-Cache, arXiv 2505.20334): a pseudo future from a real draft. Compress
@@ -154,16 +211,18 @@ class LAQ(SnapKV):
     keep the top C (window kept). Decoding starts from the original first-token logits."""
 
     budget_dependent = True  # the draft runs on the SnapKV-compressed cache of size C
+    decode_hook, decode_scores = Scorer.decode_hook, Scorer.decode_scores  # no decode-phase form of its own
 
     def prefill_hook(self, S):
-        return WindowHook(self.window, S, keep_queries=self.eviction.laq_tokens)
+        # SnapKV's scores (for the draft's cache) and the last laq_tokens prompt queries
+        return Hooks(WindowHook(self.window, S), RecentQueries(self.eviction.laq_tokens))
 
     def score(self, model, run):
+        window_hook, recent = run.hook.hooks
         # shallow copy: gathering in it leaves the full cache alone
-        draft_cache = keep_slots(run.cache.copy(), self.evict(stack_layers(run.hook.scores), run.positions, run.valid,
-                                                               surprisal=run.surprisal))
-        return stack_layers(laq_scores(model, run.cache, draft_cache, run.logits, run.next_pos, run.hook.queries,
-                                self.eviction.laq_tokens, run.valid))
+        draft_cache = keep_slots(run.cache.copy(), self.evict(stack_layers(window_hook.scores), run))
+        return stack_layers(laq_scores(model, run.cache, draft_cache, run.logits, run.next_pos, recent.q,
+                                       self.eviction.laq_tokens, run.valid))
 
 
 @torch.no_grad()
@@ -171,7 +230,7 @@ def laq_scores(model, cache, draft_cache, logits, next_pos, window_q, n, valid):
     """LAQ: greedily draft n tokens on the compressed cache, keep the drafted tokens' queries,
     then score the FULL prompt cache with them plus the last n prompt queries (window_q)."""
     S = len(cache)
-    recorder = QueryRecorder()
+    recorder = RecentQueries(n)
     tok = logits.argmax(-1)  # (B,)
     for t in range(n):
         out = model(tok[:, None], positions=(next_pos + t)[:, None], cache=draft_cache, hook=recorder)
@@ -179,29 +238,16 @@ def laq_scores(model, cache, draft_cache, logits, next_pos, window_q, n, valid):
     scores = {}
     for l in range(len(cache.k)):
         k = cache.k[l][:, :, :S]
-        draft_q = torch.cat(recorder.q[l], dim=2)  # (B, H, n, D): they come after every prompt key
         p_window = group_attention(window_q[l], k, valid)  # (B, H_kv, G*n, S), causal in the prompt
-        p_draft = group_attention(draft_q, k, valid, causal=False)  # (B, H_kv, G*n, S)
+        p_draft = group_attention(recorder.q[l], k, valid, causal=False)  # (B, H_kv, G*n, S): after every key
         scores[l] = torch.cat([p_window, p_draft], dim=2).mean(dim=2)
     return scores
 
 
-class QueryRecorder(Hook):
-    """Keeps each layer's queries of every forward call (for LAQ's draft tokens)."""
-
-    def __init__(self):
-        self.q = {}
-
-    def attn(self, layer, q, k, key_valid):
-        self.q.setdefault(layer, []).append(q)
-
-
-class Oracle(Scorer):
+class Oracle(Unpooled):
     """The true future: the full-cache greedy answer (B, R) run on top of the prompt cache; the
     mean attention of its R queries over the prompt. It needs the whole answer first, so it is a
     ceiling, not a method; unpooled (the exact top C of the truth)."""
-
-    pooled = False
 
     def __init__(self, eviction, module=None, response=None):
         if response is None:
@@ -211,7 +257,3 @@ class Oracle(Scorer):
 
     def score(self, model, run):
         return stack_layers(answer_attention(model, run.cache, self.response, run.next_pos))
-
-
-SCORERS = {"full": FullKV, "streaming": StreamingLLM, "random": RandomKV, "snapkv": SnapKV, "pyramidkv": PyramidKV,
-           "h2o": H2O, "laq": LAQ, "oracle": Oracle, "lookahead": LookaheadKV}

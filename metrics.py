@@ -1,13 +1,11 @@
 """
-How a compressed cache is judged: the measures train.py's held-out eval and evaluate.py share.
+How a compressed cache is judged: the measures every evaluation here shares (harness.py, evaluate.py).
 
     recall@C    the share of the true future attention (the full-cache answer's attention over the
                 prompt, per layer and KV head) that the kept slots hold: recall_of_kept
     answer KL   FullKV's answer teacher-forced through the full and the compressed cache; the mean
                 KL(full || compressed) of the next-token distributions: forced_logprobs, answer_kl
     gap closed  how much of the distance from SnapKV to the oracle a method covers: gap_closed
-    swap gains  where a method's answer KL comes from: how much of it goes away when one group of
-                layers keeps the oracle's slots instead of the method's: swap_gains
 
 Answer KL counts answer tokens 2..R. The first answer token is predicted by the prefill itself,
 before any eviction, so it is the same for every method; tokens 2..R are the ones a compressed
@@ -17,8 +15,6 @@ cache predicts. An answer of one token (the stop token) has KL 0.
 import time
 
 import torch
-
-from lookaheadkv import keep_slots
 
 
 def recall_of_kept(kept, true):
@@ -52,19 +48,6 @@ def answer_kl(logp_full, logp):
         return 0.0
     kl = (logp_full.exp() * (logp_full - logp)).sum(-1)  # (R-1,)
     return kl.clamp(min=0).mean().item()
-
-
-@torch.no_grad()
-def swap_gains(model, cache, response, next_pos, kept, oracle_kept, groups):
-    """Which layers' selection the answer depends on. kept, oracle_kept: per layer the slots (1, H_kv, C)
-    a method and the oracle keep; groups: lists of layers. Returns the method's answer KL and, per group,
-    how much lower it is when those layers alone keep the oracle's slots (the method's everywhere else):
-    a large gain marks layers where the method's choice decides the answer."""
-    full = forced_logprobs(model, cache, response, next_pos)
-    kl = lambda kept_now: answer_kl(full, forced_logprobs(model, keep_slots(cache.copy(), kept_now), response,  # noqa
-                                                          next_pos))
-    base = kl(kept)
-    return base, [base - kl([oracle_kept[l] if l in g else kept[l] for l in range(len(kept))]) for g in groups]
 
 
 def gap_closed(method, snapkv, oracle, lower_is_better=False):

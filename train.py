@@ -1,72 +1,288 @@
 """
-Train the lookahead module (M embeddings + a LoRA on their rows) with the KL loss, the base
+Train the lookahead module (M embeddings + a LoRA on their rows) with the paper's KL loss, the base
 model frozen: the module learns to attend to the prompt the way the model's own answer will.
 
-CPU recipe, the shipped adapter (2 cores, float32; RESULTS.md says what it printed and how long it took;
-after a kill, rerun the same command: the data stage keeps what it wrote, --resume the training checkpoint):
-    python train.py --out runs/cpu --n-train 1000 --n-heldout 64 --max-new-tokens 128 --long-frac 0.05 \
-        --gen-batch 16 --epochs 2 --eval-every 25 --save-every 5 --resume \
+A recipe is a JSON file of TrainConfig fields (below); a flag overrides its file, the file the defaults.
+CPU recipe, the shipped adapter (2 cores, float32; RESULTS.md says how long it took; after a kill, rerun
+the same command with --resume: the data stage keeps what it wrote, the checkpoint has the optimiser):
+    python train.py --config configs/train-cpu.json --out runs/cpu \\
         --adapter-out weights/SmolLM2-135M-Instruct.lookahead.safetensors
-(the LoRA on all seven projections, the default --targets all; with --targets q_proj,k_proj: the
-adapter shipped before it, weights/SmolLM2-135M-Instruct.lookahead-qk.safetensors), then a fine-tune
-on copy-heavy prompts (--init, RESULTS.md section 8) and the adapter's per-layer budgets, measured on
-training rows where its choice decides the answer (not part of training; RESULTS.md section 4.4):
-    python examples/layer_sensitivity.py --out runs/ans --adapter-out weights/SmolLM2-135M-Instruct.lookahead.safetensors
-One GPU, paper-like scale (longer prompts and answers, more of them; the prompt caches recomputed in
-the step instead of kept on disk, which would take ~430 GB here: README.md, "Training on one GPU"):
-    python train.py --out runs/gpu --n-train 8000 --n-heldout 128 --max-tokens 4096 --max-new-tokens 256 \
-        --gen-batch 64 --micro-batch 32 --epochs 2 --store-dtype none
+(the LoRA on all seven projections, --targets all; with --targets q_proj,k_proj: the adapter shipped before
+it, weights/SmolLM2-135M-Instruct.lookahead-qk.safetensors), then a fine-tune on copy-heavy prompts (--init,
+RESULTS.md section 8), then the adapter's per-layer weights, measured on the first 32 training samples of
+OUT (where its choice decides the answer; RESULTS.md section 4.4) and written into its .json:
+    python train.py --stage budgets --out runs/cpu --adapter-out weights/SmolLM2-135M-Instruct.lookahead.safetensors
+(the adapter measured: --init, default the shipped weights/<model>.lookahead.safetensors).
+One GPU, paper-like scale (the prompt caches recomputed in the step instead of kept on disk, which
+would take ~430 GB here: README.md, "Training on one GPU"):
+    python train.py --config configs/train-gpu.json --out runs/gpu --adapter-out runs/gpu/adapter.safetensors
 Several GPUs (data parallel: each rank takes every world_size-th micro-batch; build the samples first):
-    python train.py --stage data ... && torchrun --nproc_per_node=8 train.py ...
+    python train.py --config configs/train-gpu.json --out runs/gpu --stage data && \\
+        torchrun --nproc_per_node=8 train.py --config configs/train-gpu.json --out runs/gpu --stage train
 CPU smoke run (a few minutes on 2 cores):
     python train.py --out runs/smoke --n-train 8 --n-heldout 4 --max-tokens 600 --max-new-tokens 32 --batch 4 --epochs 1
 
-It prints, per optimiser step, the loss (tqdm), and every --eval-every steps the held-out KL
-and recall@C of lookahead / snapkv / h2o / streaming, e.g.
-    step 20/66  heldout kl 0.161  recall@128 lookahead 0.842 snapkv 0.781 h2o 0.790 streaming 0.597
-Held-out tables of adapters next to the untrained module and the baselines, with the headline (the
-share of the SnapKV-to-oracle gap each closes in answer KL and in recall), no training:
-    python train.py --out runs/cpu --n-heldout 64 --budgets 64,128,256 --answer-kl \
-        --eval-only weights/SmolLM2-135M-Instruct.lookahead.safetensors --rules max:7,chunk:8
+It prints progress bars (answering prompts; training, with the step's loss and samples/s), and at step 0
+and every --eval-every steps one line of the held-out check (harness.heldout_line): KL(gt || pred) and
+recall@C (C = the config's budget, 128) of the adapter as it selects and unpooled, SnapKV, H2O and
+StreamingLLM; the same numbers go to OUT/log.jsonl. At the end: where the adapter was saved. --stage
+budgets prints one line per group of layers (layers, answer-KL gain, weight). Ctrl-C prints the
+command that resumes. The held-out tables of adapters side by side: python evaluate.py --heldout.
 
-Two stages, each resumable (rerun the same command; --resume for the optimiser state):
+Stages, each resumable (rerun the same command; --resume for the optimiser state):
 1. data (`build_dataset`): prompts from offline sources (data.py), prefilled ONCE, B at a time
    (`answer_and_target`): the base model's greedy answer on that full cache, then the answers run
    on top of the prompt cache, which gives the target: per layer and query head, the mean
    attention of the answer's queries over the prompt (R x S, never S x S). The prompt's cache
    (bfloat16) and the target are kept on disk, one file per sample (OUT/samples), the rows in
    OUT/data.jsonl: every epoch reuses them, nothing is prefilled twice.
-2. training: B cached samples at a time, left-padded into one batch (`load_batch`); the M
+2. train: B cached samples at a time, left-padded into one batch (data.load_batch); the M
    lookahead tokens run on top of their caches with gradients (only they carry any: the
-   two-pass form), their mean attention over the prompt is the prediction; loss = KL(gt || pred)
-   of the L1-normalised scores, averaged over layers, query heads and samples.
+   two-pass form), their mean attention over the prompt is the prediction; loss = lookaheadkv.kl_loss.
+3. budgets (not part of --stage all): extensions/layer_budgets.measure on an adapter.
 """
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import os
 import random
+import shlex
+import shutil
+import sys
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+import cli
 import data
-from lookaheadkv import (POOLS, EvictConfig, LookaheadModule, Prefilled, answer_attention, check_pooling, compress,
-                         greedy, keep_slots, lookahead_pass, make_scorer, pool_scores, select, stack_layers,
-                         token_surprisal, untrained_module)
-from metrics import answer_kl, forced_logprobs, gap_closed, recall_of_kept
-from model import Hook, KVCache, Tokenizer, check_device, check_model_dir, load_model, resolve_model
+import harness
+import methods
+from data import load_batch, sample_bytes, sample_ok, sample_path, save_sample, unreadable_sample
+from eviction import EvictConfig, compress, greedy
+from extensions import layer_budgets
+from lookaheadkv import LookaheadModule, answer_attention, kl_loss, lookahead_pass, untrained_module
+from model import ModelConfig
 
 # -----------------------------------------------------------------------------
-# Stage 1: samples. One prefill per prompt gives the base model's own answer, the target (the
+# Settings: a recipe file (--config) holds any of these; a flag overrides it
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    # where
+    model: str | None = None  # --model: HF folder of the base model (None: weights/SmolLM2-135M-Instruct)
+    out: str = "runs/lookahead"  # --out: the run's folder (data.jsonl, samples/, heldout/, ckpt.pt, log.jsonl)
+    adapter_out: str | None = None  # --adapter-out: the adapter, .safetensors + .json (None: OUT/adapter.safetensors)
+    stage: str = "all"  # --stage: data | train (on the samples OUT holds, read only) | budgets | all (data + train)
+    # data: the prompts and the base model's answers
+    n_train: int = 800  # --n-train: training prompts
+    n_heldout: int = 32  # --n-heldout: held-out prompts (other documents) for the periodic check
+    min_tokens: int = 512  # shortest prompt, in tokens
+    max_tokens: int = 2048  # --max-tokens: longest prompt, but for a long_frac share
+    long_frac: float = 0.1  # share of prompts longer than max_tokens, up to long_max
+    long_max: int = 4096  # longest of the long prompts
+    copy_frac: float | None = None  # share of training prompts whose answer copies a span (data.COPY_TASKS;
+    # None: the task weights, about a third); the held-out prompts keep the default mix
+    max_new_tokens: int = 256  # --max-new-tokens: length cap of the base model's answers (paper: 512)
+    gen_batch: int | None = None  # prompts answered together (None: 32 on CUDA, 8 on CPU)
+    store_dtype: str = "bfloat16"  # dtype of the prompt caches kept on disk: bfloat16 | float16 | float32 | none
+    # (none: only the targets; each step recomputes its prompts' caches: a GPU's choice, 7.6x slower on a CPU)
+    store_gb: float = 40.0  # refuse to build samples that would take more disk than this (GiB)
+    # the module
+    n_tokens: int = 32  # M, lookahead tokens
+    rank: int = 8  # LoRA rank r
+    alpha: float = 32.0  # LoRA alpha (the delta is scaled by alpha / r)
+    targets: str = "all"  # --targets: LoRA targets: all (the seven projections), a comma list, or none
+    rule: str = "span:8"  # the selection rule the adapter's .json names (methods.parse_rule; RESULTS.md 4.2)
+    init: str | None = None  # --init: start from this adapter (its M, rank, targets), new optimiser and schedule
+    # optimisation
+    epochs: float = 3.0  # --epochs: passes over the training rows (a fraction ends mid-pass)
+    batch: int = 32  # --batch: samples per optimiser step, all ranks
+    micro_batch: int = 8  # --micro-batch: samples in one lookahead forward (left-padded together)
+    lr: float = 1e-3  # --lr: peak learning rate (AdamW)
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup: float = 0.02  # share of steps with linear warmup, then cosine to 0
+    clip: float = 1.0  # gradient norm clip
+    # the held-out check, checkpoints, time
+    budget: int = 128  # C of the held-out recall (and of --stage budgets)
+    window: int = 32  # the held-out SnapKV / H2O rows: last prompt tokens always kept
+    eval_every: int = 10  # --eval-every: optimiser steps between held-out checks
+    save_every: int = 10  # --save-every: optimiser steps between checkpoints (OUT/ckpt.pt)
+    resume: bool = False  # --resume: continue from OUT/ckpt.pt
+    max_minutes: float | None = None  # --max-minutes: stop training (checkpoint + adapter saved) after this long
+    # the machine
+    device: str | None = None  # --device: cpu, cuda, cuda:1 (None: cuda if there is one)
+    dtype: str | None = None  # --dtype: base model dtype, float32 | bfloat16 (None: bfloat16 on CUDA, float32
+    # on CPU); the module trains in float32
+    seed: int = 0  # --seed: prompts, init, batch order
+
+
+STAGES = ("data", "train", "budgets", "all")
+STORE_DTYPES = ("bfloat16", "float16", "float32", "none")
+BUDGET_SAMPLES = 32  # --stage budgets measures on this many training samples
+
+
+def get_args(argv=None):
+    """The run's TrainConfig: flag > --config file > default."""
+    D = TrainConfig()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                argument_default=argparse.SUPPRESS)
+    a = p.add_argument
+    a("--config", metavar="JSON", help="a recipe: a JSON object of TrainConfig fields, e.g. configs/train-cpu.json")
+    a("--model", help="HF folder of the base model (default: weights/SmolLM2-135M-Instruct)")
+    a("--out", help=f"the run's folder: data.jsonl, samples, checkpoint, log (default {D.out})")
+    a("--adapter-out", help="where the adapter goes, a .safetensors name (its .json beside it; default "
+      "OUT/adapter.safetensors); one there already is kept as NAME.prev.safetensors")
+    a("--stage", choices=STAGES, help="data: build OUT's samples; train: train on them (read only); budgets: "
+      "measure an adapter's per-layer weights on them into --adapter-out; all (default): data, then train")
+    a("--n-train", type=int, help=f"training prompts (default {D.n_train})")
+    a("--n-heldout", type=int, help=f"held-out prompts for the periodic check (default {D.n_heldout})")
+    a("--max-tokens", type=int, help=f"longest prompt, in tokens (default {D.max_tokens})")
+    a("--max-new-tokens", type=int, help=f"length cap of the base model's answers (default {D.max_new_tokens})")
+    a("--epochs", type=float, help=f"passes over the training rows (default {D.epochs:g})")
+    a("--batch", type=int, help=f"samples per optimiser step, all ranks (default {D.batch})")
+    a("--micro-batch", type=int, help=f"samples per lookahead forward (default {D.micro_batch})")
+    a("--lr", type=float, help=f"peak learning rate (default {D.lr:g})")
+    a("--targets", help="LoRA targets: all (default), none, or a comma list of q,k,v,o,gate,up,down _proj")
+    a("--init", metavar="ADAPTER", help="start from this adapter (or, --stage budgets: measure it)")
+    a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    a("--eval-every", type=int, help=f"steps between held-out checks (default {D.eval_every})")
+    a("--save-every", type=int, help=f"steps between checkpoints (default {D.save_every})")
+    a("--max-minutes", type=float, help="stop once this long has passed since the start, data included "
+      "(checkpoint + adapter saved, noted in its .json)")
+    a("--device", help="cpu, cuda, cuda:1 (default: cuda if there is one)")
+    a("--dtype", choices=["float32", "bfloat16"], help="base model dtype (default: bfloat16 on CUDA, else float32)")
+    a("--seed", type=int, help=f"default {D.seed}")
+    flags = vars(p.parse_args(argv))
+    path = flags.pop("config", None)
+    return dataclasses.replace(D, **{**(read_config(path) if path else {}), **flags})
+
+
+def read_config(path):
+    """A recipe file: a JSON object of TrainConfig fields, each of its field's type (ValueError naming the
+    file and the key otherwise)."""
+    path = cli.input_file("--config", path)
+    try:
+        values = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {path}: not valid JSON ({e})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path}: expected a JSON object of TrainConfig fields, got {type(values).__name__}")
+    fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    for key, value in values.items():
+        if key not in fields:
+            raise ValueError(f"--config {path}: unknown key {key!r}; the keys are TrainConfig's fields: "
+                             f"{', '.join(fields)}")
+        kinds = fields[key].__args__ if isinstance(fields[key], types.UnionType) else (fields[key],)
+        ok = any(value is None if k is type(None) else
+                 (isinstance(value, bool) if k is bool else
+                  isinstance(value, (int, float) if k is float else k) and not isinstance(value, bool))
+                 for k in kinds)
+        if not ok:
+            want = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+            raise ValueError(f"--config {path}: {key!r} must be {want}, got {json.dumps(value)}")
+    return values
+
+
+def parse_targets(text):
+    """"q_proj,k_proj" -> the tuple; "all" -> all seven; "" or "none" -> () (the embeddings alone, no LoRA)."""
+    if text.strip() == "all":
+        return LookaheadModule.TARGETS
+    targets = tuple(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none")
+    bad = [t for t in targets if t not in LookaheadModule.TARGETS]
+    if bad:
+        raise ValueError(f"--targets: unknown {', '.join(bad)}; use all, none, or any of "
+                         f"{', '.join(LookaheadModule.TARGETS)}")
+    return targets
+
+
+def check_config(cfg):
+    """Every check that needs no model weights, so a bad value stops at once, not after an hour of answering.
+    Returns what the run reads: (out, dest, model config, rows of OUT/data.jsonl, adapter (--init / the
+    measured one) or None, checkpoint or None)."""
+    for name, value, choices in (("--stage", cfg.stage, STAGES), ("store_dtype", cfg.store_dtype, STORE_DTYPES),
+                                 ("--dtype", cfg.dtype, (None, "float32", "bfloat16"))):
+        if value not in choices:
+            raise ValueError(f"{name} {value!r}: choose from {', '.join(map(str, choices))}")
+    cfg.device = cfg.device or cli.default_device()
+    cli.check_device(cfg.device)
+    cli.check_model_dir(cfg.model)
+    makes_data = cfg.stage in ("data", "all")
+    for flag, value, lo in [("--n-train", cfg.n_train, 1 if makes_data else 0), ("--n-heldout", cfg.n_heldout, 0),
+                            ("min_tokens", cfg.min_tokens, 1), ("--max-new-tokens", cfg.max_new_tokens, 1),
+                            ("gen_batch", 1 if cfg.gen_batch is None else cfg.gen_batch, 1), ("n_tokens", cfg.n_tokens, 1),
+                            ("rank", cfg.rank, 1), ("--batch", cfg.batch, 1), ("--micro-batch", cfg.micro_batch, 1),
+                            ("budget", cfg.budget, 1), ("window", cfg.window, 0), ("--eval-every", cfg.eval_every, 1),
+                            ("--save-every", cfg.save_every, 1), ("weight_decay", cfg.weight_decay, 0)]:
+        cli.at_least(flag, value, lo)
+    for flag, value in [("--lr", cfg.lr), ("alpha", cfg.alpha), ("--epochs", cfg.epochs), ("clip", cfg.clip),
+                        ("store_gb", cfg.store_gb)] + ([("--max-minutes", cfg.max_minutes)] if cfg.max_minutes is not None else []):
+        cli.positive(flag, value)
+    for flag, value in [("warmup", cfg.warmup), ("long_frac", cfg.long_frac)] + \
+            ([("copy_frac", cfg.copy_frac)] if cfg.copy_frac is not None else []):
+        cli.fraction(flag, value)
+    if not cfg.min_tokens <= cfg.max_tokens <= cfg.long_max:
+        raise ValueError(f"min_tokens {cfg.min_tokens}, --max-tokens {cfg.max_tokens}, long_max {cfg.long_max}: "
+                         "need min <= max <= long_max")
+    parse_targets(cfg.targets)
+    methods.parse_rule(cfg.rule)
+
+    # the files: OUT, where the adapter goes, what is read from OUT, the adapter to start from or measure
+    out = cli.output_folder("--out", cfg.out)
+    if cfg.stage == "budgets" and not cfg.adapter_out:
+        raise ValueError("--stage budgets needs --adapter-out: where the adapter with its layer weights goes "
+                         "(it may be the measured adapter itself; the old pair is kept as NAME.prev.safetensors)")
+    dest = cli.output_file("--adapter-out", cfg.adapter_out, ".safetensors") if cfg.adapter_out \
+        else out / "adapter.safetensors"
+    folder = cli.resolve_model(cfg.model)
+    model_cfg = ModelConfig.from_hf_config(folder)
+    rows = read_rows(out, model_cfg, trim=makes_data)
+    if cfg.stage in ("train", "budgets"):
+        have = [r for r in rows if r.get("split") == "train" and sample_path(out, r["id"]).exists()]
+        if not have:
+            raise ValueError(f"--stage {cfg.stage}: {out} holds no training samples yet: build them first with "
+                             f"python train.py --stage data --out {out} (and this run's --config)")
+        for r in have[:BUDGET_SAMPLES] if cfg.stage == "budgets" else have:
+            if not sample_ok(sample_path(out, r["id"])):
+                raise unreadable_sample(sample_path(out, r["id"]))
+    adapter = None
+    if cfg.stage == "budgets" or cfg.init:
+        path = cfg.init or cli.default_adapter_path(model_cfg)
+        adapter = methods.load_adapter(cli.input_file("--init", path) if cfg.init else path, model_cfg)
+        adapter.info["path"] = str(path)
+    ckpt = None
+    if cfg.resume and cfg.stage in ("train", "all") and (out / "ckpt.pt").exists():
+        shape = adapter.metadata() if adapter is not None else dict(
+            n_tokens=cfg.n_tokens, rank=cfg.rank, alpha=cfg.alpha, targets=list(parse_targets(cfg.targets)))
+        ckpt = read_checkpoint(out / "ckpt.pt", model_cfg, shape)
+    return out, dest, model_cfg, rows, adapter, ckpt
+
+
+def read_rows(out, model_cfg, trim=False):
+    """The rows of OUT/data.jsonl ([] if none), all made by this base model. trim: drop a partial last line
+    (a run killed mid-write), before this run appends to the file."""
+    path = out / "data.jsonl"
+    if not path.exists():
+        return []
+    text = path.read_text()
+    if trim and text and not text.endswith("\n"):
+        path.write_text(text[: text.rfind("\n") + 1])
+    rows = data.read_jsonl(path, required=("id", "prompt_ids", "response_ids"), allow_empty=True)
+    for r in rows:
+        if r.get("fingerprint") != model_cfg.fingerprint():
+            raise ValueError(f"{path} was made with another base model ({r.get('base_model')}): use another --out")
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# Stage data: samples. One prefill per prompt gives the base model's own answer, the target (the
 # answer's attention over the prompt) and the training cache (the prompt's KV), kept on disk.
 
 
@@ -78,6 +294,11 @@ def left_pad(prompts, dev):
     return ids, pad_mask
 
 
+def full_cache(model, ids, pad_mask):
+    """Prefill, nothing evicted: (cache, first-token logits, next positions)."""
+    return compress(model, ids, methods.make_scorer(EvictConfig("full")), pad_mask=pad_mask)[:3]
+
+
 @torch.no_grad()
 def answer_and_target(model, tok, prompts, max_new_tokens):
     """For B prompts (token-id lists) prefilled ONCE, together (left-padded): the greedy full-cache
@@ -87,7 +308,7 @@ def answer_and_target(model, tok, prompts, max_new_tokens):
     dev, L = model.lm_head.weight.device, model.config.num_hidden_layers
     ids, pad_mask = left_pad(prompts, dev)
     S = ids.shape[1]
-    cache, logits, next_pos, _ = compress(model, ids, EvictConfig("full"), pad_mask=pad_mask)
+    cache, logits, next_pos = full_cache(model, ids, pad_mask)
     prompt_cache = cache.copy()  # decoding appends to `cache`; this one stays the prompt's
     answers = greedy(model, cache, logits, next_pos, max_new_tokens, tok.stop_ids)
     R = max(len(a) for a in answers)
@@ -104,83 +325,54 @@ def answer_and_target(model, tok, prompts, max_new_tokens):
     return out
 
 
-def sample_path(out, row_id):
-    return Path(out) / "samples" / (hashlib.sha1(row_id.encode()).hexdigest()[:16] + ".safetensors")
-
-
-def save_sample(path, sample, store_dtype):
-    """The prompt's cache in store_dtype (bfloat16 halves the disk: the cache is an input, not a
-    target), the target in float32; store_dtype None: the target alone (the cache is recomputed at
-    every step, prompt_cache). Written to a temporary name first: a kill leaves no half file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = dict(target=sample["target"].float())
-    if store_dtype is not None:
-        tensors.update(k=sample["k"].to(store_dtype), v=sample["v"].to(store_dtype))
-    save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, str(path.with_suffix(".tmp")))
-    os.replace(path.with_suffix(".tmp"), path)
-
-
-def sample_bytes(cfg, S, store_dtype):
-    """Disk size of one sample of S prompt tokens."""
-    kv = 0 if store_dtype is None else 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * S * \
-        store_dtype.itemsize
-    return kv + cfg.num_hidden_layers * cfg.num_attention_heads * S * 4
-
-
-def build_dataset(model, tok, args, out, rank=0):
+def build_dataset(model, tok, cfg, out, rows, rank=0):
     """Append {id, split, task, prompt_ids, response_ids} rows to OUT/data.jsonl until it holds
     n_train + n_heldout of them, and write each training row's sample file (cache + target) in the
-    same pass. Rows and samples already there are kept (resume); a row without its sample file
-    (e.g. a data.jsonl from elsewhere) gets one from ground_truth, one forward over [prompt; answer]."""
+    same pass. Rows and samples already there are kept (resume); a row without a whole sample file
+    (e.g. a data.jsonl from elsewhere, a file cut short) gets one from one forward over [prompt; answer]."""
     fp, path = model.config.fingerprint(), Path(out) / "data.jsonl"
-    read_only = args.eval_only or args.stage == "train"  # another run may be appending: never write
-    if path.exists() and not read_only:  # a run killed mid-write leaves a partial last line: drop it
-        text = path.read_text()
-        if text and not text.endswith("\n"):
-            path.write_text(text[: text.rfind("\n") + 1])
-    rows = data.read_jsonl(path, required=("id", "prompt_ids", "response_ids")) if path.exists() else []
-    if args.eval_only:  # the held-out rows are all it needs
-        return [r for r in rows if r.get("split") == "heldout"]
-    if read_only:  # --stage train: the training rows whose sample files are written
-        return [r for r in rows if r.get("split") == "heldout" or sample_path(out, r["id"]).exists()]
-    for r in rows:
-        if r.get("fingerprint") != fp:
-            raise ValueError(f"{path} was made with another base model ({r.get('base_model')}): use another --out")
     have = {split: sum(r.get("split") == split for r in rows) for split in ("train", "heldout")}
     todo = []
-    if not args.eval_only and (have["train"] < args.n_train or have["heldout"] < args.n_heldout):
+    if have["train"] < cfg.n_train or have["heldout"] < cfg.n_heldout:
         done = {r["id"] for r in rows}
-        for split, n in (("train", args.n_train), ("heldout", args.n_heldout)):
-            prompts = data.make_training_prompts(tok, n, split=split, min_tokens=args.min_tokens,
-                                                 max_tokens=args.max_tokens, long_frac=args.long_frac,
-                                                 long_max=args.long_max, seed=args.seed,
-                                                 copy_frac=args.copy_frac if split == "train" else None)
+        for split, n in (("train", cfg.n_train), ("heldout", cfg.n_heldout)):
+            prompts = data.make_training_prompts(tok, n, split=split, min_tokens=cfg.min_tokens,
+                                                 max_tokens=cfg.max_tokens, long_frac=cfg.long_frac,
+                                                 long_max=cfg.long_max, seed=cfg.seed,
+                                                 copy_frac=cfg.copy_frac if split == "train" else None)
             todo += [dict(p, split=split) for p in prompts if p["id"] not in done]
-    store = None if args.store_dtype == "none" else getattr(torch, args.store_dtype)
-    missing = [r for r in rows if r["split"] == "train" and not sample_path(out, r["id"]).exists()]
+    store = None if cfg.store_dtype == "none" else getattr(torch, cfg.store_dtype)
+    missing = []
+    for r in rows:
+        if r["split"] == "train" and not sample_ok(sample_path(out, r["id"])):
+            if sample_path(out, r["id"]).exists():
+                print(f"training sample {sample_path(out, r['id'])} is unreadable (cut short?): made again")
+            missing.append(r)
     if (todo or missing) and rank != 0:
         raise ValueError("build the dataset first on one process (python train.py --stage data)")
     for p in todo:
         p["prompt_ids"] = tok.encode(tok.chat(p["prompt"]))
     n_bytes = sum(sample_bytes(model.config, len(r["prompt_ids"]), store) for r in rows + todo if r["split"] == "train")
-    if n_bytes > args.store_gb * 2**30:
-        raise ValueError(f"the training samples would take {n_bytes / 2**30:.1f} GiB on disk, over --store-gb "
-                         f"{args.store_gb}: raise it, or use fewer/shorter prompts (--n-train, --max-tokens)")
+    if n_bytes > cfg.store_gb * 2**30:
+        raise ValueError(f"the training samples would take {n_bytes / 2**30:.1f} GiB on disk, over store_gb "
+                         f"{cfg.store_gb}: raise it in the --config file, or use fewer/shorter prompts "
+                         "(--n-train, --max-tokens)")
     for r in tqdm(missing, desc="samples from data.jsonl", disable=not missing):
-        cache, gt, _ = ground_truth(model, r)
+        cache, gt, _ = harness.ground_truth(model, r["prompt_ids"], r["response_ids"])
         save_sample(sample_path(out, r["id"]), dict(k=torch.cat(cache.k), v=torch.cat(cache.v),
                                                     target=torch.cat([gt[l] for l in range(len(gt))])), store)
-    # held-out rows first (an early eval), then blocks of 8 batches in a seeded random order, sorted
+    # held-out rows first (an early check), then blocks of 8 batches in a seeded random order, sorted
     # by length inside a block: little padding, and a run stopped early leaves a random subset
-    random.Random(args.seed).shuffle(todo)
+    gen_batch = cfg.gen_batch or (32 if cfg.device.startswith("cuda") else 8)
+    random.Random(cfg.seed).shuffle(todo)
     todo.sort(key=lambda p: p["split"] != "heldout")
-    block = 8 * args.gen_batch
+    block = 8 * gen_batch
     todo = [p for i in range(0, len(todo), block)
             for p in sorted(todo[i:i + block], key=lambda p: len(p["prompt_ids"]))]
     bar = tqdm(total=len(todo), desc="answering prompts", disable=not todo)
-    for i in range(0, len(todo), args.gen_batch):
-        batch = todo[i:i + args.gen_batch]
-        samples = answer_and_target(model, tok, [p["prompt_ids"] for p in batch], args.max_new_tokens)
+    for i in range(0, len(todo), gen_batch):
+        batch = todo[i:i + gen_batch]
+        samples = answer_and_target(model, tok, [p["prompt_ids"] for p in batch], cfg.max_new_tokens)
         new = [dict(id=p["id"], split=p["split"], source=p["source"], task=p["task"], base_model=model.config.name,
                     fingerprint=fp, prompt_ids=p["prompt_ids"], response_ids=s["response_ids"])
                for p, s in zip(batch, samples)]
@@ -190,113 +382,22 @@ def build_dataset(model, tok, args, out, rank=0):
         with open(path, "a") as f:  # appended batch by batch: a killed run loses one batch at most
             for r in new:
                 f.write(json.dumps(r) + "\n")
-        rows += new
+        rows = rows + new
         bar.update(len(batch))
     bar.close()
     return rows
 
 
 # -----------------------------------------------------------------------------
-# Stage 2: ground truth, and the held-out baselines from the same forward
-
-
-class PromptHooks(Hook):
-    """SnapKV's and H2O's own prefill hooks, watching one forward of the prompt together."""
-
-    def __init__(self, S, window):
-        eviction = EvictConfig(budget=window + 1, window=window)
-        self.snapkv = make_scorer(dataclasses.replace(eviction, method="snapkv")).prefill_hook(S)
-        self.h2o = make_scorer(dataclasses.replace(eviction, method="h2o")).prefill_hook(S)
-
-    def attn(self, layer, q, k, key_valid):
-        self.snapkv.attn(layer, q, k, key_valid)
-        self.h2o.attn(layer, q, k, key_valid)
-
-
-@torch.no_grad()
-def ground_truth(model, row, window=0):
-    """For a data.jsonl row: the prompt's KV cache, the target {layer: (1, H, S)} (the answer's
-    attention over the prompt, answer_attention per query head) and extra: the answer (1, R), each
-    prompt token's surprisal (1, S) (the span rule's input) and, with window > 0, SnapKV's and H2O's
-    scores {layer: (1, H_kv, S)}, all from the same prompt forward."""
-    dev = model.lm_head.weight.device
-    prompt, response = torch.tensor([row["prompt_ids"]], device=dev), torch.tensor([row["response_ids"]], device=dev)
-    S = prompt.shape[1]
-    cache = KVCache(model.config.num_hidden_layers)
-    hook = PromptHooks(S, window) if window else None
-    _, hidden = model(prompt, positions=torch.arange(S, device=dev)[None], cache=cache, hook=hook, logits_at=-1,
-                      hidden=True)
-    gt = answer_attention(model, cache, response, torch.tensor([S], device=dev), per_query_head=True)
-    extra = dict(response=response, surprisal=token_surprisal(model, hidden, prompt))
-    if window:
-        G = model.config.num_attention_heads // model.config.num_key_value_heads
-        extra.update(snapkv=hook.snapkv.scores, h2o=hook.h2o.scores(None, G))
-    return cache, gt, extra
-
-
-def heldout_ground_truth(model, rows, window, out=None):
-    """ground_truth of every held-out row, kept in OUT/heldout (one file per row, ~50 KB per prompt
-    token) so that later --eval-only runs on the same rows skip the forwards. Without out: computed."""
-    items = []
-    for r in tqdm(rows, desc="held-out ground truth"):
-        # named by what it is made of: the model, the prompt, the answer and the window
-        key = json.dumps([model.config.fingerprint(), r["prompt_ids"], r["response_ids"], window])
-        path = None if out is None else Path(out) / "heldout" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
-        saved = torch.load(path, map_location=model.lm_head.weight.device) if path and path.exists() else None
-        if saved is not None and "surprisal" in saved["extra"]:  # (a file from before the span rule is made again)
-            cache = KVCache(len(saved["k"]))
-            cache.k, cache.v = saved["k"], saved["v"]
-            items.append((cache, saved["gt"], saved["extra"]))
-            continue
-        cache, gt, extra = ground_truth(model, r, window)
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(dict(k=cache.k, v=cache.v, gt=gt, extra=extra), path.with_suffix(".tmp"))
-            os.replace(path.with_suffix(".tmp"), path)
-        items.append((cache, gt, extra))
-    return items
-
-
-# -----------------------------------------------------------------------------
-# Stage 3: the loss. The prediction is lookaheadkv.lookahead_pass(..., per_query_head=True): the M
-# lookahead rows on top of the prompt cache (the two-pass form), the only rows with gradients.
-
-
-def load_batch(paths, dev, dtype):
-    """Sample files of different lengths, left-padded into one batch: a KVCache with (B, H_kv, S, D)
-    per layer and its valid mask (B, 1, S), the targets {layer: (B, H, S)} (zero on padding, so
-    they add nothing to the KL) and each row's prompt length (B,), where its lookahead rows start.
-    Files without the cache (--store-dtype none) give cache None: prompt_cache makes it."""
-    items = [load_file(str(p)) for p in paths]
-    lengths = [it["target"].shape[-1] for it in items]
-    B, S = len(items), max(lengths)
-    L, H = items[0]["target"].shape[:2]
-    stored = "k" in items[0]
-    # one copy per sample, straight into its slot of the padded batch (and from bfloat16 to dtype)
-    target = torch.zeros(L, B, H, S, device=dev)
-    if stored:
-        k = torch.zeros(L, B, *items[0]["k"].shape[1:2], S, items[0]["k"].shape[-1], dtype=dtype, device=dev)
-        v = torch.zeros_like(k)
-    for b, (it, n) in enumerate(zip(items, lengths)):
-        target[:, b, :, S - n:] = it["target"]
-        if stored:
-            k[:, b, :, S - n:] = it["k"]
-            v[:, b, :, S - n:] = it["v"]
-    cache = None
-    if stored:
-        valid = (torch.arange(S)[None] >= S - torch.tensor(lengths)[:, None])[:, None].to(dev)  # (B, 1, S)
-        cache = KVCache(L)
-        for l in range(L):
-            cache.k[l], cache.v[l], cache.valid[l] = k[l], v[l], valid
-    return cache, {l: target[l] for l in range(L)}, torch.tensor(lengths, device=dev)
+# Stage train: the loss. The prediction is lookahead_pass(..., per_query_head=True): the M lookahead
+# rows on top of the prompt cache (the two-pass form), the only rows with gradients.
 
 
 @torch.no_grad()
 def prompt_cache(model, prompts):
     """The prompts' KV cache, left-padded together as load_batch pads them, made by one prefill: what a
-    training step does instead of reading it from disk with --store-dtype none (cheap on a GPU)."""
-    ids, pad_mask = left_pad(prompts, model.lm_head.weight.device)
-    return compress(model, ids, EvictConfig("full"), pad_mask=pad_mask)[0]
+    training step does instead of reading it from disk with store_dtype none (cheap on a GPU)."""
+    return full_cache(model, *left_pad(prompts, model.lm_head.weight.device))[0]
 
 
 def micro_batches(rows, size):
@@ -306,68 +407,19 @@ def micro_batches(rows, size):
     return [order[i:i + size] for i in range(0, len(order), size)]
 
 
-@dataclasses.dataclass
-class Loss:
-    """How the KL is taken; the defaults are the paper's loss. Each field is one train.py flag."""
-
-    pool: str = "none"  # --pool-loss: smooth target and prediction with the shipped rule first
-    kernel: int = 1  # its width
-    skip: int = 0  # --loss-skip: each prompt's first N tokens (the sinks) left out of both distributions
-    power: float = 1.0  # --loss-power: compare s**power (renormalised); < 1 flattens both (see kl_loss)
-    layer_weights: tuple | None = None  # --layer-weights: each layer's weight in the mean (None: all equal)
+def batch_loss(model, module, cache, gt, lengths):
+    """The loss of one micro-batch: the M lookahead rows on top of each sample's prompt cache (B samples
+    in one forward, each at its own prompt length), their attention per query head against the target."""
+    return kl_loss(gt, lookahead_pass(model, module, cache, lengths, per_query_head=True))
 
 
-def kl_loss(gt, pred, pool="none", kernel=1, eps=1e-8, drop=None, power=1.0, layer_weights=None):
-    """KL(gt || pred) of the L1-normalised scores, averaged over layers and heads: the future's
-    attention is the target distribution, the lookahead rows' the prediction. With a pool
-    (--pool-loss), both are first smoothed as eviction will smooth the prediction: the module
-    then learns which stretch of the prompt the answer reads, not which token of it. drop (B, 1, S)
-    True on slots left out of both distributions before they are normalised (--loss-skip: the
-    first tokens, attention sinks that every method keeps, so the loss is spent on the open ones).
-    power < 1 (--loss-power) compares s**power instead of s: a token's weight in the KL is its
-    share of the target, so the few slots every method keeps (the sinks, the question: half the
-    mass) dominate the paper's loss, while eviction is decided by the ranks around the C-th slot,
-    where the mass is small. Raising both to power 0.5 turns a 400:1 mass ratio into 20:1, and
-    the ranks are unchanged (top-C of s and of s**power are the same slots).
-    layer_weights (one per layer, --layer-weights): a weighted mean over the layers instead of the plain
-    one, to spend the loss in the layers whose selection the answer depends on (layer_sensitivity)."""
-    losses = []
-    for l, g in gt.items():
-        g, s = pool_scores(g.float(), pool, kernel), pool_scores(pred[l].float(), pool, kernel)
-        if drop is not None:
-            g, s = g.masked_fill(drop, 0.0), s.masked_fill(drop, 0.0)
-        if power != 1:  # padding and dropped slots stay 0 (and get no gradient: clamp_min passes none)
-            g, s = g.clamp_min(1e-30) ** power * (g > 0), s.clamp_min(1e-30) ** power * (s > 0)
-        p = g / g.sum(-1, keepdim=True)
-        q = s / s.sum(-1, keepdim=True)
-        losses.append((p * ((p + eps).log() - (q + eps).log())).sum(-1).mean())
-    if layer_weights is None:
-        return torch.stack(losses).mean()
-    w = torch.as_tensor([layer_weights[l] for l in gt], dtype=torch.float32, device=losses[0].device)
-    return (torch.stack(losses) * w).sum() / w.sum()
-
-
-def batch_loss(model, module, cache, gt, lengths, loss=Loss()):
-    """The loss of one micro-batch: the M lookahead rows on top of each sample's prompt cache (the
-    two-pass form, B samples in one forward), their attention per query head against the target.
-    loss.skip > 0: each sample's first `skip` real tokens are left out of the loss (kl_loss's drop)."""
-    pred = lookahead_pass(model, module, cache, lengths, per_query_head=True)
-    drop = None
-    if loss.skip:
-        S = next(iter(gt.values())).shape[-1]
-        first = S - torch.as_tensor(lengths, device=cache.k[0].device).reshape(-1, 1)  # (B, 1): first real slot
-        slot = torch.arange(S, device=first.device)[None]  # (1, S)
-        drop = (slot < first + loss.skip)[:, None]  # (B, 1, S): the padding and the first `skip` tokens
-    return kl_loss(gt, pred, loss.pool, loss.kernel, drop=drop, power=loss.power, layer_weights=loss.layer_weights)
-
-
-def optimizer_step(module, opt, model, micro, n_samples, clip, loss=Loss(), world=1):
+def optimizer_step(module, opt, model, micro, n_samples, clip, world=1):
     """One optimiser step over this rank's micro-batches `micro` (an iterable of load_batch results):
     each sample weighs the same in the step's mean over n_samples (all ranks), ranks average their
     gradients, then clip and step. Returns the step's loss as a 0-dim tensor (no sync here)."""
     total = torch.zeros((), device=next(module.parameters()).device)
     for cache, gt, lengths in micro:
-        part = batch_loss(model, module, cache, gt, lengths, loss) * lengths.shape[0] * world / n_samples
+        part = batch_loss(model, module, cache, gt, lengths) * lengths.shape[0] * world / n_samples
         part.backward()
         total += part.detach().float() / world
     if world > 1:
@@ -378,236 +430,20 @@ def optimizer_step(module, opt, model, micro, n_samples, clip, loss=Loss(), worl
     return total
 
 
-# -----------------------------------------------------------------------------
-# The held-out eval: every method kept by its own scorer's eviction step, from one ground-truth forward
-
-
-def group_mean(scores, n_kv_heads):
-    """Per-query-head scores (B, H, S) -> per-KV-head (B, H_kv, S), as eviction uses them."""
-    return {l: s.view(s.shape[0], n_kv_heads, -1, s.shape[-1]).mean(2) for l, s in scores.items()}
-
-
-HELDOUT_ROWS = {  # row -> (method, pooling, width[, layer budgets]): None = the method's own (lookahead: its adapter's)
-    "oracle": ("oracle", None, None), "lookahead": ("lookahead", None, None),
-    "lookahead_unpooled": ("lookahead", "none", None), "snapkv": ("snapkv", None, None),
-    "pyramidkv": ("pyramidkv", None, None), "h2o": ("h2o", None, None), "streaming": ("streaming", None, None),
-}
-LAYERED_ROWS = {  # with an adapter that has per-layer budgets: the paper's C in every layer, and SnapKV given
-    # the adapter's budgets (what the budgets alone buy a prompt-only method)
-    "lookahead_uniform": ("lookahead", None, None, "uniform"), "snapkv_layered": ("snapkv", None, None, "adapter"),
-}
-
-
-def rule_rows(rules):
-    """--rules "max:7,chunk:8" -> extra rows {"lookahead_max7": ("lookahead", "max", 7), ...}: the adapter's
-    scores kept under other selection rules (lookaheadkv.pool_scores)."""
-    rows = {}
-    for rule in filter(None, (r.strip() for r in rules.split(","))):
-        pool, _, width = rule.partition(":")
-        if width and not width.isdigit():
-            raise ValueError(f"--rules {rules!r}: each rule is POOL or POOL:WIDTH, e.g. max:7,chunk:8")
-        kernel = int(width) if width else 1
-        check_pooling(pool, kernel)
-        rows[f"lookahead_{pool}{kernel if pool != 'none' else ''}"] = ("lookahead", pool, kernel)
-    return rows
-
-
-@torch.no_grad()
-def heldout_metrics(model, module, heldout, budget, window=32, budgets=(), answer_kl_rows=(), rows=None):
-    """Held-out KL(gt || pred) and, per row of HELDOUT_ROWS, recall@C: each method kept by its own
-    scorer's eviction step (pooling, protected tokens, per-layer budgets: Scorer.evict) from the
-    scores of the ground-truth forward; the lookahead adapter pooled as it ships and unpooled; the
-    oracle keeps the exact top C of the truth. Keys: recall_<row> at `budget` (the training log's
-    line) and recall_<row>@<C> for every C in `budgets`. For the rows in `answer_kl_rows`, also
-    answer_kl_<row>@<C> (metrics.answer_kl: FullKV's answer teacher-forced through the compressed
-    cache; one forward per row and C). Items of `heldout` are (cache, gt, extra) from ground_truth."""
-    Hkv = model.config.num_key_value_heads
-    Cs = list(dict.fromkeys([budget, *budgets]))
-    rows = HELDOUT_ROWS if rows is None else rows
-    kl, rec = [], {(row, C): [] for row in rows for C in Cs}
-    akl = {(row, C): [] for row in answer_kl_rows for C in Cs}
-    for cache, gt, extra in tqdm(heldout, desc="held-out metrics", leave=False, disable=len(heldout) < 8):
-        S = len(cache)
-        positions = torch.arange(S, device=cache.k[0].device)[None]  # (1, S)
-        next_pos = torch.tensor([S], device=positions.device)
-        pred = lookahead_pass(model, module, cache, S, per_query_head=True)
-        kl.append(kl_loss(gt, pred).item())
-        true = group_mean(gt, Hkv)
-        snap = stack_layers(extra["snapkv"])
-        scores = dict(oracle=stack_layers(true), lookahead=stack_layers(group_mean(pred, Hkv)), snapkv=snap,
-                      pyramidkv=snap, h2o=stack_layers(extra["h2o"]))
-        logp_full = forced_logprobs(model, cache, extra["response"], next_pos) if akl else None
-        for (row, C), r in rec.items():
-            method, pool, kernel, layers = (*rows[row], None)[:4]
-            layers = module.layer_budget if layers == "adapter" else layers
-            if method == "oracle":  # its scorer needs a response to run; its eviction is a plain top C
-                kept = list(select(scores["oracle"], C))
-            else:
-                scorer = make_scorer(EvictConfig(method, C, window=window, pool=pool, kernel=kernel,
-                                                 layer_weights=layers), module=module)
-                if method == "streaming":  # scores from positions alone
-                    scores[method] = scorer.score(model, Prefilled(cache, None, None, positions, next_pos, None))
-                kept = scorer.evict(scores[method], positions, surprisal=extra.get("surprisal"))
-            r.append(recall_of_kept(kept, true))
-            if (row, C) in akl:
-                small = keep_slots(cache.copy(), kept)
-                akl[row, C].append(answer_kl(logp_full, forced_logprobs(model, small, extra["response"], next_pos)))
-    out = dict(kl=sum(kl) / len(kl))
-    for (row, C), v in rec.items():
-        out[f"recall_{row}@{C}"] = sum(v) / len(v)
-        if C == budget:
-            out[f"recall_{row}"] = out[f"recall_{row}@{C}"]
-    for (row, C), v in akl.items():
-        out[f"answer_kl_{row}@{C}"] = sum(v) / len(v)
-    return out
-
-
-# -----------------------------------------------------------------------------
-# The loop
-
-
-def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
-    a("--model", default=None, help="HF folder of the base model (default: weights/SmolLM2-135M-Instruct)")
-    a("--out", default="runs/lookahead", help="folder for data.jsonl, checkpoints and logs")
-    a("--adapter-out", default=None, help="where the final adapter goes (default: OUT/adapter.safetensors)")
-    a("--stage", default="all", choices=["data", "train", "all"],
-      help="data: build OUT's samples only; train: train on the samples OUT already holds (read only)")
-    # data
-    a("--n-train", type=int, default=800, help="training prompts")
-    a("--n-heldout", type=int, default=32, help="held-out prompts (other documents) for the eval")
-    a("--min-tokens", type=int, default=512)
-    a("--max-tokens", type=int, default=2048)
-    a("--long-frac", type=float, default=0.1, help="fraction of prompts longer than --max-tokens, up to --long-max")
-    a("--long-max", type=int, default=4096)
-    a("--copy-frac", type=float, default=None, help="share of training prompts whose answer copies a span "
-      "exactly (data.COPY_TASKS; default: the task weights, about a third); held-out prompts keep the default")
-    a("--max-new-tokens", type=int, default=256, help="length cap of the base model's answers (paper: 512)")
-    a("--gen-batch", type=int, default=None, help="prompts answered together (default 32 on CUDA, 8 on CPU)")
-    a("--store-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "none"],
-      help="dtype of the prompt caches kept on disk (OUT/samples) for every epoch; none: keep only the targets "
-      "and recompute each prompt's cache at every step (a GPU's choice: on the CPU it is 7.6x slower)")
-    a("--store-gb", type=float, default=40, help="refuse to build samples that would take more disk than this")
-    # module
-    a("--n-tokens", type=int, default=32, help="M, lookahead tokens")
-    a("--rank", type=int, default=8)
-    a("--alpha", type=float, default=32)
-    a("--targets", default="all", help="LoRA targets: all (the seven projections, as the shipped adapter and "
-      "the paper's release), or any of q,k,v,o,gate,up,down _proj; '' or none: the embeddings alone")
-    a("--pool", default="span", choices=POOLS,
-      help="the selection rule the adapter's .json will name (lookaheadkv.pool_scores; the shipped one: span 8, "
-      "chosen on held-out answers and checked on two other sets: RESULTS.md, section 4.2)")
-    a("--kernel", type=int, default=8, help="the rule's width (avg, max: odd)")
-    a("--pool-loss", action="store_true", help="smooth target and prediction with --pool / --kernel in the loss "
-      "too (train with the pooling you ship; default: the loss compares unpooled scores)")
-    a("--loss-skip", type=int, default=0, help="leave each prompt's first N tokens (attention sinks, kept by "
-      "every method) out of the KL, renormalising over the rest (default 0: the paper's loss)")
-    a("--loss-power", type=float, default=1.0, help="compare target and prediction raised to this power, each "
-      "renormalised: < 1 weighs the tokens near the top-C boundary more and the sinks less (default 1: the paper's)")
-    a("--layer-weights", default=None, metavar="JSON", help="weigh each layer's KL by the \"weights\" list of "
-      "this file (one per layer; examples/layer_sensitivity.py writes it from the answer KL each layer's selection "
-      "costs) instead of the plain mean over layers (the paper's)")
-    a("--lookahead-window", type=int, default=0, help="last prompt tokens the adapter always keeps (SnapKV keeps 32)")
-    # optimisation
-    a("--epochs", type=float, default=3, help="passes over the training rows (a fraction ends mid-pass)")
-    a("--batch", type=int, default=32, help="effective batch (samples per optimiser step, all ranks)")
-    a("--micro-batch", type=int, default=8, help="samples in one lookahead forward (left-padded together)")
-    a("--lr", type=float, default=1e-3)
-    a("--weight-decay", type=float, default=0.0)
-    a("--warmup", type=float, default=0.02, help="fraction of steps with linear warmup, then cosine to 0")
-    a("--clip", type=float, default=1.0)
-    a("--budget", type=int, default=128, help="C for the held-out recall")
-    a("--budgets", default="64,128,256", help="--eval-only: also a table of recall at these C (comma-separated)")
-    a("--window", type=int, default=32, help="the held-out SnapKV / H2O rows: last prompt tokens always kept")
-    a("--rules", default="", help="--eval-only: also each adapter under these selection rules, e.g. "
-      "max:7,chunk:8,carry:5 (lookaheadkv.pool_scores)")
-    a("--answer-kl", action="store_true", help="--eval-only: also the answer KL at --budgets (one forward per "
-      "prompt, method and C: slower)")
-    a("--eval-every", type=int, default=10, help="optimiser steps between held-out evals")
-    a("--save-every", type=int, default=10, help="optimiser steps between checkpoints")
-    a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
-    a("--init", default=None, metavar="ADAPTER", help="start from this adapter (its M, rank and targets) "
-      "with a fresh optimiser and schedule: more steps for an adapter whose run ended early")
-    a("--eval-only", default=None, metavar="ADAPTER[,ADAPTER...]",
-      help="no training: held-out metrics of each ADAPTER and of the untrained init on OUT/data.jsonl")
-    a("--max-minutes", type=float, default=None, help="stop training once this long has passed since the start, "
-      "data generation included (checkpoint + adapter saved, noted in the metadata)")
-    a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    a("--dtype", default=None, choices=["float32", "bfloat16"],
-      help="base model dtype (default: bfloat16 on CUDA, float32 on CPU); the module trains in float32")
-    a("--seed", type=int, default=0)
-    return p.parse_args(argv)
-
-
-def check_args(args):
-    """Every check that needs no model, so a bad value stops at once, not after an hour of answering."""
-    check_device(args.device)
-    check_model_dir(args.model)
-    at_least = [("--n-heldout", args.n_heldout, 1 if args.eval_only else 0), ("--min-tokens", args.min_tokens, 1),
-                ("--max-new-tokens", args.max_new_tokens, 1), ("--gen-batch", args.gen_batch or 1, 1),
-                ("--n-tokens", args.n_tokens, 1), ("--rank", args.rank, 1), ("--batch", args.batch, 1),
-                ("--micro-batch", args.micro_batch, 1), ("--budget", args.budget, 1), ("--window", args.window, 0),
-                ("--eval-every", args.eval_every, 1), ("--save-every", args.save_every, 1),
-                ("--loss-skip", args.loss_skip, 0), ("--lookahead-window", args.lookahead_window, 0),
-                ("--n-train", args.n_train, 0 if args.eval_only or args.stage == "train" else 1)]
-    for flag, value, lo in at_least:
-        if value < lo:
-            raise ValueError(f"{flag} {value}: must be at least {lo}")
-    positive = [("--lr", args.lr), ("--alpha", args.alpha), ("--epochs", args.epochs), ("--clip", args.clip),
-                ("--store-gb", args.store_gb), ("--max-minutes", args.max_minutes or 1), ("--loss-power", args.loss_power)]
-    for flag, value in positive:
-        if not value > 0:
-            raise ValueError(f"{flag} {value}: must be greater than 0")
-    fractions = [("--warmup", args.warmup), ("--long-frac", args.long_frac), ("--copy-frac", args.copy_frac or 0)]
-    for flag, value in fractions:
-        if not 0 <= value <= 1:
-            raise ValueError(f"{flag} {value}: must be a fraction between 0 and 1")
-    if args.weight_decay < 0:
-        raise ValueError(f"--weight-decay {args.weight_decay}: must be >= 0")
-    if not args.min_tokens <= args.max_tokens <= args.long_max:
-        raise ValueError(f"--min-tokens {args.min_tokens}, --max-tokens {args.max_tokens}, --long-max {args.long_max}: "
-                         f"need min <= max <= long-max")
-    parse_targets(args.targets)
-    check_pooling(args.pool, args.kernel)
-    if args.pool_loss and args.pool == "span":
-        raise ValueError("--pool-loss cannot use the span rule (the loss has no surprisal): pass --pool none, avg, "
-                         "max, chunk or carry with it, or drop --pool-loss (the rule is applied at eviction)")
-    rule_rows(args.rules)
-    try:
-        budgets = [int(c) for c in args.budgets.split(",") if c.strip()]
-    except ValueError:
-        raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated numbers of KV slots, e.g. 64,128,256")
-    if any(c < 1 for c in budgets):
-        raise ValueError(f"--budgets {args.budgets!r}: every budget must be at least 1")
-    if args.layer_weights:  # a bad file stops here; its length is checked once the model is loaded
-        read_layer_weights(args.layer_weights)
-    for path in ([args.init] if args.init else []) + (args.eval_only.split(",") if args.eval_only else []):
-        if not Path(path).is_file() or not Path(path).with_suffix(".json").is_file():
-            raise FileNotFoundError(f"adapter {path} (and its .json) not found: pass a .safetensors file from train.py")
-
-
-def read_layer_weights(path, n_layers=None):
-    """--layer-weights: the "weights" list of a JSON file, non-negative numbers, not all 0 (one per layer)."""
-    try:
-        weights = json.loads(Path(path).read_text())["weights"]
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--layer-weights {path}: no such file (examples/layer_sensitivity.py writes one)")
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ValueError(f"--layer-weights {path}: expected JSON with a \"weights\" list, one number per layer")
-    if not all(isinstance(w, (int, float)) and w >= 0 for w in weights) or not sum(weights) > 0:
-        raise ValueError(f"--layer-weights {path}: the weights must be numbers >= 0, not all 0")
-    if n_layers is not None and len(weights) != n_layers:
-        raise ValueError(f"--layer-weights {path}: {len(weights)} weights for a model of {n_layers} layers: "
-                         "measure them for this model (examples/layer_sensitivity.py)")
-    return tuple(float(w) for w in weights)
-
-
-def lr_at(step, total, args):
-    warm = max(1, round(args.warmup * total))
+def lr_at(step, total, cfg):
+    warm = max(1, round(cfg.warmup * total))
     if step < warm:
-        return args.lr * (step + 1) / warm
-    return args.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+        return cfg.lr * (step + 1) / warm
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+
+
+def new_module(model, cfg):
+    """The untrained module of this run's settings (lookaheadkv.untrained_module), seeded by cfg.seed,
+    selecting with cfg.rule."""
+    torch.manual_seed(cfg.seed)
+    module = untrained_module(model, cfg.n_tokens, cfg.rank, cfg.alpha, parse_targets(cfg.targets))
+    module.info["rule"] = cfg.rule
+    return module
 
 
 def save_checkpoint(path, module, opt, step, log):
@@ -617,31 +453,46 @@ def save_checkpoint(path, module, opt, step, log):
     os.replace(tmp, path)  # atomic: a kill mid-save leaves the previous checkpoint intact
 
 
-def load_checkpoint(path, module, opt):
+def read_checkpoint(path, cfg, now):
+    """OUT/ckpt.pt, checked against the base model (cfg) and the module this run would train (now: its
+    n_tokens, rank, alpha, targets)."""
     try:
         ck = torch.load(path, map_location="cpu", weights_only=False)
         meta = ck["meta"]
+        meta["base_fingerprint"]
     except Exception as e:
-        raise ValueError(f"checkpoint {path} is corrupt ({type(e).__name__}): delete it to start over")
-    if meta["base_fingerprint"] != module.cfg.fingerprint():
-        raise ValueError(f"{path} was trained for {meta['base_model']}, not {module.cfg.name}: use another --out")
+        raise ValueError(f"--resume: checkpoint {path} is corrupt ({type(e).__name__}): delete it to start over, "
+                         "or drop --resume") from None
+    if meta["base_fingerprint"] != cfg.fingerprint():
+        raise ValueError(f"--resume: {path} was trained for {meta.get('base_model')}, not {cfg.name}: "
+                         "use another --out")
+    differ = [f"{k} {json.dumps(meta.get(k))} (this run: {json.dumps(now[k])})"
+              for k in ("n_tokens", "rank", "alpha", "targets") if meta.get(k) != now[k]]
+    if differ:
+        raise ValueError(f"--resume: {path} was made with other settings: {'; '.join(differ)}. It is not corrupt: "
+                         "resume with its settings, or pass another --out")
+    return ck
+
+
+def resume_from(ck, module, opt, path):
     try:
         module.load_state_dict(ck["module"])
         opt.load_state_dict(ck["opt"])
+        torch.set_rng_state(ck["rng"])
     except Exception as e:
-        raise ValueError(f"checkpoint {path} is corrupt ({type(e).__name__}): delete it to start over")
-    torch.set_rng_state(ck["rng"])
+        raise ValueError(f"--resume: checkpoint {path} is corrupt ({type(e).__name__}): delete it to start over, "
+                         "or drop --resume") from None
     return ck["step"], ck["log"]
 
 
-def setup_ddp(args):
+def setup_ddp(cfg):
     """(rank, world size); under torchrun, one process per GPU (or gloo on CPU for the test)."""
     if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
         return 0, 1
-    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
-    if args.device.startswith("cuda"):
-        args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-        torch.cuda.set_device(args.device)
+    dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo")
+    if cfg.device.startswith("cuda"):
+        cfg.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        torch.cuda.set_device(cfg.device)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -652,90 +503,6 @@ def all_reduce_grads(module, world):
         if p.grad is not None:  # None: e.g. the last layer's v/o/MLP LoRA, which nothing after it reads
             dist.all_reduce(p.grad)  # a sum (gloo has no average)
             p.grad /= world
-
-
-def parse_targets(text):
-    """"q_proj,k_proj" -> the tuple; "all" -> all seven; "" or "none" -> () (the embeddings alone, no LoRA)."""
-    if text.strip() == "all":
-        return LookaheadModule.TARGETS
-    targets = tuple(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none")
-    bad = [t for t in targets if t not in LookaheadModule.TARGETS]
-    if bad:
-        raise ValueError(f"--targets: unknown {', '.join(bad)}; use all, none, or any of "
-                         f"{', '.join(LookaheadModule.TARGETS)}")
-    return targets
-
-
-def new_module(model, args):
-    """The untrained module of this run's flags (lookaheadkv.untrained_module), seeded by --seed."""
-    torch.manual_seed(args.seed)
-    return untrained_module(model, args.n_tokens, args.rank, args.alpha, parse_targets(args.targets), args.pool,
-                            args.kernel, args.lookahead_window)
-
-
-def print_heldout(name, r, budget):
-    print(f"{name} heldout kl {r['kl']:.4f}  recall@{budget} lookahead {r['recall_lookahead']:.3f} "
-          f"(unpooled {r['recall_lookahead_unpooled']:.3f}) snapkv {r['recall_snapkv']:.3f} "
-          f"h2o {r['recall_h2o']:.3f} streaming {r['recall_streaming']:.3f}")
-
-
-def eval_only(model, module, held_rows, args):
-    """--eval-only ADAPTER[,ADAPTER...]: held-out metrics of each adapter next to the untrained init
-    (same seed), on one held-out ground truth: the table of an ablation in one command. With
-    --answer-kl, the headline: the share of the SnapKV-to-oracle gap each row closes in answer KL."""
-    heldout = heldout_ground_truth(model, held_rows, args.window, args.out)
-    adapters = [("untrained", module)] + [(path, LookaheadModule.load(path, model.config, args.device))
-                                          for path in args.eval_only.split(",")]
-    # the untrained row selects as the adapters do: with the layer budgets of the first adapter that has them
-    module.layer_budget = next((m.layer_budget for _, m in adapters[1:] if m.layer_budget is not None), None)
-    Cs = [int(c) for c in args.budgets.split(",") if c.strip()] if args.budgets else []
-    extra = rule_rows(args.rules)
-    if any(m.layer_budget is not None for _, m in adapters):
-        extra = {**LAYERED_ROWS, **extra}
-    rows = {**HELDOUT_ROWS, **extra}
-    table = []
-    for i, (name, m) in enumerate(adapters):
-        label = "untrained" if i == 0 else ("adapter" if len(adapters) == 2 else name)
-        # the answer KL of the prompt-only baselines once (with the first row), of each adapter's rows always
-        # (its pooled row only if it pools: unpooled, the two rows keep the same slots)
-        own = ("lookahead", "lookahead_unpooled") if m.pool != "none" else ("lookahead_unpooled",)
-        base = tuple(r for r in rows if not r.startswith("lookahead")) if i == 0 else ()
-        akl = base + own + tuple(r for r in extra if r.startswith("lookahead")) if args.answer_kl and Cs else ()
-        result = heldout_metrics(model, m, heldout, args.budget, args.window, Cs, answer_kl_rows=akl, rows=rows)
-        print_heldout(f"{label:9s} ({len(heldout)})", result, args.budget)
-        table.append((label, m, result))
-    if Cs:
-        print_tables(table, Cs, len(heldout), extra)
-
-
-def print_tables(table, Cs, n, extra=()):
-    """Markdown tables of eval_only's rows: the prompt-only baselines once, then each adapter pooled as
-    its .json says and unpooled; per metric, the value and the share of the SnapKV-to-oracle gap closed."""
-    first = table[0][2]
-    for metric, title, fmt, lower in [("answer_kl", "answer KL", ".4f", True), ("recall", "recall@C", ".3f", False)]:
-        if f"{metric}_oracle@{Cs[0]}" not in first:
-            continue
-
-        def cells(r, row):
-            out = []
-            for C in Cs:
-                v = r.get(f"{metric}_{row}@{C}")
-                gap = None if v is None else gap_closed(v, first[f"{metric}_snapkv@{C}"], first[f"{metric}_oracle@{C}"],
-                                                        lower_is_better=lower)
-                out.append("" if v is None else f"{v:{fmt}}" + ("" if gap is None else f" ({gap:.0%})"))
-            return " | ".join(out)
-
-        print(f"\n| {title} ({n} held-out; gap closed) | " + " | ".join(f"C={C}" for C in Cs) + " | KL(gt ‖ pred) |")
-        print("|---" * (len(Cs) + 2) + "|")
-        for row in ("oracle", "snapkv", "pyramidkv", "h2o", "streaming") + (("snapkv_layered",) if "snapkv_layered"
-                                                                             in extra else ()):
-            print(f"| {row} | {cells(first, row)} | |")
-        for label, m, r in table:
-            if m.pool != "none":
-                print(f"| {label}, as shipped ({m.pool} {m.kernel}) | {cells(r, 'lookahead')} | {r['kl']:.4f} |")
-            print(f"| {label}, unpooled | {cells(r, 'lookahead_unpooled')} | {r['kl']:.4f} |")
-            for row in (r for r in extra if r.startswith("lookahead")):
-                print(f"| {label}, {row.removeprefix('lookahead_')} | {cells(r, row)} | {r['kl']:.4f} |")
 
 
 def describe_rows(train_rows, n_held):
@@ -749,112 +516,159 @@ def describe_rows(train_rows, n_held):
                                  3), python=data.PYTHON)
 
 
-def adapter_metadata(args, train_rows, n_held, step, total, stopped_early, log, init_info):
-    """What the shipped .json says about how the adapter was made."""
-    info = dict(train_data=describe_rows(train_rows, n_held),
-                steps=step, planned_steps=total, stopped_early=stopped_early, batch=args.batch, lr=args.lr,
-                pool_loss=args.pool_loss, loss_skip=args.loss_skip, loss_power=args.loss_power,
-                layer_weights=args.layer_weights,
-                epochs=args.epochs, heldout=log[-1] if log else None, untrained=log[0] if log else None)
+def adapter_metadata(cfg, train_rows, n_held, step, total, stopped_early, log, init_info):
+    """What the shipped .json says about how the adapter was made (and how it selects: its rule)."""
+    info = dict(rule=cfg.rule, train_data=describe_rows(train_rows, n_held), steps=step, planned_steps=total,
+                stopped_early=stopped_early, batch=cfg.batch, lr=cfg.lr, epochs=cfg.epochs,
+                heldout=log[-1] if log else None, untrained=log[0] if log else None)
     if init_info:  # step 0 was the init adapter, not an untrained module: keep the init's own reference
         info.update(untrained=init_info.get("untrained"),
                     init=dict(path=init_info["path"], steps=init_info.get("steps"), heldout=log[0] if log else None))
     return info
 
 
+def save_adapter(module, dest):
+    """module.save(dest), an adapter already there kept as NAME.prev.safetensors (+ .json), saying so."""
+    if dest.exists() or dest.with_suffix(".json").exists():
+        prev = dest.with_name(dest.stem + ".prev.safetensors")
+        for src, dst in ((dest, prev), (dest.with_suffix(".json"), prev.with_suffix(".json"))):
+            if src.exists():
+                shutil.copy2(src, dst)
+        print(f"{dest} existed: replaced; the previous one is kept as {prev} (+ .json)")
+    module.save(dest)
+
+
+# -----------------------------------------------------------------------------
+# Stage budgets: the adapter's per-layer weights (extensions/layer_budgets.py), written into its .json
+
+
+def stored_samples(model, out, rows):
+    """(cache, target, answer ids (1, R)) of each row from its sample file (the cache recomputed if the
+    file holds only the target)."""
+    dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+    for r in rows:
+        cache, gt, _ = load_batch([sample_path(out, r["id"])], dev, dtype)
+        cache = cache if cache is not None else prompt_cache(model, [r["prompt_ids"]])
+        yield cache, gt, torch.tensor([r["response_ids"]], device=dev)
+
+
+def measure_budgets(model, module, cfg, out, rows, dest):
+    rows = [r for r in rows if r["split"] == "train" and sample_path(out, r["id"]).exists()][:BUDGET_SAMPLES]
+    weights, report = layer_budgets.measure(model, module, stored_samples(model, out, rows), budget=cfg.budget,
+                                            progress=lambda it: tqdm(it, total=len(rows), desc="samples"))
+    source = module.info.pop("path")
+    print(f"adapter {source}, {len(rows)} training samples of {out}, C = {cfg.budget}: "
+          f"answer KL {report['answer_kl']:.4f}")
+    print("layers  answer-KL gain  weight")
+    for (a, b), gain in zip(report["groups"], report["gain"]):
+        print(f"{f'{a}-{b}':<7s} {gain:<15.4f} {weights[a]:.2f}")
+    how = {k: report[k] for k in ("rows", "C", "group", "floor", "power")}
+    table = out / "layer_weights.json"
+    if table.exists():
+        print(f"{table} existed: replaced")
+    table.write_text(json.dumps(dict(weights=weights, adapter=Path(source).name, **report), indent=1) + "\n")
+    print(f"wrote {table}")
+    module.info.update(layer_weights=weights, layer_weights_from=how)
+    save_adapter(module, dest)
+    print(f"wrote {dest} (+ .json): its weights as they were, its .json with layer_weights")
+
+
+# -----------------------------------------------------------------------------
+# The run
+
+
 def main(argv=None):
-    try:
-        return train(get_args(argv))
-    except (ValueError, OSError) as e:  # library errors: one line that says what to do, no traceback
-        raise SystemExit(f"error: {e}")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    again = "python train.py " + shlex.join([a for a in argv if a != "--resume"] + ["--resume"])
+    return cli.run(lambda: train(get_args(argv)), resume=again)
 
 
-def train(args):
-    check_args(args)
+def train(cfg):
     t_start = time.perf_counter()  # --max-minutes counts from here (data generation included)
-    rank, world = setup_ddp(args)
+    out, dest, _, rows, adapter, ckpt = check_config(cfg)  # everything checked before the model loads
+    rank, world = setup_ddp(cfg)
     ddp = world > 1
-    print0 = lambda *a: print(*a) if rank == 0 else None
-    torch.manual_seed(args.seed)
-    dev = args.device
-    args.gen_batch = args.gen_batch or (32 if dev.startswith("cuda") else 8)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    print0 = lambda *a: print(*a) if rank == 0 else None  # noqa: E731
+    torch.manual_seed(cfg.seed)
+    dev = cfg.device
 
-    # --- the frozen base model and the data (stage 1)
-    args.model = str(resolve_model(args.model))
-    model = load_model(args.model, dev, getattr(torch, args.dtype) if args.dtype else None)
-    tok = Tokenizer(args.model, model.config)
-    rows = build_dataset(model, tok, args, out, rank)
-    train_rows = [r for r in rows if r["split"] == "train"]
+    # --- the frozen base model
+    model, tok, _ = cli.load(cfg.model, dev, cfg.dtype, tokenizer=cfg.stage in ("data", "all"))
+
+    # --- stage budgets: an adapter's per-layer weights (no training)
+    if cfg.stage == "budgets":
+        if rank == 0:
+            measure_budgets(model, adapter.to(dev), cfg, out, rows, dest)
+        return
+
+    # --- stage data: the samples
+    if cfg.stage in ("data", "all"):
+        rows = build_dataset(model, tok, cfg, out, rows, rank)
+    train_rows = [r for r in rows if r["split"] == "train" and sample_path(out, r["id"]).exists()]
     held_rows = [r for r in rows if r["split"] == "heldout"]
-    if not train_rows and not args.eval_only:
-        raise ValueError(f"no training samples in {out / 'data.jsonl'}: set --n-train > 0")
-    if args.stage == "data":
+    if cfg.stage == "data":
         print0(f"data ready: {len(train_rows)} train, {len(held_rows)} held-out rows in {out / 'data.jsonl'}")
         return
 
-    # --- the module (untrained, or --init), the optimiser, the schedule, a checkpoint to resume
-    module = new_module(model, args)
+    # --- stage train: the module (untrained, or --init), the optimiser, the schedule, a checkpoint to resume
     init_info = None
-    if args.init:  # fine-tune an adapter: the same module shape, its weights, a new schedule
-        module = LookaheadModule.load(args.init, model.config, dev)
-        init_info = dict(path=Path(args.init).name, **module.info)
-        if module.layer_budget is not None and not args.eval_only:  # measured for the init's weights, not the new ones
-            print0(f"--init {args.init}: its per-layer budgets are dropped; measure them again for the trained "
-                   "adapter (examples/layer_sensitivity.py)")
-            module.layer_budget = None
-    if args.eval_only:
-        return eval_only(model, module, held_rows, args)
-    opt = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    layer_weights = read_layer_weights(args.layer_weights, model.config.num_hidden_layers) if args.layer_weights else None
-    loss = Loss(pool=args.pool if args.pool_loss else "none", kernel=args.kernel if args.pool_loss else 1,
-                skip=args.loss_skip, power=args.loss_power, layer_weights=layer_weights)
-    batches = micro_batches(train_rows, args.micro_batch)
-    per_step = max(world, args.batch // args.micro_batch)  # micro-batches per optimiser step, all ranks
+    if adapter is not None:  # fine-tune an adapter: its shape and weights, a new schedule
+        module = adapter.to(dev)
+        init_info = dict(module.info, path=Path(module.info["path"]).name)
+        if "layer_weights" in module.info:  # measured for the init's weights, not the new ones
+            print0(f"--init {cfg.init}: its per-layer weights are dropped; measure them again for the trained "
+                   "adapter (python train.py --stage budgets)")
+        module.info = dict(rule=cfg.rule)
+    else:
+        module = new_module(model, cfg)
+    opt = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    batches = micro_batches(train_rows, cfg.micro_batch)
+    per_step = max(world, cfg.batch // cfg.micro_batch)  # micro-batches per optimiser step, all ranks
     steps_per_epoch = max(1, len(batches) // per_step)
-    total = max(1, round(steps_per_epoch * args.epochs))
+    total = max(1, round(steps_per_epoch * cfg.epochs))
     step, log = 0, []
-    ckpt = out / "ckpt.pt"
-    if args.resume and ckpt.exists():
-        step, log = load_checkpoint(ckpt, module, opt)
+    ckpt_path = out / "ckpt.pt"
+    if ckpt is not None:
+        step, log = resume_from(ckpt, module, opt, ckpt_path)
         print0(f"resumed at step {step}/{total}")
-    elif args.resume:
-        print0(f"no checkpoint at {ckpt}: starting from step 0")
+    elif cfg.resume:
+        print0(f"no checkpoint at {ckpt_path}: starting from step 0")
+    elif ckpt_path.exists():
+        print0(f"{ckpt_path} exists and --resume was not given: starting from step 0; it is replaced at the "
+               "first checkpoint")
 
-    # --- held-out ground truth with the SnapKV / H2O scores of the same forward (rank 0 evaluates alone)
+    # --- held-out ground truth with the SnapKV / H2O scores of the same forward (rank 0 checks alone)
     t0 = time.perf_counter()
-    held_rows = held_rows if rank == 0 else []
-    heldout = heldout_ground_truth(model, held_rows, args.window, out)
+    heldout = harness.heldout_ground_truth(model, held_rows if rank == 0 else [], cfg.window, out)
     dtype = model.lm_head.weight.dtype
     reader = ThreadPoolExecutor(max_workers=1)
 
-    def do_eval():
+    def check():
         if heldout and rank == 0:
-            m = heldout_metrics(model, module, heldout, args.budget, args.window)
+            m = harness.heldout_metrics(model, module, heldout, budgets=(cfg.budget,), window=cfg.window)
             log.append(dict(step=step, **m))
-            print_heldout(f"step {step}/{total} ", m, args.budget)
+            print(harness.heldout_line(f"step {step}/{total} ", m, cfg.budget))
             with open(out / "log.jsonl", "a") as f:
                 f.write(json.dumps(log[-1]) + "\n")
 
-    # --- the loop (stage 3): step 0 evaluates the untrained module (or the --init adapter), the honest reference
+    # --- the loop: step 0 checks the untrained module (or the --init adapter), the honest reference
     if step == 0:
-        do_eval()
+        check()
     bar = tqdm(total=total, initial=step, desc="training", disable=rank > 0)
     n_seen, stopped_early = 0, False
     while step < total:
-        if args.max_minutes and time.perf_counter() - t_start > 60 * args.max_minutes:
+        if cfg.max_minutes and time.perf_counter() - t_start > 60 * cfg.max_minutes:
             stopped_early = True
-            print0(f"--max-minutes {args.max_minutes} reached at step {step}/{total}: saving what we have")
-            do_eval()
+            print0(f"--max-minutes {cfg.max_minutes} reached at step {step}/{total}: saving what we have")
+            check()
             break
         epoch, k = divmod(step, steps_per_epoch)
         order = list(batches)
-        random.Random(args.seed + epoch).shuffle(order)  # the same order on every rank and on resume
+        random.Random(cfg.seed + epoch).shuffle(order)  # the same order on every rank and on resume
         step_batches = order[k * per_step:(k + 1) * per_step]
         n_step = sum(len(b) for b in step_batches)  # samples in this step, all ranks
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, args)
+            g["lr"] = lr_at(step, total, cfg)
         mine = step_batches[rank::world]
         # the step's micro-batches are read from disk by a second thread while the first ones train
         loads = [reader.submit(load_batch, [sample_path(out, train_rows[i]["id"]) for i in idx], dev, dtype)
@@ -866,26 +680,24 @@ def train(args):
             return cache, gt, lengths
 
         step_loss = optimizer_step(module, opt, model, (batch(idx, load) for idx, load in zip(mine, loads)), n_step,
-                                   args.clip, loss, world).item()
+                                   cfg.clip, world).item()
         step += 1
         n_seen += n_step
         bar.set_postfix(loss=f"{step_loss:.4f}", samples_s=f"{n_seen / (time.perf_counter() - t0):.1f}")
         bar.update()
-        if step % args.eval_every == 0 or step == total:
-            do_eval()
-        if rank == 0 and (step % args.save_every == 0 or step == total):
-            save_checkpoint(ckpt, module, opt, step, log)
+        if step % cfg.eval_every == 0 or step == total:
+            check()
+        if rank == 0 and (step % cfg.save_every == 0 or step == total):
+            save_checkpoint(ckpt_path, module, opt, step, log)
     bar.close()
 
     # --- the adapter and its metadata
     if rank == 0:
         if stopped_early:
-            save_checkpoint(ckpt, module, opt, step, log)
-        module.info = adapter_metadata(args, train_rows, len(held_rows), step, total, stopped_early, log,
-                                       init_info)
-        dest = Path(args.adapter_out) if args.adapter_out else out / "adapter.safetensors"
-        module.save(dest)
-        print0(f"saved {dest} (+ .json) after {step} steps, {time.perf_counter() - t0:.0f} s")
+            save_checkpoint(ckpt_path, module, opt, step, log)
+        module.info = adapter_metadata(cfg, train_rows, len(held_rows), step, total, stopped_early, log, init_info)
+        save_adapter(module, dest)
+        print(f"saved {dest} (+ .json) after {step} steps, {time.perf_counter() - t0:.0f} s")
     if ddp:
         dist.destroy_process_group()
 

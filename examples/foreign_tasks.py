@@ -130,9 +130,14 @@ def main(argv=None):
     p.add_argument("--facts", action="store_true", help="planted facts with exact answers instead (see above)")
     p.add_argument("--n-facts", type=int, default=12, help="--facts: how many prompts")
     args = p.parse_args(argv)
+    for flag, value in (("--per-kind", args.per_kind), ("--max-chars", args.max_chars), ("--n-facts", args.n_facts)):
+        if value < 1:
+            sys.exit(f"error: {flag} {value}: must be at least 1")
+    if Path(args.out).is_dir():
+        sys.exit(f"error: --out {args.out} is a folder: pass a file name, e.g. {Path(args.out) / 'tasks.jsonl'}")
     rows = build_facts(args.n_facts, args.max_chars) if args.facts else build(args.per_kind, args.max_chars)
     if not rows:
-        sys.exit("no documents found: this needs Python's pydoc_data or /usr/share/common-licenses")
+        sys.exit("error: no documents found: this needs Python's pydoc_data or /usr/share/common-licenses")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         for r in rows:

@@ -1,15 +1,15 @@
 """
 Draw one recall / answer-KL / accuracy plot from several evaluate.py runs over the same prompts,
-e.g. the baselines of one run next to the lookahead rows of a run with other pooling:
+e.g. the baselines of one run next to the lookahead rows of a run with another selection rule:
 
     python examples/plot_eval.py --out examples/eval-plot.png \
         "runs/eval2k:full,snapkv,pyramidkv,h2o,laq,streaming,oracle,lookahead=lookahead unpooled" \
-        "runs/eval2k-avg:lookahead=lookahead (avg-pool 5),lookahead-untrained=untrained (avg-pool 5)"
+        "runs/eval2k-avg:lookahead=lookahead (avg:5),lookahead-untrained=untrained (avg:5)"
 
 Each argument is DIR (every method of DIR/results.json) or DIR:METHOD[=LABEL],... (those methods,
-renamed). Rows are averaged over the prompts each run holds, as evaluate.py's tables are.
---tables also prints the merged rows as markdown tables (answer KL, recall, fidelity, accuracy);
---out is then optional.
+renamed). Rows are averaged over the prompts each run holds, as evaluate.py's tables are
+(harness.mean_of). --tables also prints the merged rows as markdown tables (answer KL, recall,
+fidelity, accuracy); --out is then optional.
 """
 
 import argparse
@@ -18,7 +18,25 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from evaluate import METRICS, plot, table  # noqa: E402
+from harness import plot_results, results_table  # noqa: E402
+
+TABLES = {"answer_kl": ("answer KL: mean KL(FullKV || method) along FullKV's answer, nats", "{:.4f}"),
+          "recall": ("recall@C against the true future attention", "{:.3f}"),
+          "fidelity": ("fidelity: share of FullKV's greedy tokens reproduced", "{:.3f}"),
+          "accuracy": ("accuracy: share of the expected answers found in the output", "{:.3f}")}
+
+
+def read_run(folder):
+    """The result rows of an evaluate.py --out folder (SystemExit with one line otherwise)."""
+    path = Path(folder) / "results.json"
+    if not path.is_file():
+        sys.exit(f"error: no {path}: run evaluate.py --out {folder} first")
+    try:
+        rows = json.loads(path.read_text())["results"]
+        assert isinstance(rows, list) and all(isinstance(r, dict) and {"method", "budget"} <= r.keys() for r in rows)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        sys.exit(f"error: {path} is not an evaluate.py results file: pass the --out folder of an evaluate.py run")
+    return rows
 
 
 def main(argv=None):
@@ -32,10 +50,7 @@ def main(argv=None):
     results, methods, budgets = [], [], set()
     for spec in args.runs:
         folder, _, picks = spec.partition(":")
-        path = Path(folder) / "results.json"
-        if not path.exists():
-            sys.exit(f"error: no {path}: run evaluate.py --out {folder} first")
-        rows = json.loads(path.read_text())["results"]
+        rows = read_run(folder)
         names = dict(x.partition("=")[::2] for x in picks.split(",")) if picks else {r["method"]: "" for r in rows}
         for r in rows:
             if r["method"] in names:
@@ -44,11 +59,11 @@ def main(argv=None):
                 budgets.add(r["budget"])
                 methods += [label] if label not in methods else []
     n = len({r["id"] for r in results})
-    for metric in ("answer_kl", "recall", "fidelity", "accuracy") if args.tables else ():
+    for metric, (title, fmt) in TABLES.items() if args.tables else ():
         if any(r.get(metric) is not None for r in results):
-            print(f"### {METRICS[metric][0]} ({n} samples)\n\n{table(results, metric, methods, sorted(budgets))}\n")
+            print(f"### {title} ({n} samples)\n\n{results_table(results, metric, methods, sorted(budgets), fmt)}\n")
     if args.out:
-        plot(results, methods, sorted(budgets), args.out)
+        plot_results(results, methods, sorted(budgets), args.out)
         print(f"wrote {args.out}: {', '.join(methods)}")
 
 

@@ -19,10 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import matplotlib
 import torch
 
-from lookaheadkv import (EvictConfig, LookaheadModule, answer_attention, compress, default_adapter_path, greedy,
-                         untrained_module)
+import cli
+from eviction import EvictConfig, compress, greedy
+from lookaheadkv import answer_attention, untrained_module
+from methods import load_adapter, make_scorer, selecting_like
 from metrics import keep_fraction, recall_of_kept
-from model import Tokenizer, load_model, resolve_model
 
 ALL = "streaming,random,snapkv,pyramidkv,h2o,laq,oracle,lookahead,lookahead-untrained"
 
@@ -44,11 +45,9 @@ def main():
     args = p.parse_args()
     matplotlib.use("Agg")  # draw to a file, no display
     torch.set_grad_enabled(False)
-    folder = resolve_model(None)
-    model = load_model(folder)
-    tok = Tokenizer(folder, model.config)
+    model, tok, _ = cli.load(None)
     answer_ids = lambda *state: greedy(model, *state, args.max_new_tokens, tok.stop_ids)[0]
-    prompt = Path(args.prompt).read_text().strip()
+    prompt = cli.input_file("--prompt", args.prompt).read_text().strip()
     text = tok.chat(prompt)
     ids = tok.encode(text)
     ids_t = torch.tensor([ids])  # (1, S)
@@ -61,23 +60,22 @@ def main():
              for name, s in (("needle", needle), ("question", question))}
 
     # FullKV: its greedy answer is the future the oracle sees and recall@C measures against
-    cache, logits, pos, _ = compress(model, ids_t, EvictConfig("full"))
+    cache, logits, pos, _ = compress(model, ids_t, make_scorer(EvictConfig("full")))
     prompt_cache = cache.copy()  # decoding appends to `cache`; the oracle's pass needs the prompt's alone
     response = torch.tensor([answer_ids(cache, logits, pos)])  # (1, R), the stop token included
     true = answer_attention(model, prompt_cache, response, pos)
     answer = lambda out: tok.decode([i for i in out if i not in tok.stop_ids]).strip()
     print(f"prompt {len(ids)} tokens, budget {args.budget}, needle tokens {spans['needle']}: {needle!r}")
     print(f"full answer: {answer(response[0].tolist())!r}")
-    trained = LookaheadModule.load(default_adapter_path(model.config), model.config)  # the shipped adapter
+    trained = load_adapter(cli.default_adapter_path(model.config), model.config)  # the shipped adapter
     torch.manual_seed(0)  # the untrained module: same shape, P ~ N(0, std of the token embeddings), LoRA B = 0
-    untrained = untrained_module(model, trained.n_tokens, trained.rank, trained.alpha, trained.targets, trained.pool,
-                                 trained.kernel, trained.window, trained.layer_budget)
-    modules = {"lookahead": trained, "lookahead-untrained": untrained}
+    untrained = untrained_module(model, trained.n_tokens, trained.rank, trained.alpha, trained.targets)
+    modules = {"lookahead": trained, "lookahead-untrained": selecting_like(untrained, trained)}  # the same rule
     rows = []
     for name in args.methods.split(","):
-        module = modules.get(name)  # each scorer pools its own way: lookahead as its adapter, the oracle not at all
-        eviction = EvictConfig("lookahead" if module is not None else name, args.budget)
-        cache, logits, pos, kept = compress(model, ids_t, eviction, module=module, response=response)
+        module = modules.get(name)  # each method selects its own way: lookahead as its adapter, the oracle unsmoothed
+        scorer = make_scorer(EvictConfig("lookahead" if module is not None else name, args.budget), module, response)
+        cache, logits, pos, kept = compress(model, ids_t, scorer)
         recall, keep_frac = recall_of_kept(kept, true), keep_fraction(kept, len(ids))
         needle_kept = keep_frac[slice(*spans["needle"])].mean()
         print(f"{name:20s} recall@{args.budget} {recall:.3f}  needle kept {needle_kept:.2f}"
@@ -115,4 +113,4 @@ def draw(rows, spans, words, cfg, args):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)  # a bad flag or a missing adapter: one `error:` line

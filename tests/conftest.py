@@ -66,3 +66,21 @@ def tiny_hf_model(tmp_path_factory):
         return folder
 
     return make
+
+
+# --- the real default checkpoint (made by python weights/prepare.py, which the README's test command runs) ---
+
+REAL_FOLDER = Path(__file__).resolve().parents[1] / "weights" / "SmolLM2-135M-Instruct"
+REAL_ADAPTER = REAL_FOLDER.parent / "SmolLM2-135M-Instruct.lookahead.safetensors"  # shipped in the repo
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """(model, tokenizer, shipped adapter) on CPU in float32; the test is skipped without the weights."""
+    if not (REAL_FOLDER / "model.safetensors").exists():
+        pytest.skip("run python weights/prepare.py")
+    from methods import load_adapter
+    from model import Tokenizer, load_model
+
+    model = load_model(REAL_FOLDER)
+    return model, Tokenizer(REAL_FOLDER, model.config), load_adapter(REAL_ADAPTER, model.config)

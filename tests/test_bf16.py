@@ -26,12 +26,13 @@ import torch.nn.functional as F
 
 import lookaheadkv as lk
 import train
-from lookaheadkv import EvictConfig, LookaheadModule, compress, lookahead_pass
-from test_lookaheadkv import rand_ids, random_module, tiny_model
+from eviction import EvictConfig, prefill_and_score
+from extensions.span import SpanRule, token_surprisal
+from lookaheadkv import LookaheadModule, lookahead_pass
+from methods import make_scorer
+from test_lookaheadkv import compress_by, rand_ids, random_module, tiny_model
 
 BF16 = torch.bfloat16
-
-
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +42,9 @@ def models():
     with torch.no_grad():
         m32 = tiny_model(num_hidden_layers=3)
         module = random_module(m32.config, 8, LookaheadModule.TARGETS)
-    # unpooled: these tests compare scores and top-C under rounding. Random tokens are all unpredictable,
-    # so the span rule (the shipped one) would share scores across whole runs and leave no clear margin;
-    # its bf16 input, the surprisal, has a test of its own below
-    module.pool, module.kernel = "none", 1
+    # module.info names no rule: lookahead selects unpooled, as in the paper. These tests compare scores and
+    # top-C under rounding; random tokens are mostly unpredictable, so the span rule (the shipped one) would
+    # share scores across whole runs and leave no clear margin: its bf16 path has a test of its own below
     return m32, copy.deepcopy(m32).to(BF16), module
 
 
@@ -74,7 +74,7 @@ def test_training_step_in_bf16_matches_fp32(models, tmp_path):
         m = copy.deepcopy(module).requires_grad_(True)
         cache, gt, lengths = train.load_batch(paths, "cpu", model.lm_head.weight.dtype)
         pred = lookahead_pass(model, m, cache, lengths, per_query_head=True)
-        loss = train.kl_loss(gt, pred)
+        loss = lk.kl_loss(gt, pred)
         loss.backward()
         return m, loss, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
@@ -104,11 +104,11 @@ def test_one_pass_equals_two_pass_in_bf16(models):
     run = {}
     for name, model, one_pass in (("fp32", m32, True), ("one", m16, True), ("two", m16, False)):
         ec = EvictConfig("lookahead", budget=12, one_pass=one_pass, chunk_size=16)
-        run[name] = lk.prefill_and_score(model, ids, ec, module=module)[1]
+        run[name] = prefill_and_score(model, ids, make_scorer(ec, module))
     bf16_err = (run["one"].scores - run["fp32"].scores).abs().max()
     assert 0 < bf16_err < 0.08 * run["fp32"].scores.max()  # the model did run in bf16, and not far off
     assert (run["one"].scores - run["two"].scores).abs().max() <= bf16_err
-    one, two = (compress(m16, ids, EvictConfig("lookahead", budget=12, one_pass=p, chunk_size=16), module=module)
+    one, two = (compress_by(m16, ids, EvictConfig("lookahead", budget=12, one_pass=p, chunk_size=16), module=module)
                 for p in (True, False))
     assert torch.allclose(one[1].float(), two[1].float(), atol=0.05)  # first-token logits: bf16 rounding apart
     assert_same_kept_where_clear(run["fp32"], run["one"], module, EvictConfig("lookahead", budget=12),
@@ -119,10 +119,7 @@ def clear_heads(scorer, r32, r16, C):
     """(L, B, H_kv) bool: where fp32's pooled gap between the C-th and (C+1)-th score (protected tokens
     counted as +inf, as select does) exceeds twice the head's largest bf16 error, so rounding cannot
     swap them. Also asserts that error is < 8% of the head's largest score."""
-    if scorer.needs_surprisal:  # the span rule's gate: the same unpredictable runs in bf16 as in fp32
-        assert torch.equal(r32.surprisal > lk.SURPRISE_NATS, r16.surprisal > lk.SURPRISE_NATS)
-    p32, p16 = (lk.pool_scores(r.scores.float(), scorer.pool, scorer.kernel, scorer.window, r.surprisal)
-                for r in (r32, r16))
+    p32, p16 = (scorer.rule.smooth(r.scores.float(), r, scorer.window) for r in (r32, r16))
     err = (p16 - p32).abs().amax(-1)
     assert (err < 0.08 * p32.amax(-1)).all(), "bf16 scores are further from fp32 than bf16 rounding explains"
     protect = scorer.protect(r32.positions)
@@ -133,10 +130,10 @@ def clear_heads(scorer, r32, r16, C):
 
 def assert_same_kept_where_clear(r32, r16, module, ec, kept16s, min_clear):
     """Each of kept16s (per layer (B, H_kv, C)) holds, on every clear head, fp32's top C."""
-    scorer = lk.make_scorer(ec, module)
+    scorer = make_scorer(ec, module)
     clear = clear_heads(scorer, r32, r16, ec.budget)
     assert clear.sum() >= min_clear, "no head with a clear margin: the comparison would prove nothing"
-    kept32 = scorer.evict(r32.scores, r32.positions, r32.valid, surprisal=r32.surprisal)
+    kept32 = scorer.evict(r32.scores, r32)
     for kept16 in kept16s:
         for l in range(clear.shape[0]):
             same = (kept16[l] == kept32[l]).all(-1)  # (B, H_kv), both in slot order
@@ -155,28 +152,28 @@ def test_eviction_keeps_fp32_slots_where_margins_are_clear(models, method):
     n_clear = 0
     for C in (4, 8, 12):
         ec = EvictConfig(method, budget=C, window=2, chunk_size=16)
-        r32, r16 = (lk.prefill_and_score(m, ids, ec, module=module)[1] for m in (m32, m16))
-        res16 = compress(m16, ids, ec, module=module)
+        r32, r16 = (prefill_and_score(m, ids, make_scorer(ec, module)) for m in (m32, m16))
+        res16 = compress_by(m16, ids, ec, module=module)
         assert res16[0].k[0].dtype == BF16
         n_clear += assert_same_kept_where_clear(r32, r16, module, ec, [kept_of(res16)], min_clear=0)
     assert n_clear >= 5, f"only {n_clear} clear (budget, layer, head) cases"
 
 
 @torch.no_grad()
-def test_surprisal_in_bf16_is_fp32s_within_rounding(models):
-    """The span rule's input on the GPU path: token_surprisal from a bf16 prefill is float32 and within
-    bf16 rounding of fp32's, and the span rule runs on bf16 scores (pooled in float32, returned as bf16,
-    never below a token's own score, above it for some)."""
+def test_span_rule_in_bf16(models):
+    """The span rule on the GPU path: the hidden states it keeps from a bf16 prefill give a float32
+    surprisal within bf16 rounding of fp32's, and it smooths bf16 scores (in float32, returned as bf16,
+    never below a token's own score, above it for some); compress keeps C slots per (layer, KV head)."""
     m32, m16, module = models
     ids = rand_ids(2, 40, seed=8)
-    span = copy.deepcopy(module)
-    span.pool, span.kernel = "span", 8
-    ec = EvictConfig("lookahead", budget=12, chunk_size=16)
-    r32, r16 = (lk.prefill_and_score(m, ids, ec, module=span)[1] for m in (m32, m16))
-    assert r16.surprisal.dtype == torch.float32
-    assert 0 < (r16.surprisal - r32.surprisal).abs().max() < 0.05 * r32.surprisal.max()  # bf16 did run
-    s16 = r16.scores.to(BF16)
-    pooled = lk.pool_scores(s16, "span", 8, surprisal=r16.surprisal)
-    assert pooled.dtype == BF16 and (pooled >= s16).all() and (pooled > s16).any()
-    kept = compress(m16, ids, ec, module=span)[3]
+    ec = EvictConfig("lookahead", budget=12, chunk_size=16, rule=SpanRule(8))
+    r32, r16 = (prefill_and_score(m, ids, make_scorer(ec, module)) for m in (m32, m16))
+    assert r16.rule_hook.states().dtype == BF16
+    s32, s16 = (token_surprisal(m.lm_head, r.rule_hook.states(), ids) for m, r in ((m32, r32), (m16, r16)))
+    assert s16.dtype == torch.float32
+    assert 0 < (s16 - s32).abs().max() < 0.05 * s32.max()  # bf16 did run
+    scores = r16.scores.to(BF16)
+    pooled = SpanRule(8).smooth(scores, r16)
+    assert pooled.dtype == BF16 and (pooled >= scores).all() and (pooled > scores).any()
+    kept = compress_by(m16, ids, ec, module=module)[3]
     assert all(k.shape == (2, m16.config.num_key_value_heads, 12) for k in kept)

@@ -1,10 +1,11 @@
 """Bad inputs to the scripts end in one line ("error: ..." saying what to do), exit status 1 and no
-traceback; library functions raise exceptions and leave that line to the script.
+traceback; library functions raise exceptions and leave that line to the script (cli.run).
 
 One subprocess per script (generate.py, train.py, evaluate.py, bench.py, weights/prepare.py) checks the
-contract where a user meets it: stderr, the exit status, no traceback. Every other bad input is checked
-in-process, through the script's main(argv): a SystemExit whose message is one "error: ..." line (what
-Python prints to stderr, with exit status 1, for a SystemExit with a string)."""
+contract where a user meets it: stderr, the exit status, no traceback; one more that a closed pipe
+(`| head`) ends quietly. Every other bad input is checked in-process, through the script's main(argv): a
+SystemExit whose message is one "error: ..." line (what Python prints to stderr, with exit status 1, for
+a SystemExit with a string). One test per class of bad input (issue 28), for generate.py and bench.py."""
 import io
 import json
 import os
@@ -18,11 +19,10 @@ import pytest
 import torch
 
 import bench
+import cli
 import data
-import evaluate
 import generate as generate_py
 import model
-import train
 from weights import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,40 +46,60 @@ def error_of(main, *argv):
 
 
 @pytest.fixture
+def no_loading(monkeypatch):
+    """Any attempt to load weights fails the test: the check must come first."""
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(bench, "random_model", lambda *a, **k: pytest.fail("the model was built"))
+
+
+@pytest.fixture
 def prompt(tmp_path):
     p = tmp_path / "prompt.txt"
     p.write_text("What is 2+2?")
     return p
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """A random 1-layer llama with a 64-token context and a word-level tokenizer, written with
-    model.py itself (no transformers): enough to reach the checks that need the model."""
+def write_tiny(folder, words, seed=0, poison=None):
+    """A random 1-layer llama with a 64-token context and a word-level tokenizer of `words`, written with
+    model.py itself (no transformers). poison: a tensor name to fill with NaN (a broken checkpoint)."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    folder = tmp_path_factory.mktemp("tiny")
     config = dict(model_type="llama", vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, eos_token_id=1)
     (folder / "config.json").write_text(json.dumps(config))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     net = model.Transformer(model.ModelConfig.from_hf_config(folder))
     # named_parameters lists the tied head once, as the embedding; safetensors refuses shared tensors
-    save_file({n: p.detach().contiguous() for n, p in net.named_parameters()}, str(folder / "model.safetensors"))
-    words = ["[UNK]", "</s>", "what", "is", "two", "and", "?", "."]
+    tensors = {n: p.detach().clone().contiguous() for n, p in net.named_parameters()}
+    if poison:
+        tensors[poison][0] = float("nan")
+    save_file(tensors, str(folder / "model.safetensors"))
     tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tk.save(str(folder / "tokenizer.json"))
     return folder
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """No chat format: the prompt is fed as it is."""
+    return write_tiny(tmp_path_factory.mktemp("tiny"), ["[UNK]", "</s>", "what", "is", "two", "and", "?", "."])
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """The same shapes with a ChatML vocabulary: the prompt is wrapped in the chat template."""
+    return write_tiny(tmp_path_factory.mktemp("chat"),
+                      ["[UNK]", "</s>", "<|im_start|>", "<|im_end|>", "user", "assistant", "?", "."])
+
+
 # ----------------------------------------------------------------------------- the contract, one run per script
 
 @pytest.mark.parametrize("script, argv, needles", [
-    ("generate.py", ["--prompt", "{tmp}/missing.txt", "--model", "{model}"], ["missing.txt not found", "- to read stdin"]),
+    ("generate.py", ["--prompt", "{tmp}", "--model", "{model}"], ["--prompt", "is a folder"]),
     ("train.py", ["--model", NOWHERE, "--out", "{tmp}/out"], [f"--model {NOWHERE}: no config.json"]),
-    ("evaluate.py", ["--methods", "full,bogus", "--model", NOWHERE], ["unknown method(s) bogus"]),
+    ("evaluate.py", ["--model", NOWHERE], [f"--model {NOWHERE}: no config.json"]),
     ("bench.py", ["--quick", "--device", "cpu"], ["--quick is the GPU preset"]),
     ("weights/prepare.py", ["--out", "{tmp}/a-file"], ["a-file is a file"]),
 ], ids=["generate", "train", "evaluate", "bench", "prepare"])
@@ -94,7 +114,18 @@ def test_script_error_is_one_line_on_stderr_with_status_1(script, argv, needles,
     one_line(err.rstrip("\n"), *needles)
 
 
-# ----------------------------------------------------------------------------- generate.py, in-process
+def test_closed_pipe_ends_quietly(prompt, tiny_model):
+    """`generate.py ... | head`: the reader goes away before the answer is written; exit 0, not a word."""
+    p = subprocess.Popen([sys.executable, "generate.py", "--prompt", str(prompt), "--model", str(tiny_model),
+                          "--method", "full", "--max-new-tokens", "8", "--device", "cpu"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # long before the child has imported torch
+    err = p.stderr.read().decode("utf-8", "replace")
+    assert p.wait(timeout=300) == 0, err
+    assert not re.search(r"error|Traceback|Broken pipe|Exception ignored", err), err
+
+
+# ----------------------------------------------------------------------------- generate.py: the prompt
 
 def test_prompt_not_utf8(tmp_path, tiny_model):
     p = tmp_path / "x.txt"
@@ -103,11 +134,11 @@ def test_prompt_not_utf8(tmp_path, tiny_model):
              f"prompt file {p} is not UTF-8 text (byte 0xff at offset 0)", "iconv")
 
 
-@pytest.mark.parametrize("text, needle", [("", "empty.txt) is empty"), (" \n\t\n", "empty.txt) is empty")])
-def test_prompt_file_empty(tmp_path, tiny_model, text, needle):
+@pytest.mark.parametrize("text", ["", " \n\t\n"])
+def test_prompt_file_empty(tmp_path, tiny_model, text, no_loading):
     p = tmp_path / "empty.txt"
     p.write_text(text)
-    one_line(error_of(generate_py.main, "--prompt", p, "--model", tiny_model), needle)
+    one_line(error_of(generate_py.main, "--prompt", p, "--model", tiny_model), "empty.txt) is empty")
 
 
 def test_prompt_stdin_only_whitespace(tiny_model, monkeypatch):
@@ -115,23 +146,106 @@ def test_prompt_stdin_only_whitespace(tiny_model, monkeypatch):
     one_line(error_of(generate_py.main, "--prompt", "-", "--model", tiny_model), "(stdin) is empty")
 
 
+def test_prompt_missing_or_a_folder(tmp_path, tiny_model, no_loading):
+    one_line(error_of(generate_py.main, "--prompt", tmp_path / "missing.txt", "--model", tiny_model),
+             "--prompt", "missing.txt: no such file")
+    one_line(error_of(generate_py.main, "--prompt", tmp_path, "--model", tiny_model), "--prompt", "is a folder")
+
+
+def test_nul_prompt_answers_with_a_warning(tmp_path, chat_model, capsys):
+    """300 NUL bytes are valid UTF-8: removed with a warning; the chat template alone is still answered."""
+    p = tmp_path / "nul.txt"
+    p.write_bytes(b"\0" * 300)
+    out = generate_py.main(["--prompt", str(p), "--model", str(chat_model), "--method", "full",
+                            "--max-new-tokens", "3", "--device", "cpu", "--json"])
+    err = capsys.readouterr().err
+    assert "warning:" in err and "only control characters (300" in err and "nul.txt" in err, err
+    assert out["prompt_tokens"] > 0
+
+
+def test_nul_prompt_without_a_template_is_an_error(tmp_path, tiny_model):
+    p = tmp_path / "nul.txt"
+    p.write_bytes(b"\0" * 300)
+    one_line(error_of(generate_py.main, "--prompt", p, "--model", tiny_model, "--method", "full"),
+             "nul.txt", "nothing is left to answer")
+
+
+def test_control_characters_removed_with_a_warning(tmp_path, tiny_model, capsys):
+    p = tmp_path / "p.txt"
+    p.write_bytes(b"what is two\0 and two ?\x07")
+    out = generate_py.main(["--prompt", str(p), "--model", str(tiny_model), "--method", "full",
+                            "--max-new-tokens", "2", "--device", "cpu", "--json"])
+    assert out["prompt_tokens"] == 6
+    assert "2 control characters" in capsys.readouterr().err
+
+
+def test_empty_answer_says_why(prompt, tiny_model, capsys, monkeypatch):
+    stop = torch.tensor([1])  # the tiny model's eos_token_id
+    monkeypatch.setattr(generate_py, "decode", lambda *a, **k: iter([stop]))
+    out = generate_py.main(["--prompt", str(prompt), "--model", str(tiny_model), "--method", "full",
+                            "--max-new-tokens", "4", "--device", "cpu", "--json"])
+    assert out["text"] == ""
+    assert "the answer is empty: the model's first token was a stop token (id 1)" in capsys.readouterr().err
+
+
+def test_nan_weights_name_the_model_folder(tmp_path, prompt):
+    folder = write_tiny(tmp_path, ["[UNK]", "</s>", "what", "is", "two", "and", "?", "."],
+                        poison="model.norm.weight")
+    # the loader or the first logits: whichever sees it first names the folder
+    one_line(error_of(generate_py.main, "--prompt", prompt, "--model", folder, "--method", "full", "--device", "cpu",
+                      "--max-new-tokens", "4"), str(folder), "NaN", "download")
+    with pytest.raises(ValueError, match=f"the model in {re.escape(str(folder))} gives NaN or inf logits"):
+        generate_py.check_logits(torch.tensor([[0.0, float("nan")]]), folder)
+
+
+def test_prompt_longer_than_context(tmp_path, tiny_model, no_loading):
+    p = tmp_path / "long.txt"
+    p.write_text("what is two and two ? " * 12)  # 72 tokens > the 64-token context
+    one_line(error_of(generate_py.main, "--prompt", p, "--model", tiny_model, "--method", "full",
+                      "--max-new-tokens", "4"),
+             "the prompt is 72 tokens", "context is 64", "shorten the prompt")
+
+
+# ----------------------------------------------------------------------------- generate.py: flags, before loading
+
 @pytest.mark.parametrize("argv, needles", [
     (["--device", "gpu"], ["is not a device: use cpu or cuda"]),
     (["--device", "meta"], ["only cpu and cuda are supported"]),
     (["--budget", "0"], ["--budget 0", "at least 1"]),
-    (["--kernel", "4"], ["pooling width 4 must be odd"]),
+    (["--pool", "avg:4"], ["--pool avg:4", "must be odd"]),
+    (["--pool", "chunk:4"], ["--pool chunk:4", "use none, avg:K, max:K"]),
     (["--max-new-tokens", "0"], ["--max-new-tokens 0", "at least 1 token"]),
     (["--window", "-1"], ["--window -1", "must be >= 0"]),
+    (["--temperature", "nan"], ["--temperature nan"]),
+    (["--temperature", "inf"], ["--temperature inf"]),
+    (["--temperature", "-1"], ["--temperature -1"]),
+    (["--top-p", "nan"], ["--top-p nan"]),
+    (["--top-p", "0"], ["--top-p 0"]),
+    (["--top-p", "1.5"], ["--top-p 1.5"]),
+    (["--method", "snapkv", "--two-pass"], ["--two-pass: method snapkv has no lookahead rows"]),
     (["--method", "snapkv", "--budget", "8"], ["budget 8 is too small for snapkv: it always keeps the last 32"]),
     (["--decode-budget", "8"], ["--decode-budget 8 is below --budget 128"]),
     (["--decode-budget", "8", "--budget", "4"], ["decode budget 8 leaves no room to choose", "smaller window"]),
-    (["--adapter", "{tmp}/a.st"], ["a.st not found"]),
+    (["--adapter", "{tmp}/a.safetensors"], ["--adapter", "a.safetensors: no such file"]),
+    (["--method", "snapkv", "--adapter", "{tmp}/a.safetensors"], ["--adapter: method snapkv uses no adapter"]),
     (["--model", NOWHERE], [f"--model {NOWHERE}: no config.json there"]),
 ])
-def test_bad_values_stop_before_the_model_loads(argv, needles, prompt, tmp_path, tiny_model, monkeypatch):
-    monkeypatch.setattr(generate_py, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+def test_bad_values_stop_before_the_model_loads(argv, needles, prompt, tmp_path, tiny_model, no_loading):
     argv = ["--prompt", prompt, "--model", tiny_model] + [a.format(tmp=tmp_path) for a in argv]
     one_line(error_of(generate_py.main, *argv), *needles)
+
+
+@pytest.mark.parametrize("method", ["full", "streaming", "random", "oracle"])
+def test_pool_refused_by_methods_that_select_by_their_own_scores(method, prompt, tiny_model, no_loading):
+    one_line(error_of(generate_py.main, "--prompt", prompt, "--model", tiny_model, "--method", method,
+                      "--pool", "avg:5"), f"method {method} selects by its own scores alone", "--pool avg:5")
+
+
+def test_bad_adapter_stops_before_the_weights_load(prompt, tmp_path, tiny_model, no_loading):
+    (tmp_path / "a.safetensors").write_bytes(b"not safetensors")
+    (tmp_path / "a.json").write_text("[1, 2]")  # a JSON list, not the metadata object
+    one_line(error_of(generate_py.main, "--prompt", prompt, "--model", tiny_model, "--adapter",
+                      tmp_path / "a.safetensors", "--max-new-tokens", "4"), "a.json is not a JSON object")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -140,62 +254,72 @@ def test_device_cuda_without_cuda(prompt, tiny_model):
              "CUDA is not available on this machine: use --device cpu")
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--budget", "-5"], "at least 1"), (["--kernel", "0"], "must be odd"), (["--kernel", "-3"], "must be odd"),
-    (["--temperature", "-1"], "must be >= 0"), (["--top-p", "0"], "must be in (0, 1]"),
-    (["--top-p", "1.5"], "must be in (0, 1]"), (["--device", "cuda:x"], "is not a device"),
-    (["--pool", "max", "--kernel", "2"], "pooling width 2 must be odd")])
-def test_more_bad_values_in_check_args(argv, needle):
-    with pytest.raises(ValueError, match=re.escape(needle)):
-        generate_py.check_args(generate_py.get_args(["--prompt", "p.txt", *argv]))
+def test_good_values_pass_the_checks(tmp_path):
+    p = tmp_path / "p.txt"
+    p.write_text("x")
+    for argv in ([], ["--budget", "1", "--pool", "max:1", "--window", "0", "--max-new-tokens", "1", "--device", "cpu"],
+                 ["--method", "snapkv", "--budget", "33"], ["--method", "oracle", "--budget", "1"],
+                 ["--pool", "span:8", "--two-pass", "--uniform-budgets"], ["--temperature", "0.7", "--top-p", "1"]):
+        generate_py.check_args(generate_py.get_args(["--prompt", str(p), *argv]))
 
 
-def test_good_values_pass_the_checks():
-    for argv in ([], ["--budget", "1", "--kernel", "1", "--window", "0", "--max-new-tokens", "1", "--device", "cpu"],
-                 ["--method", "snapkv", "--budget", "33"], ["--method", "oracle", "--budget", "1"]):
-        generate_py.check_args(generate_py.get_args(["--prompt", "p.txt", *argv]))
-
-
-def test_prompt_longer_than_context(tmp_path, tiny_model):
-    p = tmp_path / "long.txt"
-    p.write_text("what is two and two ? " * 12)  # 72 tokens > the 64-token context
-    one_line(error_of(generate_py.main, "--prompt", p, "--model", tiny_model, "--method", "full",
-                      "--max-new-tokens", "4"),
-             "the prompt is 72 tokens", "context is 64", "shorten the prompt")
-
-
-def test_no_adapter_for_the_model(prompt, tiny_model):
+def test_no_adapter_for_the_model(prompt, tiny_model, no_loading):
     one_line(error_of(generate_py.main, "--prompt", prompt, "--model", tiny_model, "--method", "lookahead",
                       "--max-new-tokens", "4"),
              "no lookahead adapter for", "train one with python train.py")
 
 
-def test_good_arguments_still_run(prompt, tiny_model, capsys):
+def test_good_arguments_run_and_report_each_step(prompt, tiny_model, capsys):
     out = generate_py.main(["--prompt", str(prompt), "--model", str(tiny_model), "--method", "snapkv", "--budget", "4",
-                            "--window", "2", "--kernel", "3", "--max-new-tokens", "3", "--device", "cpu", "--json"])
+                            "--window", "2", "--pool", "avg:3", "--max-new-tokens", "3", "--device", "cpu", "--json"])
     assert out["prompt_tokens"] == 6 and out["kept_tokens"] == 4  # What is 2 + 2 ?
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out
-    assert out["prefill_ms"] > 0 and out["score_ms"] >= 0  # the Stopwatch's two steps
+    # issue 27: the prefill FullKV pays too, apart from what the method adds after it (the Stopwatch's marks)
+    assert out["prefill_ms"] > 0 and out["evict_ms"] >= 0 and out["ttft_ms"] >= out["prefill_ms"]
+    assert "score_ms" not in out
 
 
-# ----------------------------------------------------------------------------- the other scripts, in-process
+def test_stats_lines(prompt, tiny_model, capsys):
+    generate_py.main(["--prompt", str(prompt), "--model", str(tiny_model), "--method", "snapkv", "--budget", "4",
+                      "--window", "2", "--max-new-tokens", "2", "--device", "cpu", "--show"])
+    printed = capsys.readouterr().out
+    assert re.search(r"^prefill \d+ ms  eviction \d+ ms \(score \+ select \+ gather\)  ttft \d+ ms$", printed, re.M)
+    assert re.search(r"^decode [\d.]+ tok/s  KV cache [\d.]+ MB -> [\d.]+ MB$", printed, re.M)
+    assert "--- kept tokens" in printed
 
-@pytest.mark.parametrize("main, argv, needle", [
-    (train.main, ["--model", "{model}", "--out", "{tmp}/o", "--n-train", "0"], "--n-train 0: must be at least 1"),
-    (train.main, ["--model", "{model}", "--out", "{tmp}/o", "--pool", "avg", "--kernel", "4"], "pooling width 4 must be odd"),
-    (train.main, ["--model", "{model}", "--out", "{tmp}/o", "--device", "gpu"], "is not a device"),
-    (train.main, ["--model", "{model}", "--out", "{tmp}/o", "--loss-power", "0"], "--loss-power 0.0: must be greater"),
-    (evaluate.main, ["--model", "{model}", "--budgets", "8,0"], "--budgets"),
-    (evaluate.main, ["--model", "{model}", "--methods", "snapkv", "--budgets", "8", "--window", "8"],
-     "budget 8 is too small for snapkv"),
-    (bench.main, ["--model", NOWHERE], f"--model {NOWHERE}: no config.json"),
-    (bench.main, ["--budget", "0", "--device", "cpu"], "--budget 0: must be at least 1"),
-    (prepare.main, ["--out", "{tmp}/a-file"], "a-file is a file"),
-], ids=["train-n-train", "train-kernel", "train-device", "train-loss-power", "evaluate-budgets", "evaluate-window", "bench-model",
-        "bench-budget", "prepare-out"])
-def test_other_scripts_bad_values_in_process(main, argv, needle, tmp_path, tiny_model):
+
+# ----------------------------------------------------------------------------- bench.py, before loading
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", NOWHERE], f"--model {NOWHERE}: no config.json"),
+    (["--budget", "0"], "--budget 0: must be at least 1"),
+    (["--budget", "32"], "row snapkv: budget 32 is too small for snapkv: it always keeps the last 32"),
+    (["--json", "{tmp}/d.json"], "d.json is a folder"),
+    (["--json", "{tmp}/rows.txt"], "must end in .json"),
+    (["--methods", "snapkv,oracle"], "--methods oracle"),
+    (["--methods", "full", "--pool"], None),  # not an option: argparse's own exit, status 2
+    (["--mode", "decode-cost", "--lengths", "6", "--window", "4"], "decode budget 6 leaves no room"),
+    (["--mode", "decode-cost", "--methods", "laq"], "--methods laq: not a row of --mode decode-cost"),
+    (["--random-init", "{tmp}"], "--random-init"),
+    (["--random-init", "{tmp}/c.json", "--adapter", "{tmp}/c.json"], "--adapter: a --random-init"),
+    (["--lengths", "0"], "--lengths"),
+], ids=["model", "budget", "budget-window", "json-folder", "json-suffix", "oracle", "pool", "decode-cost-window",
+        "decode-cost-method", "random-init-folder", "adapter-random", "lengths"])
+def test_bench_bad_values_stop_before_the_model_loads(argv, needle, tmp_path, no_loading):
+    (tmp_path / "c.json").write_text("{}")
+    (tmp_path / "d.json").mkdir()
+    argv = ["--device", "cpu"] + [a.format(tmp=tmp_path) for a in argv]
+    if needle is None:
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv)
+        assert e.value.code == 2
+        return
+    one_line(error_of(bench.main, *argv), needle)
+
+
+def test_prepare_bad_out(tmp_path):
     (tmp_path / "a-file").write_text("not a folder")
-    one_line(error_of(main, *[a.format(tmp=tmp_path, model=tiny_model) for a in argv]), needle)
+    one_line(error_of(prepare.main, "--out", tmp_path / "a-file"), "a-file is a file")
 
 
 # ----------------------------------------------------------------------------- library functions raise
@@ -213,7 +337,7 @@ def test_library_functions_raise_not_exit(tmp_path):
         model.decode_utf8(b"a\xfe", "here")
     assert model.decode_utf8("\ufeffé".encode(), "x") == "é"  # a BOM dropped
     assert data.decode_utf8 is model.decode_utf8  # data files are read as the prompts are
-    assert model.resolve_model(tmp_path) == tmp_path  # a given folder as it is: nothing prepared
+    assert cli.resolve_model(tmp_path) == tmp_path  # a given folder as it is: nothing prepared
 
 
 # ----------------------------------------------------------------------------- beyond the paper: decode budget, chat
@@ -227,31 +351,32 @@ def test_library_functions_raise_not_exit(tmp_path):
     (["--decode-budget", "256", "--method", "pyramidkv"], "use --method streaming, snapkv, h2o, lookahead"),
     (["--decode-budget", "256", "--method", "full"], "use --method streaming, snapkv, h2o, lookahead"),
 ])
-def test_bad_decode_eviction_values(argv, needle):
+def test_bad_decode_eviction_values(argv, needle, prompt):
     with pytest.raises(ValueError, match=re.escape(needle)):
-        generate_py.check_args(generate_py.get_args(["--prompt", "p.txt", *argv]))
+        generate_py.check_args(generate_py.get_args(["--prompt", str(prompt), *argv]))
 
 
 @pytest.mark.parametrize("argv, needle", [
-    ([], "give one of --prompt FILE, --turns FILE.json"),
-    (["--prompt", "p.txt", "--chat-loop"], "give one of"),
-    (["--turns", "t.json", "--chat-loop"], "give one of"),
-    (["--chat-loop", "--method", "laq"], "a chat re-scores the whole cache at each turn"),
-    (["--turns", "t.json", "--budget", "32"], "decode budget 32 leaves no room to choose: it always keeps the last 32"),
+    ([], "give one of --prompt FILE"),
+    (["--prompt", "-", "--turns", "-"], "give one of"),
+    (["--turns", "-", "--method", "laq"], "a chat re-scores the whole cache at each turn"),
+    (["--turns", "-", "--budget", "32"], "decode budget 32 leaves no room to choose: it always keeps the last 32"),
+    (["--turns", "{tmp}"], "--turns"),
 ])
-def test_bad_chat_values(argv, needle):
+def test_bad_chat_values(argv, needle, tmp_path):
     with pytest.raises(ValueError, match=re.escape(needle)):
-        generate_py.check_args(generate_py.get_args(argv))
+        generate_py.check_args(generate_py.get_args([a.format(tmp=tmp_path) for a in argv]))
 
 
-def test_good_decode_and_chat_values_pass_the_checks():
-    for argv in (["--prompt", "p", "--decode-budget", "128", "--every", "1"], ["--chat-loop", "--method", "full"],
-                 ["--turns", "t.json", "--budget", "37", "--method", "streaming", "--window", "32"]):
+def test_good_decode_and_chat_values_pass_the_checks(prompt):
+    for argv in (["--prompt", str(prompt), "--decode-budget", "128", "--every", "1"], ["--turns", "-", "--method", "full"],
+                 ["--turns", "-", "--budget", "37", "--method", "streaming", "--window", "32"]):
         generate_py.check_args(generate_py.get_args(argv))
 
 
 @pytest.mark.parametrize("text, needle", [("[]", "non-empty JSON list"), ('["a", 3]', "non-empty JSON list"),
-                                          ('{"a": 1}', "non-empty JSON list"), ('["a", ', "is not valid JSON")])
+                                          ('{"a": 1}', "non-empty JSON list"), ('["a", ', "is not valid JSON"),
+                                          ('["\\u0000"]', "non-empty JSON list")])
 def test_bad_turns_files(tmp_path, text, needle):
     p = tmp_path / "t.json"
     p.write_text(text)
@@ -259,9 +384,9 @@ def test_bad_turns_files(tmp_path, text, needle):
         generate_py.read_turns(p)
 
 
-def test_missing_turns_file_and_chat_without_a_chat_format(tmp_path, tiny_model):
+def test_missing_turns_file_and_chat_without_a_chat_format(tmp_path, tiny_model, no_loading):
     one_line(error_of(generate_py.main, "--turns", tmp_path / "none.json", "--model", tiny_model),
-             "none.json not found: pass a JSON list")
+             "--turns", "none.json: no such file")
     p = tmp_path / "t.json"
     p.write_text('["what is two ?"]')
     one_line(error_of(generate_py.main, "--turns", p, "--model", tiny_model, "--method", "full", "--device", "cpu"),
@@ -276,3 +401,11 @@ def test_decode_budget_runs_and_reports(prompt, tiny_model, capsys):
     assert out["decode_budget"] == 5 and out["decode_evictions"] == 5  # 4 slots, 11 fed: 7 -> 5 every 2
     assert out["peak_slots"] == 5 + 2 and out["kv_bytes_end"] == 5 * slot_bytes
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out
+
+
+def test_chat_on_stdin_runs(chat_model, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"user ?\n\n/reset\nuser .\n")))
+    out = generate_py.main(["--turns", "-", "--model", str(chat_model), "--method", "full", "--max-new-tokens", "2",
+                            "--device", "cpu", "--json"])
+    assert [t["turn"] for t in out] == [1, 1]  # /reset: a new conversation
+    assert '{"reset": true}' in capsys.readouterr().out

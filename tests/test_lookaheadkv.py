@@ -1,24 +1,28 @@
-"""Tests of lookaheadkv.py: every scorer through compress (shapes, budgets, decode), select's
-rules, the exactness of the lookahead pass (two passes == one masked pass == a by-hand masked
-LoRA), H2O and GQA attention against explicit full attention matrices, decoding on an evicted
-cache against a full forward with the evicted keys masked out, chunked prefill, left padding,
-and the adapter file format.
+"""Tests of lookaheadkv.py (the paper), eviction.py (the shared steps) and baselines.py: every method
+through compress (shapes, budgets, decode), select and the SnapKV pooling, the exactness of the
+lookahead pass (two passes == one masked pass == a by-hand masked LoRA), H2O and GQA attention
+against explicit full attention matrices, decoding on an evicted cache against a full forward with
+the evicted keys masked out, chunked prefill, left padding, and the adapter file format. The
+extensions (span rule, per-layer budgets) are in test_extensions.py.
 
 Everything runs on CPU in float32 on tiny random models (weights re-drawn N(0, 0.15) so that
 attention is far from uniform and a wrong index or position changes the numbers)."""
 
 import json
 import math
-from dataclasses import replace as dataclasses_replace
 
 import pytest
 import torch
 
 import baselines
+import eviction as ev
 import lookaheadkv as lk
+import methods
 import metrics
 from baselines import H2OHook
-from lookaheadkv import EvictConfig, LookaheadHook, LookaheadModule, WindowHook, compress, decode, select
+from eviction import EvictConfig, Pool, WindowHook, compress, decode, select, stack_layers
+from lookaheadkv import LookaheadHook, LookaheadModule
+from methods import make_scorer
 from model import Hook, KVCache, ModelConfig, Transformer, attention_mask
 from torch.nn.attention.bias import causal_lower_right
 
@@ -64,6 +68,11 @@ def random_module(cfg, M_=8, targets=("q_proj", "k_proj"), seed=1, randomise_B=T
             if name.endswith("_B"):
                 p.normal_(0.0, 0.1)
     return mod.eval().requires_grad_(False)
+
+
+def compress_by(model, ids, ec, module=None, response=None, pad_mask=None, clock=None):
+    """compress() by the method an EvictConfig names (methods.make_scorer, then the shared steps)."""
+    return compress(model, ids, make_scorer(ec, module, response), pad_mask, clock)
 
 
 def kept_slots(full_k, kept_k):
@@ -116,16 +125,16 @@ def method_kwargs(method, cfg, seed=0):
     return kw
 
 
-@pytest.mark.parametrize("method", lk.METHODS)
+@pytest.mark.parametrize("method", list(methods.METHODS))
 def test_every_method_keeps_min_S_C_per_head_and_decodes(method):
     model = tiny_model(num_hidden_layers=3)
     cfg = model.config
     S, C, W = 48, 24, 8
     ids = rand_ids(1, S)
     ec = EvictConfig(method, budget=C, window=W, laq_tokens=4)
-    full, full_logits, full_pos, _ = compress(model, ids, EvictConfig("full"))
+    full, full_logits, full_pos, _ = compress_by(model, ids, EvictConfig("full"))
     torch.manual_seed(0)
-    cache, logits, next_pos, kept = compress(model, ids, ec, **method_kwargs(method, cfg))
+    cache, logits, next_pos, kept = compress_by(model, ids, ec, **method_kwargs(method, cfg))
     assert next_pos.tolist() == [S]
     assert torch.allclose(logits, full_logits, atol=ATOL)  # eviction happens after the first token's logits
     if method == "full":
@@ -164,13 +173,13 @@ def test_every_method_keeps_min_S_C_per_head_and_decodes(method):
         assert cache.k[l].shape[2] == budgets[l] + 2
 
 
-@pytest.mark.parametrize("method", lk.METHODS)
+@pytest.mark.parametrize("method", list(methods.METHODS))
 @pytest.mark.parametrize("S", [24, 16])  # == C and < C: nothing to evict
 def test_no_eviction_when_prompt_fits(method, S):
     model = tiny_model()
     ids = rand_ids(1, S, seed=3)
-    _, full_logits, _, _ = compress(model, ids, EvictConfig("full"))
-    cache, logits, next_pos, kept = compress(model, ids, EvictConfig(method, budget=24, window=8),
+    _, full_logits, _, _ = compress_by(model, ids, EvictConfig("full"))
+    cache, logits, next_pos, kept = compress_by(model, ids, EvictConfig(method, budget=24, window=8),
                                              **method_kwargs(method, model.config))
     assert len(cache) == S and all(k.shape[2] == S for k in cache.k)
     assert kept is None and next_pos.tolist() == [S]
@@ -219,10 +228,10 @@ def test_select_never_prefers_padding():
 def test_budget_below_protected_tokens_is_refused(method, kw, msg):
     model = tiny_model()
     with pytest.raises(ValueError, match=msg):
-        compress(model, rand_ids(1, 40), EvictConfig(method, **kw))
+        compress_by(model, rand_ids(1, 40), EvictConfig(method, **kw))
     # one slot more than the protected tokens is fine
     b = kw.get("window", kw.get("n_sink")) + 1
-    cache, *_ = compress(model, rand_ids(1, 40), EvictConfig(method, **{**kw, "budget": b}))
+    cache, *_ = compress_by(model, rand_ids(1, 40), EvictConfig(method, **{**kw, "budget": b}))
     assert cache.k[-1].shape[2] <= b
 
 
@@ -230,11 +239,11 @@ def test_missing_inputs_are_refused():
     model = tiny_model()
     ids = rand_ids(1, 40)
     with pytest.raises(ValueError, match="needs an adapter"):
-        compress(model, ids, EvictConfig("lookahead", budget=16))
+        compress_by(model, ids, EvictConfig("lookahead", budget=16))
     with pytest.raises(ValueError, match="full-cache answer"):
-        compress(model, ids, EvictConfig("oracle", budget=16))
+        compress_by(model, ids, EvictConfig("oracle", budget=16))
     with pytest.raises(ValueError, match="unknown method"):
-        compress(model, ids, EvictConfig("nope", budget=16))
+        compress_by(model, ids, EvictConfig("nope", budget=16))
 
 
 # -----------------------------------------------------------------------------
@@ -289,7 +298,7 @@ def test_two_pass_equals_one_masked_pass(targets):
         assert ha.scores[l].shape == (1, cfg.num_key_value_heads, S)
         assert torch.allclose(ha.scores[l], hb.scores[l], atol=ATOL)
         assert torch.allclose(hc.scores[l], hb.scores[l], atol=ATOL)
-        pa, pb = (lk.pool_scores(h.scores[l], "avg", 5) for h in (ha, hb))
+        pa, pb = (Pool("avg", 5).smooth(h.scores[l], None) for h in (ha, hb))
         assert torch.equal(select(pa, C), select(pb, C))
     assert torch.allclose(out_b, out_c, atol=1e-4)  # the whole forward, lookahead rows included
     # the prompt rows never see the LoRA: their logits are the base model's
@@ -301,19 +310,15 @@ def test_two_pass_equals_one_masked_pass(targets):
     # the same through compress: one_pass=True vs the two-pass reference
     res = {}
     for one_pass in (True, False):
-        res[one_pass] = compress(model, ids, EvictConfig("lookahead", budget=C, one_pass=one_pass), module=mod)
+        res[one_pass] = compress_by(model, ids, EvictConfig("lookahead", budget=C, one_pass=one_pass), module=mod)
     (c1, l1, p1, k1), (c2, l2, p2, k2) = res[True], res[False]
     assert torch.allclose(l1, l2, atol=ATOL) and torch.equal(p1, p2)
     assert all(torch.equal(a, b) for a, b in zip(k1, k2))
     for l in range(cfg.num_hidden_layers):
         assert c1.k[l].shape[2] == C  # the lookahead rows are gone from the cache
         assert torch.allclose(c1.k[l], c2.k[l], atol=ATOL) and torch.allclose(c1.v[l], c2.v[l], atol=ATOL)
-        # and the kept set is the top-C of the two-pass scores, pooled as the module says (the span rule:
-        # with each prompt token's surprisal, here from the plain forward's logits)
-        logp = plain[:, :S - 1].log_softmax(-1)
-        surprisal = torch.cat([torch.zeros(1, 1), -logp.gather(-1, ids[:, 1:, None])[..., 0]], dim=1)  # (1, S)
-        pooled = lk.pool_scores(ha.scores[l], mod.pool, mod.kernel, surprisal=surprisal)
-        assert torch.equal(kept_slots(cache.k[l][:, :, :S], c1.k[l]), select(pooled, C))
+        # and the kept set is the top C of the two-pass scores, unpooled (the paper's rule, LookaheadKV's default)
+        assert torch.equal(kept_slots(cache.k[l][:, :, :S], c1.k[l]), select(ha.scores[l], C))
 
 
 def test_lora_delta_is_alpha_over_r_B_A_x():
@@ -439,7 +444,7 @@ def test_answer_attention_equals_explicit_attention_for_a_padded_batch():
     answers = [rand_ids(1, r, seed=50 + i) for i, r in enumerate(alens)]
     ids = torch.cat([torch.cat([torch.zeros(1, S - p.shape[1], dtype=torch.long), p], 1) for p in prompts])
     pad = torch.stack([torch.arange(S) >= S - n for n in lens])
-    cache, _, next_pos, _ = compress(model, ids, EvictConfig("full"), pad_mask=pad)
+    cache, _, next_pos, _ = compress_by(model, ids, EvictConfig("full"), pad_mask=pad)
     assert next_pos.tolist() == list(lens)
     padded = torch.cat([torch.cat([a, a[:, -1:].expand(1, R - a.shape[1])], 1) for a in answers])  # (2, R)
     mask = torch.arange(R)[None] < torch.tensor(alens)[:, None]
@@ -473,19 +478,19 @@ def test_answer_attention_equals_explicit_attention_for_a_padded_batch():
 def test_keep_slots_gathers_each_layer_and_kv_head_in_place():
     model = tiny_model()
     cfg = model.config
-    full, _, _, _ = compress(model, rand_ids(2, 12, seed=3), EvictConfig("full"))
+    full, _, _, _ = compress_by(model, rand_ids(2, 12, seed=3), EvictConfig("full"))
     cache = full.copy()
     g = torch.Generator().manual_seed(0)
     kept = [torch.rand(2, cfg.num_key_value_heads, 12, generator=g).topk(c, -1).indices.sort(-1).values
             for c in (5, 3)]  # per layer its own budget, per row and KV head its own slots
-    assert lk.keep_slots(cache, kept) is cache
+    assert ev.keep_slots(cache, kept) is cache
     for l, idx in enumerate(kept):
         for b in range(2):
             for h in range(cfg.num_key_value_heads):
                 assert torch.equal(cache.k[l][b, h], full.k[l][b, h, idx[b, h]])
                 assert torch.equal(cache.v[l][b, h], full.v[l][b, h, idx[b, h]])
     assert [k.shape[2] for k in full.k] == [12, 12]  # the copy it was given was gathered, not the original
-    assert lk.keep_slots(cache, []) is cache  # nothing to keep per layer: nothing done
+    assert ev.keep_slots(cache, []) is cache  # nothing to keep per layer: nothing done
 
 
 def test_untrained_module_starts_at_the_token_scale_with_B_zero():
@@ -514,9 +519,12 @@ def test_the_defaults_are_the_shipped_configuration():
     shipped = json.loads((Path(lk.__file__).parent / "weights" / "SmolLM2-135M-Instruct.lookahead.json").read_text())
     model = tiny_model()
     mod = lk.untrained_module(model)
-    got = dict(n_tokens=mod.n_tokens, rank=mod.rank, alpha=mod.alpha, targets=list(mod.targets), pool=mod.pool,
-               kernel=mod.kernel, window=mod.window)
+    got = dict(n_tokens=mod.n_tokens, rank=mod.rank, alpha=mod.alpha, targets=list(mod.targets))
     assert got == {k: shipped[k] for k in got}
+    # how it selects rides in module.info (methods.make_scorer applies it): the shipped rule parses,
+    # its per-layer weights are one per layer of SmolLM2-135M (30)
+    assert repr(methods.parse_rule(shipped["rule"])) == shipped["rule"]
+    assert len(shipped["layer_weights"]) == 30 and mod.info == {}
     assert len([n for n, _ in mod.named_parameters() if n.endswith("_B")]) == 7 * model.config.num_hidden_layers
     # float32 whatever the model's dtype (the module trains in float32)
     half = tiny_model().to(torch.bfloat16)
@@ -528,12 +536,12 @@ def test_the_defaults_are_the_shipped_configuration():
 def test_greedy_returns_each_rows_answer_up_to_its_stop_token():
     model = tiny_model()
     ids = rand_ids(2, 20, seed=6)
-    cache, logits, pos_, _ = compress(model, ids, EvictConfig("full"))
-    free = lk.greedy(model, cache.copy(), logits, pos_, 8, ())
+    cache, logits, pos_, _ = compress_by(model, ids, EvictConfig("full"))
+    free = ev.greedy(model, cache.copy(), logits, pos_, 8, ())
     assert [len(a) for a in free] == [8, 8]
     assert free == torch.stack(list(decode(model, cache.copy(), logits, pos_, 8)), 1).tolist()
     stop = free[1][2]  # row 1 stops at its third token
-    got = lk.greedy(model, cache, logits, pos_, 8, (stop,))
+    got = ev.greedy(model, cache, logits, pos_, 8, (stop,))
     assert got[1] == free[1][:3]  # the stop token kept
     assert got[0] == free[0][:free[0].index(stop) + 1] if stop in free[0] else got[0] == free[0]
 
@@ -549,15 +557,15 @@ def test_compress_marks_the_clock_after_the_prefill_and_after_the_eviction():
             self.marks.append(len(cache_sizes))
 
     cache_sizes = []
-    real = lk.keep_slots
+    real = ev.keep_slots
     clock = Clock()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(lk, "keep_slots", lambda cache, kept: (cache_sizes.append(len(cache)), real(cache, kept))[1])
-        compress(model, rand_ids(1, 40), EvictConfig("snapkv", budget=16, window=4), clock=clock)
+        mp.setattr(ev, "keep_slots", lambda cache, kept: (cache_sizes.append(len(cache)), real(cache, kept))[1])
+        compress_by(model, rand_ids(1, 40), EvictConfig("snapkv", budget=16, window=4), clock=clock)
     assert clock.marks == [0, 1]  # one mark before the eviction's gather, one after it
     clock = metrics.Stopwatch("cpu")
     clock.mark()
-    compress(model, rand_ids(1, 40), EvictConfig("full"), clock=clock)
+    compress_by(model, rand_ids(1, 40), EvictConfig("full"), clock=clock)
     assert len(clock.marks) == 3 and clock.ms(0, 1) > 0 and clock.ms(1, 2) >= 0  # full: nothing evicted
 
 
@@ -580,8 +588,8 @@ def test_decode_after_eviction_equals_masked_full_forward(monkeypatch):
     L, Hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
     S, C = 32, 12
     ids = rand_ids(1, S, seed=11)
-    full, _, _, _ = compress(model, ids, EvictConfig("full"))
-    cache, logits0, next_pos, _ = compress(model, ids, EvictConfig("snapkv", budget=C, window=4))
+    full, _, _, _ = compress_by(model, ids, EvictConfig("full"))
+    cache, logits0, next_pos, _ = compress_by(model, ids, EvictConfig("snapkv", budget=C, window=4))
     kept = [kept_slots(full.k[l], cache.k[l])[0] for l in range(L)]  # (H_kv, C) per layer
     assert any(set(kept[l][0].tolist()) != set(kept[l][1].tolist()) for l in range(L)), "heads kept the same"
     # decode by hand, keeping the logits
@@ -590,8 +598,8 @@ def test_decode_after_eviction_equals_masked_full_forward(monkeypatch):
         lg = model(toks[-1][:, None], positions=(next_pos + t)[:, None], cache=cache)[:, -1]
         step_logits.append(lg)
         toks.append(lg.argmax(-1))
-    # lk.decode yields the same tokens on a fresh compressed cache
-    cache2, lg0, np2, _ = compress(model, ids, EvictConfig("snapkv", budget=C, window=4))
+    # decode yields the same tokens on a fresh compressed cache
+    cache2, lg0, np2, _ = compress_by(model, ids, EvictConfig("snapkv", budget=C, window=4))
     assert [t.item() for t in decode(model, cache2, lg0, np2, 3)] == [t.item() for t in toks]
 
     # reference
@@ -657,7 +665,7 @@ def test_h2o_equals_explicit_attention_matrix_and_chunking():
     x = model.model.embed_tokens(ids)
     for rows, chunk in [(256, 4096), (5, 4096), (256, 8), (3, 10)]:  # query sub-chunks, prefill chunks
         h = H2OHook(rows=rows)
-        lk.prefill(model, x, pos(0, S), KVCache(cfg.num_hidden_layers), hook=h, chunk_size=chunk)
+        ev.prefill(model, x, pos(0, S), KVCache(cfg.num_hidden_layers), hook=h, chunk_size=chunk)
         got = h.scores(None, G)
         for l in range(cfg.num_hidden_layers):
             assert torch.allclose(got[l], ref[l], atol=1e-6), (rows, chunk, l)
@@ -665,8 +673,8 @@ def test_h2o_equals_explicit_attention_matrix_and_chunking():
     last_row = explicit_probs(cap.q[0], cap.k[0])[:, :, -1, -1].view(1, 2, G).mean(-1).float()
     assert torch.allclose(ref[0][..., -1], last_row)
     # compress: chunked h2o keeps the same cache
-    a = compress(model, ids, EvictConfig("h2o", budget=16, window=4))
-    b = compress(model, ids, EvictConfig("h2o", budget=16, window=4, chunk_size=8))
+    a = compress_by(model, ids, EvictConfig("h2o", budget=16, window=4))
+    b = compress_by(model, ids, EvictConfig("h2o", budget=16, window=4, chunk_size=8))
     for l in range(cfg.num_hidden_layers):
         assert torch.allclose(a[0].k[l], b[0].k[l], atol=ATOL)
     assert torch.allclose(a[1], b[1], atol=ATOL)
@@ -676,9 +684,9 @@ def test_h2o_equals_explicit_attention_matrix_and_chunking():
 # 8. chunked prefill
 
 
-def _same_compress(model, ids, ec_a, ec_b, **kw):
-    a = compress(model, ids, ec_a, **kw)
-    b = compress(model, ids, ec_b, **kw)
+def _same_compress_by(model, ids, ec_a, ec_b, **kw):
+    a = compress_by(model, ids, ec_a, **kw)
+    b = compress_by(model, ids, ec_b, **kw)
     assert torch.allclose(a[1], b[1], atol=ATOL), "first-token logits differ"
     assert torch.equal(a[2], b[2])
     for l in range(model.config.num_hidden_layers):
@@ -698,7 +706,7 @@ def test_chunked_prefill_changes_nothing(method, extra):
     if method == "oracle":
         kw["response"] = rand_ids(1, 5, seed=14)
     base = dict(budget=20, window=8, laq_tokens=4, **extra)
-    _same_compress(model, ids, EvictConfig(method, **base), EvictConfig(method, chunk_size=16, **base), **kw)
+    _same_compress_by(model, ids, EvictConfig(method, **base), EvictConfig(method, chunk_size=16, **base), **kw)
 
 
 @pytest.mark.parametrize("method", ["snapkv", "lookahead"])
@@ -707,7 +715,7 @@ def test_chunk_smaller_than_window_or_lookahead_rows(method):
     ids = rand_ids(1, 50, seed=13)
     kw = dict(module=random_module(model.config, 8)) if method == "lookahead" else {}
     base = dict(budget=20, window=8)
-    _same_compress(model, ids, EvictConfig(method, **base), EvictConfig(method, chunk_size=4, **base), **kw)
+    _same_compress_by(model, ids, EvictConfig(method, **base), EvictConfig(method, chunk_size=4, **base), **kw)
 
 
 # -----------------------------------------------------------------------------
@@ -723,14 +731,14 @@ def _padded_batch_matches_rows(method, model, mod=None):
     pad = torch.stack([torch.arange(S) >= S - n for n in lens])
     ec = EvictConfig(method, budget=16, window=4)
     kw = dict(module=mod) if mod is not None else {}
-    full_b, _, _, _ = compress(model, ids, EvictConfig("full"), pad_mask=pad)
-    cache_b, logits_b, pos_b, _ = compress(model, ids, ec, pad_mask=pad, **kw)
+    full_b, _, _, _ = compress_by(model, ids, EvictConfig("full"), pad_mask=pad)
+    cache_b, logits_b, pos_b, _ = compress_by(model, ids, ec, pad_mask=pad, **kw)
     assert pos_b.tolist() == list(lens)
     tok = torch.tensor([5, 9])
     step_b = model(tok[:, None], positions=pos_b[:, None], cache=cache_b)[:, -1]  # one decode step
     for b, (r, n) in enumerate(zip(rows, lens)):
-        full_r, _, _, _ = compress(model, r, EvictConfig("full"))
-        cache_r, logits_r, pos_r, _ = compress(model, r, ec, **kw)
+        full_r, _, _, _ = compress_by(model, r, EvictConfig("full"))
+        cache_r, logits_r, pos_r, _ = compress_by(model, r, ec, **kw)
         assert torch.allclose(logits_b[b], logits_r[0], atol=1e-4), "first logits"
         step_r = model(tok[b:b + 1, None], positions=pos_r[:, None], cache=cache_r)[:, -1]
         assert torch.allclose(step_b[b], step_r[0], atol=1e-4), "logits after one decode step"
@@ -754,7 +762,7 @@ def test_left_padded_batch_h2o():
     S = 20
     pad = (torch.arange(S) >= 6)[None]  # 6 padding slots
     h = H2OHook()
-    lk.prefill(model, model.model.embed_tokens(rand_ids(1, S)), (pad.long().cumsum(-1) - 1).clamp(min=0),
+    ev.prefill(model, model.model.embed_tokens(rand_ids(1, S)), (pad.long().cumsum(-1) - 1).clamp(min=0),
                KVCache(model.config.num_hidden_layers), pad, hook=h)
     scores = h.scores(pad[:, None], 2)
     assert all(torch.isfinite(s[..., 6:]).all() for s in scores.values()), "NaN scores for the real tokens"
@@ -776,16 +784,15 @@ def test_pyramid_budgets_fall_with_depth_and_average_C(L, C, W):
 def test_adapter_round_trip(tmp_path):
     cfg = ModelConfig(**TINY)
     mod = random_module(cfg, 8, ("q_proj", "k_proj", "down_proj"))
-    mod.pool, mod.kernel = "max", 7
-    mod.info = dict(steps=12, heldout=dict(kl=0.25))
+    mod.info = dict(rule="max:7", layer_weights=[1.0, 3.0], steps=12, heldout=dict(kl=0.25))
     path = tmp_path / "a.safetensors"
     mod.save(path)
     meta = json.loads(path.with_suffix(".json").read_text())
     assert meta["base_model"] == "tiny" and meta["base_fingerprint"] == cfg.fingerprint()
     back = LookaheadModule.load(path, cfg)
-    assert (back.n_tokens, back.rank, back.alpha, back.targets, back.pool, back.kernel) == (
-        8, 8, 32, ("q_proj", "k_proj", "down_proj"), "max", 7)
-    assert back.info == dict(steps=12, heldout=dict(kl=0.25))
+    assert (back.n_tokens, back.rank, back.alpha, back.targets) == (8, 8, 32, ("q_proj", "k_proj", "down_proj"))
+    assert back.info == dict(rule="max:7", layer_weights=[1.0, 3.0], steps=12, heldout=dict(kl=0.25))
+    assert meta["rule"] == "max:7" and meta["layer_weights"] == [1.0, 3.0]  # beside the keys, as written
     sa, sb = mod.state_dict(), back.state_dict()
     assert sa.keys() == sb.keys() and len(sa) == 1 + 3 * 2 * cfg.num_hidden_layers
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -818,7 +825,8 @@ def test_corrupt_adapter_is_refused(tmp_path, damage):
     else:  # the metadata says rank 4, the tensors have rank 8
         meta = json.loads(path.with_suffix(".json").read_text())
         path.with_suffix(".json").write_text(json.dumps(dict(meta, rank=4)))
-    with pytest.raises(ValueError, match="corrupt"):
+    said = "has shape .* its .json implies" if damage == "wrong_shape" else "is not a readable safetensors file"
+    with pytest.raises(ValueError, match=f"{said}.*retrain it"):
         LookaheadModule.load(path, cfg)
 
 
@@ -840,7 +848,7 @@ def test_group_attention_equals_repeat_interleave(causal, valid):
     elif valid == "per_head":
         kv = torch.rand(B, Hkv, Tk, generator=torch.Generator().manual_seed(1)) > 0.3
         kv[..., -Tq:] = True  # every query row keeps at least its own key
-    got = lk.group_attention(q, k, kv, causal=causal)  # (B, H_kv, G*Tq, Tk)
+    got = ev.group_attention(q, k, kv, causal=causal)  # (B, H_kv, G*Tq, Tk)
     assert got.shape == (B, Hkv, 3 * Tq, Tk) and got.dtype == torch.float32
     ref = explicit_probs(q, k, causal, kv)  # (B, H, Tq, Tk)
     assert torch.allclose(got.view(B, Hkv, 3, Tq, Tk).reshape(B, H, Tq, Tk), ref.float(), atol=1e-6)
@@ -869,7 +877,7 @@ class Shapes(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("method", lk.METHODS)
+@pytest.mark.parametrize("method", list(methods.METHODS))
 def test_inference_never_builds_an_S_by_S_tensor(method, monkeypatch):
     # with chunked prefill every attention matrix, mask and score is (rows <= chunk) x S; a tensor
     # with two dims >= S would be an S x S attention matrix (or mask) somewhere
@@ -889,7 +897,7 @@ def test_inference_never_builds_an_S_by_S_tensor(method, monkeypatch):
     for one_pass in ((True, False) if method == "lookahead" else (True,)):
         ec = EvictConfig(method, budget=32, window=8, laq_tokens=4, chunk_size=chunk, one_pass=one_pass)
         with Shapes() as rec:
-            cache, logits, next_pos, _ = compress(model, ids, ec, **kw)
+            cache, logits, next_pos, _ = compress_by(model, ids, ec, **kw)
             for _ in decode(model, cache, logits, next_pos, 3):
                 pass
         big = [(f, s) for f, s in rec.shapes if sum(d >= S for d in s) >= 2]
@@ -903,12 +911,32 @@ def test_inference_never_builds_an_S_by_S_tensor(method, monkeypatch):
 
 @pytest.mark.parametrize("kernel", [0, 2, 4, -1])
 def test_even_or_non_positive_pooling_width_is_refused(kernel):
-    model = tiny_model()
-    for method in ("snapkv", "h2o"):
-        with pytest.raises(ValueError, match="must be odd"):
-            compress(model, rand_ids(1, 40), EvictConfig(method, budget=16, window=4, pool="avg", kernel=kernel))
     with pytest.raises(ValueError, match="must be odd"):
-        LookaheadModule(model.config, n_tokens=4, pool="avg", kernel=kernel)
+        Pool("avg", kernel)
+    with pytest.raises(ValueError, match="must be odd"):
+        Pool("max", kernel)
+    # as text (--pool, an adapter's "rule"): an even width says so, a negative one is no width at all
+    with pytest.raises(ValueError, match="must be odd" if kernel >= 0 else "selection rule 'avg:-1'"):
+        methods.parse_rule(f"avg:{kernel}")
+
+
+def test_rules_parse_from_text_and_unknown_ones_are_refused():
+    assert [repr(methods.parse_rule(t)) for t in ("none", "avg:5", "max:7", "avg", "max", "span:8", "span")] == [
+        "none", "avg:5", "max:7", "avg:5", "max:7", "span:8", "span:8"]
+    for bad in ("sum:3", "chunk:4", "carry:3", "none:3", "avg:x", ""):
+        with pytest.raises(ValueError, match="selection rule"):
+            methods.parse_rule(bad)
+    with pytest.raises(ValueError, match="unknown pooling 'sum'"):
+        Pool("sum", 3)
+
+
+@pytest.mark.parametrize("method", ["full", "streaming", "random", "oracle"])
+def test_unpooled_methods_refuse_a_selection_rule(method):
+    """Methods that select by their own scores alone (position, chance, the truth) take no rule."""
+    kw = method_kwargs(method, ModelConfig(**TINY))
+    with pytest.raises(ValueError, match="selects by its own scores alone"):
+        make_scorer(EvictConfig(method, budget=16, rule=Pool("avg", 5)), **kw)
+    assert repr(make_scorer(EvictConfig(method, budget=16), **kw).rule) == "none"
 
 
 @pytest.mark.parametrize("budget", [0, -3])
@@ -916,7 +944,7 @@ def test_even_or_non_positive_pooling_width_is_refused(kernel):
 def test_budget_below_one_is_refused(method, budget):
     model = tiny_model()
     with pytest.raises(ValueError, match="at least 1"):
-        compress(model, rand_ids(1, 40), EvictConfig(method, budget=budget), **method_kwargs(method, model.config))
+        compress_by(model, rand_ids(1, 40), EvictConfig(method, budget=budget), **method_kwargs(method, model.config))
 
 
 def test_pooling_with_a_window_pools_only_the_prefix():
@@ -925,86 +953,18 @@ def test_pooling_with_a_window_pools_only_the_prefix():
     s = torch.zeros(1, 1, 12)
     s[..., 8:] = 10.0  # a window of 4 with huge scores
     s[..., 2] = 1.0
-    p = lk.pool_scores(s, "avg", 5, window=4)
+    p = Pool("avg", 5).smooth(s, None, window=4)
     assert torch.equal(p[..., 8:], s[..., 8:])  # the window as it was
     assert p[0, 0, :8].tolist() == pytest.approx([0.2, 0.2, 0.2, 0.2, 0.2, 0, 0, 0])  # no leak into 5..7
-    whole = lk.pool_scores(s, "avg", 5)  # without the window argument everything is pooled
+    whole = Pool("avg", 5).smooth(s, None)  # without the window argument everything is pooled
     assert whole[0, 0, 7].item() == pytest.approx(4.0)  # (10 + 10) / 5: the window leaks in
     # max pooling ignores the padding at the edges; avg divides by the full width (damped edges)
     e = torch.tensor([[[3.0, 0.0, 0.0, 0.0, 0.0]]])
-    assert lk.pool_scores(e, "max", 3).tolist() == [[[3.0, 3.0, 0.0, 0.0, 0.0]]]
-    assert lk.pool_scores(e, "avg", 3)[0, 0].tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0, 0.0])
-
-
-def test_chunk_and_carry_pooling_hand_values():
-    """chunk (ChunkKV): each token scored by its chunk's sum (+ 1e-3 of its own score, to break ties inside a
-    chunk), so whole chunks are kept; carry: a peak carried forward over the next kernel - 1 tokens."""
-    s = torch.tensor([[[0.0, 3.0, 0.0, 0.0, 1.0, 0.0, 0.0]]])
-    assert lk.pool_scores(s, "carry", 3).tolist() == [[[0.0, 3.0, 3.0, 3.0, 1.0, 1.0, 1.0]]]
-    assert lk.pool_scores(s, "chunk", 3)[0, 0].tolist() == pytest.approx([3.0, 3.003, 3.0, 1.0, 1.001, 1.0, 0.0])
-    c = torch.tensor([[[1.0, 3.0, 2.0, 0.0, 4.0, 0.0, 0.0]]])  # chunk sums 6, 4, 0: token 4 alone is the top one
-    assert select(c, 3).tolist() == [[[1, 2, 4]]]
-    assert select(lk.pool_scores(c, "chunk", 3), 3).tolist() == [[[0, 1, 2]]]  # the whole first chunk
-    assert select(lk.pool_scores(c, "chunk", 3), 2).tolist() == [[[1, 2]]]  # cut by the budget: its best tokens
-    # with a protected window only the prefix is smoothed: the window's scores carry nowhere
-    w = lk.pool_scores(torch.tensor([[[1.0, 0.0, 0.0, 9.0, 9.0]]]), "carry", 3, window=2)
-    assert w.tolist() == [[[1.0, 1.0, 1.0, 9.0, 9.0]]]
-    lk.check_pooling("chunk", 4)  # a chunk may have an even width
-    with pytest.raises(ValueError, match="must be >= 1"):
-        lk.check_pooling("carry", 0)
-    with pytest.raises(ValueError, match="unknown pooling 'sum'"):
-        lk.check_pooling("sum", 3)
-
-
-def test_span_rule_hand_values():
-    """span: a peak shared, with decay 0.95 per place, inside a run of unpredictable tokens (surprisal
-    above SURPRISE_NATS), on both sides, at most kernel - 1 places; predictable tokens keep their own."""
-    hi, lo = 5.0, 0.1  # surprisal in nats: tokens 1..4 are one unpredictable run (a number's digits)
-    surprisal = torch.tensor([[lo, hi, hi, hi, hi, lo, hi]])
-    s = torch.tensor([[[0.0, 0.0, 0.0, 2.0, 0.0, 1.0, 0.0]]])  # the scorer found the number's third digit
-    p = lk.pool_scores(s, "span", 3, surprisal=surprisal)[0, 0].tolist()
-    # digits 1..4 within 2 places of the peak get it, decayed; token 5 (predictable) and 6 (its own run) do not
-    assert p == pytest.approx([0.0, 2 * 0.95 ** 2, 2 * 0.95, 2.0, 2 * 0.95, 1.0, 0.0])
-    assert select(lk.pool_scores(s, "span", 3, surprisal=surprisal), 4).tolist() == [[[1, 2, 3, 4]]]
-    assert select(s, 4).tolist() != [[[1, 2, 3, 4]]]  # unpooled keeps scattered tokens
-    assert lk.pool_scores(s, "span", 1, surprisal=surprisal).tolist() == s.tolist()  # width 1: unpooled
-    # with a protected window the window's scores carry nowhere, as for every rule
-    w = lk.pool_scores(torch.tensor([[[0.0, 0.0, 9.0]]]), "span", 3, window=1, surprisal=torch.full((1, 3), hi))
-    assert w.tolist() == [[[0.0, 0.0, 9.0]]]
-    # broadcast over the layers stacked in front, and over the KV heads
-    stacked = lk.pool_scores(s.expand(2, 1, 3, 7), "span", 3, surprisal=surprisal)
-    assert torch.allclose(stacked, torch.tensor(p).expand(2, 1, 3, 7))
-    with pytest.raises(ValueError, match="surprisal"):
-        lk.pool_scores(s, "span", 3)
-
-
-def test_token_surprisal_is_the_models_own_next_token_loss():
-    """token_surprisal reads -log p(token t | tokens < t) from the final hidden states, a slice of rows at a
-    time: the same as the cross-entropy of the full logits; prefill_and_score gives it to the span rule
-    (with left padding, each row's first real token gets 0) and a span rule keeps the same slots in
-    compress() as its own evict step on those scores."""
-    model = tiny_model()
-    ids = rand_ids(2, 37, seed=4)
-    S = ids.shape[1]
-    logits, hidden = model(ids, positions=pos(0, S, 2), cache=KVCache(model.config.num_hidden_layers), hidden=True)
-    ref = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
-    got = lk.token_surprisal(model, hidden, ids, rows=8)  # rows=8: several slices
-    assert got[:, 0].tolist() == [0.0, 0.0]
-    assert torch.allclose(got[:, 1:], ref, atol=1e-5)
-    mod = random_module(model.config)
-    mod.pool, mod.kernel = "span", 4
-    pad = torch.ones(2, S, dtype=torch.bool)
-    pad[1, :5] = False  # row 1 left-padded by 5
-    ec = EvictConfig("lookahead", budget=12)
-    scorer, run = lk.prefill_and_score(model, ids, ec, pad_mask=pad, module=mod)
-    assert run.surprisal.shape == (2, S) and run.surprisal[1, :6].abs().sum() == 0  # padding and first token
-    assert torch.allclose(run.surprisal[0, 1:], ref[0], atol=1e-4)
-    kept = compress(model, ids, ec, pad_mask=pad, module=mod)[3]
-    again = scorer.evict(run.scores, run.positions, run.valid, surprisal=run.surprisal)
-    assert all(torch.equal(a, b) for a, b in zip(kept, again))
-    unpooled = lk.make_scorer(dataclasses_replace(ec, pool="none"), module=mod).evict(run.scores, run.positions,
-                                                                                    run.valid)
-    assert any(not torch.equal(a, b) for a, b in zip(kept, unpooled))  # the rule changed what is kept
+    assert Pool("max", 3).smooth(e, None).tolist() == [[[3.0, 3.0, 0.0, 0.0, 0.0]]]
+    assert Pool("avg", 3).smooth(e, None)[0, 0].tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0, 0.0])
+    assert Pool("none").smooth(e, None) is e and Pool("avg", 1).smooth(e, None) is e  # width 1: unpooled
+    # broadcast over the layers stacked in front
+    assert torch.equal(Pool("max", 3).smooth(e.expand(2, 1, 3, 5), None)[1, 0, 2], torch.tensor([3.0, 3, 0, 0, 0]))
 
 
 def test_laq_pools_its_final_rescores(monkeypatch):
@@ -1015,10 +975,10 @@ def test_laq_pools_its_final_rescores(monkeypatch):
     seen = {}
     real = baselines.laq_scores
     monkeypatch.setattr(baselines, "laq_scores", lambda *a: seen.setdefault("s", real(*a)))
-    _, _, _, kept = compress(model, ids, EvictConfig("laq", budget=C, window=W, laq_tokens=4, pool="avg", kernel=5))
+    _, _, _, kept = compress_by(model, ids, EvictConfig("laq", budget=C, window=W, laq_tokens=4, rule=Pool("avg", 5)))
     win = (torch.arange(S) >= S - W)[None, None]
-    pooled = lk.select(lk.pool_scores(lk.stack_layers(seen["s"]), "avg", 5, W), C, protect=win)
-    unpooled = lk.select(lk.stack_layers(seen["s"]), C, protect=win)
+    pooled = select(Pool("avg", 5).smooth(stack_layers(seen["s"]), None, W), C, protect=win)
+    unpooled = select(stack_layers(seen["s"]), C, protect=win)
     assert all(torch.equal(k, p) for k, p in zip(kept, pooled))
     assert not all(torch.equal(k, u) for k, u in zip(kept, unpooled))  # pooling changes what is kept
 
@@ -1036,72 +996,30 @@ def test_pyramid_budgets_clipped_at_S_give_the_rest_to_other_layers(L, C, W, S):
 def test_pyramidkv_keeps_C_per_layer_on_average_when_layers_clip():
     model = tiny_model(num_hidden_layers=3)
     S, C, W = 30, 24, 8  # raw budgets 40, 24, 8: the first layer clips at 30
-    _, _, _, kept = compress(model, rand_ids(1, S, seed=5), EvictConfig("pyramidkv", budget=C, window=W))
+    _, _, _, kept = compress_by(model, rand_ids(1, S, seed=5), EvictConfig("pyramidkv", budget=C, window=W))
     sizes = [k.shape[-1] for k in kept]
     assert max(sizes) <= S and sum(sizes) == 3 * C
+    # the paper's C in every layer overrides the pyramid
+    flat = EvictConfig("pyramidkv", budget=C, window=W, budgets=ev.uniform_budgets)
+    assert [k.shape[-1] for k in compress_by(model, rand_ids(1, S, seed=5), flat)[3]] == [C] * 3
 
 
 def test_every_method_is_one_scorer_in_the_table():
-    assert lk.METHODS == tuple(baselines.SCORERS)
-    for name, cls in baselines.SCORERS.items():
-        assert issubclass(cls, lk.Scorer) and cls.__doc__, name
+    assert list(methods.METHODS) == ["full", "streaming", "random", "snapkv", "pyramidkv", "h2o", "laq", "oracle",
+                                     "lookahead"]
+    cfg = ModelConfig(**TINY)
+    for name, cls in methods.METHODS.items():
+        assert issubclass(cls, ev.Scorer) and cls.__doc__, name
+        scorer = make_scorer(EvictConfig(name, budget=16, window=4), **method_kwargs(name, cfg))
+        if name in methods.DECODE_METHODS:  # a decode-phase form: it says which hook watches after the prefill
+            scorer.decode_hook(4)
+        elif name in ("full", "random", "oracle"):
+            with pytest.raises(ValueError, match="no decode-phase form"):
+                scorer.decode_hook(4)
 
 
-def test_lookahead_window_keeps_the_last_tokens_and_rides_in_the_adapter(tmp_path):
-    """An adapter may ship a protected window (like SnapKV's): its last W prompt tokens are kept in
-    every (layer, KV head), inside the budget; the window travels in the adapter's metadata."""
-    model = tiny_model()
-    cfg = model.config
-    S, C, W = 48, 16, 6
-    mod = random_module(cfg, 8)
-    mod.window = W
-    mod.info = {}
-    mod.save(tmp_path / "a.safetensors")
-    back = LookaheadModule.load(tmp_path / "a.safetensors", cfg)
-    assert back.window == W
-    _, _, _, kept = compress(model, rand_ids(1, S, seed=9), EvictConfig("lookahead", budget=C), module=back)
-    for k in kept:
-        assert k.shape[-1] == C and (k[..., -W:] == torch.arange(S - W, S)).all()
-    with pytest.raises(ValueError, match="too small for lookahead"):
-        compress(model, rand_ids(1, S), EvictConfig("lookahead", budget=W), module=back)
-
-
-@pytest.mark.parametrize("C,w,S", [(16, (1.0, 3.0, 0.0), 100), (128, (0.3,) * 10 + (4.4,) * 3 + (1.0,) * 17, 2000),
-                                   (24, (1.0, 1.0, 6.0), 40), (64, (2.0, 1.0), 65)])
-def test_spread_budgets_follow_the_weights_and_keep_the_mean(C, w, S):
-    """spread_budgets: per layer C * w_l / mean(w), never under `least` nor over S, summing to L * C."""
-    b = lk.spread_budgets(C, w, S, least=2)
-    assert sum(b) == len(w) * C and min(b) >= 2 and max(b) <= S
-    raw = [C * len(w) * x / sum(w) for x in w]
-    if max(raw) <= S and min(raw) >= 2:  # nothing clipped: proportional up to rounding
-        assert all(abs(x - r) < 1 for x, r in zip(b, raw))
-    assert [x for _, x in sorted(zip(w, b))] == sorted(b)  # a larger weight never gets fewer slots
-    with pytest.raises(ValueError, match="must be >= 0"):
-        lk.spread_budgets(C, (1.0, -1.0), S)
-
-
-def test_adapter_layer_budgets_ride_in_its_metadata_and_uniform_overrides_them(tmp_path):
-    """An adapter's per-layer budgets (mean C) travel in its .json; compress keeps them per layer;
-    EvictConfig(layer_weights="uniform") keeps C in every layer, as the paper; SnapKV can be given them."""
-    model = tiny_model(num_hidden_layers=3)
-    cfg = model.config
-    S, C = 60, 12
-    mod = random_module(cfg, 8)
-    mod.layer_budget, mod.info = (0.5, 2.0, 0.5), {}
-    mod.save(tmp_path / "a.safetensors")
-    back = LookaheadModule.load(tmp_path / "a.safetensors", cfg)
-    assert back.layer_budget == (0.5, 2.0, 0.5)
-    ids = rand_ids(1, S, seed=4)
-    _, _, _, kept = compress(model, ids, EvictConfig("lookahead", budget=C), module=back)
-    assert [k.shape[-1] for k in kept] == [6, 24, 6]
-    _, _, _, flat = compress(model, ids, EvictConfig("lookahead", budget=C, layer_weights="uniform"), module=back)
-    assert [k.shape[-1] for k in flat] == [C] * 3
-    # the budgets change how many slots, not the order: each layer's kept set nests in the larger one's
-    assert set(flat[0][0, 0].tolist()) >= set(kept[0][0, 0].tolist())
-    assert set(kept[1][0, 0].tolist()) >= set(flat[1][0, 0].tolist())
-    snap = EvictConfig("snapkv", budget=C, window=4, layer_weights=back.layer_budget)
-    assert [k.shape[-1] for k in compress(model, ids, snap)[3]] == [6, 24, 6]
-    pyr = EvictConfig("pyramidkv", budget=C, window=4, layer_weights="uniform")
-    assert [k.shape[-1] for k in compress(model, ids, pyr)[3]] == [C] * 3
-    with pytest.raises(ValueError, match="2 weights for a model of 3 layers"):
-        LookaheadModule(cfg, n_tokens=4, layer_budget=(1.0, 1.0))
+@pytest.mark.parametrize("method", ["pyramidkv", "laq"])
+def test_methods_outside_decode_methods_have_no_decode_phase_form(method):
+    scorer = make_scorer(EvictConfig(method, budget=16, window=4))
+    with pytest.raises(ValueError, match=f"method {method} has no decode-phase form"):
+        scorer.decode_hook(4)

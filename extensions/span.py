@@ -1,0 +1,133 @@
+"""
+Beyond the paper: the span rule, a selection rule that keeps whole runs of unpredictable tokens.
+
+Taking the top C scores token by token keeps the most attention mass but scatters the slots over a
+number's digits, and a number is copied only if every digit survives. The span rule: a run of
+consecutive tokens that the model could not predict (surprisal -log p(x_t | x_<t) > 2 nats: the
+digits of a number, the pieces of a rare name or an identifier) is one span; inside it every token
+takes the best score within kernel - 1 places on either side, times 0.95 per place. Predictable text
+is still selected token by token. After kvpress's QuerySpanPress (importance carried with decay,
+granted only to tokens the model could not predict), made two-sided.
+
+Its cost is the surprisal: the LM head over prompt tokens. It is computed only where the rule can
+change what is kept, and exactly there: spreading only raises scores, so every token the rule keeps
+lies within kernel - 1 places of a token in its layer's raw top C_l (and the whole run between them
+does too). So the LM head runs on the union of the raw top C_l of every (layer, KV head), dilated by
+kernel - 1, and every other token counts as predictable: the kept slots are those of the full
+computation (tests/test_extensions.py checks it). At long prompts that union is a small part of S.
+
+    EvictConfig(..., rule=SpanRule(8))      # or: generate.py --pool span:8
+"""
+import torch
+import torch.nn.functional as F
+
+from model import Hook
+
+SURPRISE_NATS = 2.0  # the gate: a token the model gave p < e^-2 (about 0.14) was not predictable
+
+
+class HiddenStates(Hook):
+    """Keeps the final normed hidden states of the first S rows (the prompt) of every prefill chunk,
+    and the LM head that reads them."""
+
+    every_chunk = True
+
+    def __init__(self, lm_head, S):
+        self.lm_head, self.S, self.rows = lm_head, S, []
+
+    def hidden(self, h):
+        done = sum(r.shape[1] for r in self.rows)
+        self.rows.append(h[:, : self.S - done])  # the lookahead rows after the prompt are not kept
+
+    def states(self):
+        return torch.cat(self.rows, dim=1)  # (B, S, hidden)
+
+
+def token_surprisal(lm_head, hidden, ids, where=None, rows=256):
+    """-log p(ids[t] | ids[<t]) in nats, (B, S) float32, from the final normed hidden states (B, S, hidden)
+    of the prompt's own forward (row t - 1 predicts token t), `rows` at a time so that no (S, vocab)
+    tensor is made. where (B, S) bool: only those tokens (the others get 0, as the first token does)."""
+    B, S = ids.shape
+    out = torch.zeros(B, S, device=ids.device)
+    if where is None:
+        where = torch.ones(B, S, dtype=torch.bool, device=ids.device)
+    where = where.clone()
+    where[:, 0] = False  # the first token has no context
+    b_idx, t_idx = where.nonzero(as_tuple=True)  # the tokens asked for, row-major
+    for a in range(0, len(t_idx), rows):
+        b, t = b_idx[a:a + rows], t_idx[a:a + rows]
+        logp = lm_head(hidden[b, t - 1]).float().log_softmax(-1)  # (n, V)
+        out[b, t] = -logp.gather(-1, ids[b, t][:, None])[:, 0]
+    return out
+
+
+def shift(t, o, fill):
+    """t (..., n) moved o places along the last dim: out[i] = t[i - o] (o < 0: t[i + |o|]), `fill` outside."""
+    if o == 0:
+        return t
+    out = torch.full_like(t, fill)
+    if o > 0:
+        out[..., o:] = t[..., :-o]
+    else:
+        out[..., :o] = t[..., -o:]
+    return out
+
+
+def span_scores(x, surprisal, kernel, decay=0.95):
+    """Scores x (..., B, H_kv, n), surprisal (B, n): inside a run of unpredictable tokens every token
+    gets the best score within kernel - 1 places on either side, times decay per place."""
+    u = surprisal > SURPRISE_NATS  # (B, n)
+    joined = torch.zeros_like(u)
+    joined[:, 1:] = u[:, 1:] & u[:, :-1]  # token t and t - 1 in one span
+    joined = joined[:, None]  # (B, 1, n), broadcast over the KV heads (and the layers in front)
+    out = x
+    left = right = torch.ones_like(joined)
+    for o in range(1, kernel):
+        left = left & shift(joined, o - 1, False)  # t - o .. t one span: joined at t - o + 1 .. t
+        right = right & shift(joined, -o, False)  # t .. t + o one span: joined at t + 1 .. t + o
+        carried = decay ** o
+        out = torch.where(left, torch.maximum(out, shift(x, o, 0.0) * carried), out)  # from o places before
+        out = torch.where(right, torch.maximum(out, shift(x, -o, 0.0) * carried), out)  # from o places after
+    return out
+
+
+def candidates(scores, budgets, kernel):
+    """(B, n) bool: the tokens within kernel - 1 places of a raw top-C_l token of any (layer, KV head).
+    scores (L, B, H_kv, n)."""
+    L, B, _, n = scores.shape
+    hit = torch.zeros(B, n, device=scores.device)
+    for l in range(L):
+        top = scores[l].topk(min(budgets[l], n), dim=-1).indices  # (B, H_kv, C_l)
+        hit.scatter_(1, top.flatten(1), 1.0)
+    return F.max_pool1d(hit[:, None], 2 * kernel - 1, stride=1, padding=kernel - 1)[:, 0] > 0
+
+
+class SpanRule:
+    """The selection rule: watch the prefill for its final hidden states, then smooth the scores with
+    span_scores, the surprisal computed on the candidate tokens only (exact; see the module docstring)."""
+
+    def __init__(self, kernel=8):
+        if kernel < 1:
+            raise ValueError(f"span width {kernel} must be >= 1")
+        self.kernel = kernel
+        self.last_share = None  # the share of prompt tokens whose surprisal the last smooth() computed
+
+    def __repr__(self):
+        return f"span:{self.kernel}"
+
+    def prefill_hook(self, model, S):
+        return HiddenStates(model.lm_head, S) if self.kernel > 1 else None
+
+    def smooth(self, scores, run, window=0, budgets=None):
+        if self.kernel == 1:
+            return scores
+        n = scores.shape[-1] - window  # the smoothed prefix
+        prefix = scores[..., :n].float()
+        where = candidates(prefix, budgets or [n] * scores.shape[0], self.kernel)  # (B, n)
+        ids = run.ids[:, :n]
+        hook = run.rule_hook
+        surprisal = token_surprisal(hook.lm_head, hook.states()[:, :n], ids, where)
+        surprisal = surprisal.masked_fill(run.positions[:, :n] == 0, 0.0)  # each row's first real token
+        self.last_share = where.float().mean().item()
+        pooled = span_scores(prefix, surprisal, self.kernel).to(scores.dtype)
+        return torch.cat([pooled, scores[..., n:]], dim=-1) if window else pooled

@@ -1,0 +1,281 @@
+"""
+The held-out check, in one place: for prompts the training never saw, how close each method's kept
+cache comes to the truth. evaluate.py --heldout prints its tables; train.py's periodic check calls
+heldout_metrics on the same ground truth.
+
+Per prompt, one forward of the prompt and one of the model's own answer on top of it (ground_truth)
+give: the prompt's KV cache, the target (the answer's attention over the prompt, per query head),
+SnapKV's and H2O's scores and the final hidden states (what a selection rule may read). Then every
+row of ROWS is kept by its own scorer's eviction step (Scorer.evict: rule, protected tokens, budgets)
+from those scores, and judged by metrics.py: recall@C, and with answer_kl the answer KL (FullKV's answer
+teacher-forced through the compressed cache), and the share of the SnapKV-to-oracle gap each closes.
+"""
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eviction import EvictConfig, Hooks, Prefilled, keep_slots, select, stack_layers, uniform_budgets
+from lookaheadkv import answer_attention, kl_loss, lookahead_pass
+from methods import make_scorer, parse_rule
+from metrics import answer_kl, forced_logprobs, gap_closed, recall_of_kept
+from model import Hook, KVCache
+
+# row -> (method, rule, budgets): None = the method's own (lookahead: its adapter's rule and budgets)
+ROWS = {"oracle": ("oracle", None, None), "lookahead": ("lookahead", None, None),
+        "lookahead_unpooled": ("lookahead", "none", None), "snapkv": ("snapkv", None, None),
+        "pyramidkv": ("pyramidkv", None, None), "h2o": ("h2o", None, None), "streaming": ("streaming", None, None)}
+# with an adapter that has per-layer budgets: the paper's C in every layer, and SnapKV given the adapter's
+# budgets (what the budgets alone buy a prompt-only method)
+LAYERED_ROWS = {"lookahead_uniform": ("lookahead", None, "uniform"), "snapkv_layered": ("snapkv", None, "adapter")}
+BASELINES = ("oracle", "snapkv", "pyramidkv", "h2o", "streaming")
+
+
+class HeldoutHooks(Hook):
+    """SnapKV's and H2O's own prefill hooks, and the final hidden states, from one forward of the prompt."""
+
+    def __init__(self, S, window):
+        eviction = EvictConfig(budget=window + 1, window=window)
+        self.snapkv = make_scorer(dataclasses.replace(eviction, method="snapkv")).prefill_hook(S)
+        self.h2o = make_scorer(dataclasses.replace(eviction, method="h2o")).prefill_hook(S)
+        self.h = None
+
+    def attn(self, layer, q, k, key_valid):
+        self.snapkv.attn(layer, q, k, key_valid)
+        self.h2o.attn(layer, q, k, key_valid)
+
+    def hidden(self, h):
+        self.h = h
+
+
+@torch.no_grad()
+def ground_truth(model, prompt_ids, response_ids, window=32):
+    """One prompt: (cache, target {layer: (1, H, S)}, extra): extra holds the prompt and answer ids (1, S),
+    (1, R), SnapKV's and H2O's scores {layer: (1, H_kv, S)} and the final hidden states (1, S, hidden)."""
+    dev = model.lm_head.weight.device
+    prompt, response = torch.tensor([prompt_ids], device=dev), torch.tensor([response_ids], device=dev)
+    S = prompt.shape[1]
+    cache = KVCache(model.config.num_hidden_layers)
+    hook = HeldoutHooks(S, window)
+    model(prompt, positions=torch.arange(S, device=dev)[None], cache=cache, hook=hook, logits_at=-1)
+    gt = answer_attention(model, cache, response, torch.tensor([S], device=dev), per_query_head=True)
+    G = model.config.num_attention_heads // model.config.num_key_value_heads
+    extra = dict(prompt=prompt, response=response, snapkv=hook.snapkv.scores, h2o=hook.h2o.scores(None, G),
+                 hidden=hook.h)
+    return cache, gt, extra
+
+
+def heldout_ground_truth(model, rows, window=32, out=None):
+    """ground_truth of every row ({"prompt_ids", "response_ids"}), kept in OUT/heldout (one file per row,
+    ~50 KB per prompt token) so that later runs on the same rows skip the forwards."""
+    items = []
+    for r in tqdm(rows, desc="held-out ground truth", disable=len(rows) < 4):
+        # named by what it is made of: the model, the prompt, the answer and the window
+        key = json.dumps([model.config.fingerprint(), r["prompt_ids"], r["response_ids"], window, "v2"])
+        path = None if out is None else Path(out) / "heldout" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
+        if path is not None and path.exists():
+            try:
+                saved = torch.load(path, map_location=model.lm_head.weight.device)
+                cache = KVCache(len(saved["k"]))
+                cache.k, cache.v = saved["k"], saved["v"]
+                items.append((cache, saved["gt"], saved["extra"]))
+                continue
+            except Exception:  # a file cut short by a kill: made again below
+                print(f"{path} is unreadable: computing it again")
+        cache, gt, extra = ground_truth(model, r["prompt_ids"], r["response_ids"], window)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(dict(k=cache.k, v=cache.v, gt=gt, extra=extra), path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+        items.append((cache, gt, extra))
+    return items
+
+
+def group_mean(scores, n_kv_heads):
+    """Per-query-head scores (B, H, S) -> per-KV-head (B, H_kv, S), as eviction uses them."""
+    return {l: s.view(s.shape[0], n_kv_heads, -1, s.shape[-1]).mean(2) for l, s in scores.items()}
+
+
+def row_scorer(row, C, module, window):
+    method, rule, budgets = row
+    budgets = {"uniform": uniform_budgets, "adapter": None, None: None}[budgets]
+    eviction = EvictConfig(method, C, window=window, rule=None if rule is None else parse_rule(rule),
+                           budgets=budgets)
+    if row[2] == "adapter":  # the adapter's budgets for another method
+        eviction = dataclasses.replace(eviction, budgets=make_scorer(EvictConfig("lookahead", C), module).eviction.budgets)
+    return make_scorer(eviction, module=module, response=torch.zeros(1, 1, dtype=torch.long))
+
+
+@torch.no_grad()
+def heldout_metrics(model, module, heldout, budgets=(128,), rows=None, answer_kl_rows=(), window=32):
+    """KL(gt || pred) of the module and, per row of `rows` (default ROWS) and C in budgets, recall@C
+    (keys recall_<row>@<C>) and, for rows in answer_kl_rows, the answer KL (answer_kl_<row>@<C>).
+    Items of `heldout` are (cache, gt, extra) from ground_truth."""
+    Hkv = model.config.num_key_value_heads
+    rows = ROWS if rows is None else rows
+    kl, rec = [], {(row, C): [] for row in rows for C in budgets}
+    akl = {(row, C): [] for row in answer_kl_rows for C in budgets}
+    for cache, gt, extra in tqdm(heldout, desc="held-out metrics", leave=False, disable=len(heldout) < 8):
+        S = len(cache)
+        positions = torch.arange(S, device=cache.k[0].device)[None]  # (1, S)
+        next_pos = torch.tensor([S], device=positions.device)
+        pred = lookahead_pass(model, module, cache, S, per_query_head=True)
+        kl.append(kl_loss(gt, pred).item())
+        true = group_mean(gt, Hkv)
+        snap = stack_layers(extra["snapkv"])
+        scores = dict(oracle=stack_layers(true), lookahead=stack_layers(group_mean(pred, Hkv)), snapkv=snap,
+                      pyramidkv=snap, h2o=stack_layers(extra["h2o"]))
+        logp_full = forced_logprobs(model, cache, extra["response"], next_pos) if akl else None
+        for (row, C), r in rec.items():
+            method = rows[row][0]
+            if method == "oracle":  # the exact top C of the truth
+                kept = list(select(scores["oracle"], C))
+            else:
+                scorer = row_scorer(rows[row], C, module, window)
+                run = Prefilled(cache, None, None, positions, next_pos, None, ids=extra["prompt"])
+                run.rule_hook = scorer.rule.prefill_hook(model, S)
+                if run.rule_hook is not None:  # what the rule would have watched in the prefill
+                    run.rule_hook.hidden(extra["hidden"])
+                if method == "streaming":  # scores from positions alone
+                    scores[method] = scorer.score(model, run)
+                kept = scorer.evict(scores[method], run)
+            r.append(recall_of_kept(kept, true))
+            if (row, C) in akl:
+                small = keep_slots(cache.copy(), kept)
+                akl[row, C].append(answer_kl(logp_full, forced_logprobs(model, small, extra["response"], next_pos)))
+    out = dict(kl=sum(kl) / max(len(kl), 1))
+    for (row, C), v in rec.items():
+        out[f"recall_{row}@{C}"] = sum(v) / len(v)
+    for (row, C), v in akl.items():
+        out[f"answer_kl_{row}@{C}"] = sum(v) / len(v)
+    return out
+
+
+def heldout_line(name, r, C):
+    """One line of the training log."""
+    return (f"{name} heldout kl {r['kl']:.4f}  recall@{C} lookahead {r[f'recall_lookahead@{C}']:.3f} "
+            f"(unpooled {r[f'recall_lookahead_unpooled@{C}']:.3f}) snapkv {r[f'recall_snapkv@{C}']:.3f} "
+            f"h2o {r[f'recall_h2o@{C}']:.3f} streaming {r[f'recall_streaming@{C}']:.3f}")
+
+
+def compare(model, adapters, heldout, budgets, answer_kl=False, window=32):
+    """Held-out metrics of each (label, module) in `adapters` (the first: the untrained module) on one
+    ground truth: the prompt-only baselines' answer KL once (with the first), each adapter's rows always.
+    Returns [(label, module, metrics)] for tables()."""
+    layered = any(m.info.get("layer_weights") for _, m in adapters)
+    rows = {**ROWS, **(LAYERED_ROWS if layered else {})}
+    table = []
+    for i, (label, m) in enumerate(adapters):
+        own = ("lookahead", "lookahead_unpooled") if m.info.get("rule", "none") != "none" else ("lookahead_unpooled",)
+        own += tuple(r for r in LAYERED_ROWS if r.startswith("lookahead") and r in rows)
+        base = tuple(r for r in rows if not r.startswith("lookahead")) if i == 0 else ()
+        result = heldout_metrics(model, m, heldout, budgets, rows, (base + own) if answer_kl else (), window)
+        table.append((label, m, result))
+    return table
+
+
+def tables(table, budgets, n):
+    """Markdown tables of compare()'s rows: the prompt-only baselines once, then each adapter as it ships
+    and unpooled; per metric, the value and the share of the SnapKV-to-oracle gap closed."""
+    first, lines = table[0][2], []
+    for metric, title, fmt, lower in [("answer_kl", "answer KL", ".4f", True), ("recall", "recall@C", ".3f", False)]:
+        if f"{metric}_oracle@{budgets[0]}" not in first:
+            continue
+
+        def cells(r, row):
+            out = []
+            for C in budgets:
+                v = r.get(f"{metric}_{row}@{C}")
+                gap = None if v is None else gap_closed(v, first[f"{metric}_snapkv@{C}"], first[f"{metric}_oracle@{C}"],
+                                                        lower_is_better=lower)
+                out.append("" if v is None else f"{v:{fmt}}" + ("" if gap is None else f" ({gap:.0%})"))
+            return " | ".join(out)
+
+        lines += [f"\n| {title} ({n} held-out; gap closed) | " + " | ".join(f"C={C}" for C in budgets)
+                  + " | KL(gt ‖ pred) |", "|---" * (len(budgets) + 2) + "|"]
+        for row in BASELINES + (("snapkv_layered",) if f"{metric}_snapkv_layered@{budgets[0]}" in first else ()):
+            lines.append(f"| {row} | {cells(first, row)} | |")
+        for label, m, r in table:
+            if m.info.get("rule", "none") != "none":
+                lines.append(f"| {label}, as shipped ({m.info['rule']}) | {cells(r, 'lookahead')} | {r['kl']:.4f} |")
+            lines.append(f"| {label}, unpooled | {cells(r, 'lookahead_unpooled')} | {r['kl']:.4f} |")
+            if f"{metric}_lookahead_uniform@{budgets[0]}" in r:
+                lines.append(f"| {label}, C in every layer | {cells(r, 'lookahead_uniform')} | {r['kl']:.4f} |")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# evaluate.py's results (one dict per prompt, method and budget): means, tables and plots, shared with
+# examples/plot_eval.py, which merges several runs
+
+
+def mean_of(results, metric, method, budget):
+    """The mean of `metric` over the results of (method, budget) that have it, or None."""
+    v = [r[metric] for r in results if r["method"] == method and r["budget"] == budget and r.get(metric) is not None]
+    return sum(v) / len(v) if v else None
+
+
+def results_table(results, metric, methods, budgets, fmt="{:.3f}"):
+    """Markdown: a row per method, a column per budget, the mean of `metric` over samples ("-": none)."""
+    lines = ["| method | " + " | ".join(f"C={b}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
+    for m in methods:
+        cells = [mean_of(results, metric, m, b) for b in budgets]
+        lines.append(f"| {m} | " + " | ".join("-" if c is None else fmt.format(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_results(results, methods, budgets, path, metrics=("recall", "answer_kl", "accuracy"), sizes=False):
+    """Recall, answer KL (log axis) and accuracy (or `metrics`) against the budget, one line per method,
+    saved to `path`; sizes: first a panel of the cache size over the generated tokens (evaluate.py --mode
+    decode). Needs matplotlib (imported here, so that nothing else does)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no window
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(metrics) + sizes, figsize=(5 * (len(metrics) + sizes), 4), squeeze=False)
+    axes = list(axes[0])
+    if sizes:
+        size_panel(axes[0], results, budgets)
+    for ax, metric in zip(axes[sizes:], metrics):
+        for m in methods:
+            ys = [mean_of(results, metric, m, b) for b in budgets]
+            if metric == "answer_kl":  # FullKV's 0 (and any budget >= S) has no place on a log axis
+                ys = [y if y is not None and y > 0 else None for y in ys]
+            ax.plot(budgets, [float("nan") if y is None else y for y in ys], marker="o", label=m,
+                    linestyle="--" if m in ("full", "oracle") else "-")  # the references dashed
+        ax.set_xscale("log", base=2)
+        if metric == "answer_kl":
+            ax.set_yscale("log")
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_xlabel("budget C (KV slots per layer and KV head)")
+        ax.set_ylabel(metric + (" (nats, log)" if metric == "answer_kl" else ""))
+        ax.grid(alpha=0.3)
+    fig.legend(*axes[-1].get_legend_handles_labels(), loc="lower center", ncol=len(methods), fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))  # room for the legend below the plots
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def size_panel(ax, results, budgets):
+    """KV slots per (layer, KV head) when each answer token is generated, on the first prompt: FullKV's
+    cache grows by one a token; held to C it saws between C and C + every. Every method evicts on the
+    same steps (the schedule depends only on the cache's size), so one line per budget stands for all."""
+    first = results[0]["id"]
+    rows = [r for r in results if r["id"] == first and r.get("sizes")]
+    full = next((r for r in rows if r["method"] == "full"), None)
+    if full:
+        ax.plot(full["sizes"], "k--", label="full")
+    for b in budgets:
+        r = next((r for r in rows if r["method"] != "full" and r["budget"] == b), None)
+        if r:
+            ax.plot(r["sizes"], label=f"C={b} (every method)")
+    ax.set_xlabel(f"generated token ({first})")
+    ax.set_ylabel("KV slots per (layer, KV head)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)

@@ -1,0 +1,77 @@
+"""
+Every method by name, and what an adapter's .json or a flag may name for selection: the one table the
+scripts and the harness read. Nothing below this file (eviction.py, lookaheadkv.py, baselines.py,
+extensions/) knows the names.
+
+    scorer = make_scorer(EvictConfig("lookahead", budget=128), module=load_adapter(path, model.config))
+    cache, logits, next_pos, kept = eviction.compress(model, ids, scorer)
+
+An adapter ships the way it selects: "rule" (e.g. "span:8": extensions/span.py) and "layer_weights"
+(extensions/layer_budgets.py) in its .json. make_scorer applies them to method lookahead unless the
+EvictConfig names its own rule or budgets (EvictConfig(budgets=uniform_budgets): the paper's C in every layer).
+"""
+import dataclasses
+
+from baselines import H2O, LAQ, FullKV, Oracle, PyramidKV, RandomKV, SnapKV, StreamingLLM
+from eviction import Pool
+from extensions.layer_budgets import LayerBudgets
+from extensions.span import SpanRule
+from lookaheadkv import LookaheadKV, LookaheadModule
+
+METHODS = {"full": FullKV, "streaming": StreamingLLM, "random": RandomKV, "snapkv": SnapKV, "pyramidkv": PyramidKV,
+           "h2o": H2O, "laq": LAQ, "oracle": Oracle, "lookahead": LookaheadKV}
+# the methods whose Scorer can also re-score a cache that grew after the prefill (extensions/decode.py)
+DECODE_METHODS = ("streaming", "snapkv", "h2o", "lookahead")
+RULES = ("none", "avg:K", "max:K", "span:K")  # what --pool accepts (K: the width)
+
+
+def parse_rule(text):
+    """"avg:5", "max:7", "none", "span:8" -> the selection rule (ValueError naming the text otherwise)."""
+    kind, _, width = str(text).partition(":")
+    if kind not in ("none", "avg", "max", "span") or (width and not width.isdigit()) or (kind == "none" and width):
+        raise ValueError(f"selection rule {text!r}: use none, avg:K, max:K (K odd) or span:K, e.g. span:8")
+    if kind == "span":
+        return SpanRule(int(width or 8))
+    return Pool(kind, int(width or (5 if kind == "avg" else 7)))
+
+
+def make_scorer(eviction, module=None, response=None):
+    """The Scorer of eviction.method; it checks its inputs and the budget (ValueError). For lookahead, the
+    adapter's own rule and per-layer budgets unless the EvictConfig names others."""
+    if eviction.method not in METHODS:
+        raise ValueError(f"unknown method {eviction.method!r}; choose from {', '.join(METHODS)}")
+    if eviction.method == "lookahead" and module is not None:
+        rule, weights = module.info.get("rule"), module.info.get("layer_weights")
+        eviction = dataclasses.replace(
+            eviction, rule=eviction.rule or (parse_rule(rule) if rule else None),
+            budgets=eviction.budgets or (LayerBudgets(weights) if weights else None))
+    return METHODS[eviction.method](eviction, module=module, response=response)
+
+
+def load_adapter(path, cfg, device="cpu"):
+    """A LookaheadModule from path (.safetensors + .json), with its selection checked now rather than
+    after a prefill: ValueError naming the file."""
+    module = LookaheadModule.load(path, cfg, device)
+    old = [k for k in ("pool", "kernel", "window", "layer_budget") if k in module.info]
+    if old:  # an adapter saved before 2026-12-02: say so rather than select differently
+        raise ValueError(f"adapter {path}: its .json names {', '.join(old)}, keys of an older format: write its rule "
+                         f"as \"rule\": \"span:8\" (pool:kernel) and layer_budget as \"layer_weights\"")
+    rule, weights = module.info.get("rule"), module.info.get("layer_weights")
+    try:
+        if rule is not None:
+            parse_rule(rule)
+        if weights is not None:
+            if not isinstance(weights, list):
+                raise ValueError(f"layer_weights must be a list of numbers, got {weights!r}")
+            LayerBudgets(weights)(128, cfg.num_hidden_layers, 10**6)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"adapter {path}: its .json's selection is not usable ({e}): fix or retrain it") from None
+    return module
+
+
+def selecting_like(module, adapter):
+    """`module` (an untrained one) selecting with `adapter`'s rule and per-layer budgets: "same rule"."""
+    for key in ("rule", "layer_weights"):
+        if key in adapter.info:
+            module.info[key] = adapter.info[key]
+    return module
