@@ -2,13 +2,12 @@
 shared prefill against compress() per budget, the held-out check, and end-to-end runs on a tiny random
 Llama (with a word-level chat tokenizer) that take seconds."""
 
+import contextlib
+import io
 import json
 import math
-import os
 import random
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -415,10 +414,20 @@ def test_bad_task_files(tiny, text, message):
 
 
 def run_script(*args):
-    """evaluate.py as a user runs it: (exit status, stdout + stderr lines)."""
-    p = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), *args], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    return p.returncode, (p.stdout + p.stderr).strip().splitlines()
+    """evaluate.main as the process runs it: (exit status, printed lines + the exit message). In-process: the
+    process contract itself (a string SystemExit is exit 1 with that line on stderr) is tested once per script
+    in tests/test_cli.py."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            evaluate.main(list(args))
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    lines = out.getvalue().strip().splitlines()
+    if isinstance(code, str):
+        return 1, lines + code.splitlines()
+    return code or 0, lines
 
 
 @pytest.mark.parametrize("case", ["id-list", "results-not-ours", "empty-tasks", "nan-flag", "out-is-a-file"])

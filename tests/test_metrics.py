@@ -11,29 +11,13 @@ import metrics
 from eviction import EvictConfig, compress, keep_slots
 from extensions.layer_budgets import swap_gains
 from methods import make_scorer
-from model import ModelConfig, Transformer
-
-V = 128
+from test_lookaheadkv import V, tiny_model  # one tiny-model builder for the tests
 
 
 @pytest.fixture(autouse=True)
 def _no_grad():
     with torch.no_grad():
         yield
-
-
-def tiny_model(seed=0):
-    """2 layers, 4 query heads on 2 KV heads; weights re-drawn N(0, 0.15) so that attention is far from uniform."""
-    cfg = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, name="tiny")
-    torch.manual_seed(seed)
-    model = Transformer(cfg).float().eval().requires_grad_(False)
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.uniform_(0.5, 1.5)
-        else:
-            p.normal_(0.0, 0.15)
-    return model
 
 
 def rand_ids(B, T, seed=0):
