@@ -112,11 +112,11 @@ class RecentQueries(Hook):
 
 
 class Hooks(Hook):
-    """Several hooks watching one forward (a method's and its selection rule's). At most one adds a LoRA."""
+    """Several hooks watching one forward (a method's and its selection rule's). At most one adds a LoRA.
+    prefill() hands each of them the chunks it asks for (every_chunk, or the last one only)."""
 
     def __init__(self, *hooks):
         self.hooks = [x for h in hooks if h is not None for x in (h.hooks if isinstance(h, Hooks) else [h])]
-        self.every_chunk = any(getattr(h, "every_chunk", False) for h in self.hooks)
 
     def lora(self, layer, name, x):
         return next((d for h in self.hooks if (d := h.lora(layer, name, x)) is not None), None)

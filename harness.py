@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from eviction import EvictConfig, Hooks, Prefilled, keep_slots, select, stack_layers, uniform_budgets
 from lookaheadkv import answer_attention, kl_loss, lookahead_pass
-from methods import make_scorer, parse_rule
+from methods import adapter_selection, make_scorer, parse_rule
 from metrics import answer_kl, forced_logprobs, gap_closed, recall_of_kept
 from model import Hook, KVCache
 
@@ -101,13 +101,11 @@ def group_mean(scores, n_kv_heads):
 
 
 def row_scorer(row, C, module, window):
+    """The Scorer of a ROWS entry at budget C ("adapter" budgets: the adapter's, given to another method)."""
     method, rule, budgets = row
-    budgets = {"uniform": uniform_budgets, "adapter": None, None: None}[budgets]
-    eviction = EvictConfig(method, C, window=window, rule=None if rule is None else parse_rule(rule),
-                           budgets=budgets)
-    if row[2] == "adapter":  # the adapter's budgets for another method
-        eviction = dataclasses.replace(eviction, budgets=make_scorer(EvictConfig("lookahead", C), module).eviction.budgets)
-    return make_scorer(eviction, module=module, response=torch.zeros(1, 1, dtype=torch.long))
+    budgets = {"uniform": uniform_budgets, "adapter": adapter_selection(module)[1], None: None}[budgets]
+    eviction = EvictConfig(method, C, window=window, rule=None if rule is None else parse_rule(rule), budgets=budgets)
+    return make_scorer(eviction, module=module)
 
 
 @torch.no_grad()

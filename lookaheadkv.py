@@ -18,7 +18,8 @@ their rows, and only theirs, a LoRA, and read off where they attend:
 
 METHOD.md has each equation next to its code; train.py trains the module, generate.py uses it.
 What this repository adds beyond the paper (a selection rule, per-layer budgets, eviction while
-decoding) lives in extensions/ and never in this file.
+decoding) lives in extensions/; the only trace here is the scorer's last two methods, how LookaheadKV
+re-scores a cache that grew (each method's decode-phase form lives with the method).
 """
 import json
 import math

@@ -41,11 +41,15 @@ def make_scorer(eviction, module=None, response=None):
     if eviction.method not in METHODS:
         raise ValueError(f"unknown method {eviction.method!r}; choose from {', '.join(METHODS)}")
     if eviction.method == "lookahead" and module is not None:
-        rule, weights = module.info.get("rule"), module.info.get("layer_weights")
-        eviction = dataclasses.replace(
-            eviction, rule=eviction.rule or (parse_rule(rule) if rule else None),
-            budgets=eviction.budgets or (LayerBudgets(weights) if weights else None))
+        rule, budgets = adapter_selection(module)
+        eviction = dataclasses.replace(eviction, rule=eviction.rule or rule, budgets=eviction.budgets or budgets)
     return METHODS[eviction.method](eviction, module=module, response=response)
+
+
+def adapter_selection(module):
+    """(selection rule, budget policy) an adapter's .json names; None for what it leaves to the method."""
+    rule, weights = module.info.get("rule"), module.info.get("layer_weights")
+    return (parse_rule(rule) if rule else None), (LayerBudgets(weights) if weights else None)
 
 
 def load_adapter(path, cfg, device="cpu"):
