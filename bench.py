@@ -9,13 +9,15 @@ one warm-up round (CUDA: torch.cuda.Event; CPU: wall time, or --clock cpu). Five
     python bench.py --mode decode-cost --lengths 128,512 --every 32   # beyond the paper: below
     python bench.py --quick --json out/bench.json      # the H200 preset, about 2-3 minutes
 
-overhead: each row is one method's compress() (prefill, scoring, eviction) at each prompt length, and
+overhead: each row is one method's compress() (prefill, scoring, eviction) on a prompt of the standard
+library's source (text_ids; random ids with --random-init) at each prompt length, and
 overhead = the median over rounds of (method - full) timed in the same round (drift cancels), printed
 in ms and as % of FullKV's prefill. Rows (--methods): full, snapkv, h2o, laq, and
     lookahead            as shipped: the model's adapter (weights/<model>.lookahead.safetensors, or
                          --adapter) with the rule and per-layer budgets of its .json
     lookahead-unpooled   the same adapter, top C of its raw scores, C in every layer (the paper's form)
     lookahead-2pass      as shipped, scored by a second forward of the M rows (the training form)
+    lookahead-exact      as shipped, but span:8 with the exact surprisal (what the shortlist gate saves)
     full-1chunk          the prefill in one chunk instead of chunks of --chunk-size (a diagnostic)
 (pyramidkv, streaming and random may be named too.) A model without an adapter (--random-init) times
 an untrained module of the same shapes (timing does not depend on training) selecting by the shipped
@@ -57,9 +59,10 @@ from tqdm import tqdm
 import cli
 from eviction import EvictConfig, Pool, compress, decode, uniform_budgets
 from extensions.decode import DecodeEviction
+from extensions.span import SpanRule
 from lookaheadkv import LookaheadHook, answer_attention, kl_loss, lookahead_pass, untrained_module
 from methods import DECODE_METHODS, METHODS, load_adapter, make_scorer, parse_rule
-from model import ModelConfig, Transformer, default_dtype
+from model import ModelConfig, Tokenizer, Transformer, default_dtype
 
 ROOT = Path(__file__).resolve().parent
 # row name -> EvictConfig fields; any other name in methods.METHODS runs as itself
@@ -68,6 +71,8 @@ VARIANTS = {
     "lookahead-2pass": dict(method="lookahead", one_pass=False),  # a 2nd forward of the M rows
     # the paper's form: top C of the raw scores in every layer (the shipped rule's cost is lookahead minus this)
     "lookahead-unpooled": dict(method="lookahead", rule=Pool("none"), budgets=uniform_budgets),
+    # the span rule with the exact surprisal (every LM-head row), the adapter's budgets: what the gate saves
+    "lookahead-exact": dict(method="lookahead", rule=SpanRule(8)),
     "full-1chunk": dict(method="full", chunk_size=1 << 30),  # prefill in one chunk (a diagnostic)
 }
 OVERHEAD_ROWS = "full,snapkv,h2o,laq,lookahead,lookahead-unpooled,lookahead-2pass"
@@ -83,7 +88,7 @@ SHIPPED = ROOT / "weights" / "SmolLM2-135M-Instruct.lookahead.json"
 NEW_TOKENS = 32  # decode: greedy steps timed per round
 PERIODS = 4  # decode-cost: evictions timed per round (PERIODS x every tokens)
 RESPONSE = 128  # train-cost: the answer whose attention is the target
-SEED = 0  # the random prompts and the untrained module: timing does not depend on them
+SEED = 0  # the random prompts and the untrained module
 COLUMNS = {  # mode -> (row key, header) of the printed table; --json has every key
     "overhead": [("method", "method"), ("S", "S"), ("prefill_ms", "prefill ms"), ("total_ms", "total ms"),
                  ("overhead_ms", "overhead ms"), ("overhead_pct", "overhead %"), ("kv_mib", "KV MiB"),
@@ -217,6 +222,7 @@ def setup(args, config_path, lookahead):
     embeddings, so the model comes first."""
     dtype = getattr(torch, args.dtype) if args.dtype else None
     module = path = None
+    args.text_from = None  # the folder whose tokenizer makes the overhead rows' text prompts (a checkpoint's)
     if config_path:
         model = random_model(config_path, args.device, dtype)
     else:
@@ -228,6 +234,7 @@ def setup(args, config_path, lookahead):
             module = load_adapter(path, cfg)
             scorers_for(args, module)
         model = cli.load(folder, args.device, dtype, tokenizer=False)[0]
+        args.text_from = folder
     if lookahead and module is None:
         module = untrained(model)
     if module is not None:
@@ -246,6 +253,20 @@ def scorers_for(args, module):
 def random_ids(model, B, S, seed=SEED):  # timing only: the tokens do not matter
     ids = torch.randint(0, model.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(seed))
     return ids.to(model.lm_head.weight.device)
+
+
+def text_ids(model, tok, S):
+    """(1, S) ids of real text, the standard library's own source (every Python has it), for the overhead rows:
+    the span rule's gate reads the LM-head rows of the prompt's distinct tokens, which random ids overstate
+    (2K random ids hold ~1.9K distinct tokens; 2K tokens of this text ~500). Without a tokenizer: random ids."""
+    if tok is None:
+        return random_ids(model, 1, S)
+    ids = []
+    for f in sorted(Path(argparse.__file__).parent.glob("*.py")):  # the same files, in the same order, every run
+        ids += tok.encode(f.read_text(errors="replace"))
+        if len(ids) >= S:
+            break
+    return torch.tensor([ids[:S]], device=model.lm_head.weight.device)
 
 
 def describe(model, args, module=None, scorers=None, note=None):
@@ -309,8 +330,9 @@ def run_overhead(model, module, scorers, args, lengths, emit):
     skip = [S for S in lengths if "h2o" in args.methods and args.h2o_max_len and S > args.h2o_max_len]
     describe(model, args, module, scorers, note=skip and f"h2o skipped at S = {skip} (> --h2o-max-len): it scores "
              "with every prompt query, S x S work in row chunks, several times the prefill at such lengths")
+    tok = Tokenizer(args.text_from, model.config) if args.text_from else None
     for S in lengths:
-        ids = random_ids(model, 1, S)
+        ids = text_ids(model, tok, S)
         fns = {}
         for name in scorers:  # full first: the baseline of every row
             if name == "h2o" and S in skip:

@@ -20,8 +20,9 @@ the gather. ttft runs from the start of the prefill to the first generated token
 same as one object (prefill_ms, evict_ms, ttft_ms, ...). --show then prints the prompt with the kept
 tokens highlighted.
 
---pool picks the selection rule: none | avg:K | max:K | span:K (default: the method's own; lookahead:
-its adapter's, the shipped one span:8 with per-layer budgets). --uniform-budgets keeps C slots in every
+--pool picks the selection rule: none | avg:K | max:K | span:K | span:K:N (default: the method's own;
+lookahead: its adapter's, the shipped one span:8:1024 with per-layer budgets; span:K reads the exact
+surprisal, span:K:N a shortlist of the LM head: extensions/span.py). --uniform-budgets keeps C slots in every
 layer, as the paper evaluates.
 
 Beyond the paper, the cache can stay within a budget after the prefill too (extensions/decode.py;

@@ -22,16 +22,18 @@ METHODS = {"full": FullKV, "streaming": StreamingLLM, "random": RandomKV, "snapk
            "h2o": H2O, "laq": LAQ, "oracle": Oracle, "lookahead": LookaheadKV}
 # the methods whose Scorer can also re-score a cache that grew after the prefill (extensions/decode.py)
 DECODE_METHODS = ("streaming", "snapkv", "h2o", "lookahead")
-RULES = ("none", "avg:K", "max:K", "span:K")  # what --pool accepts (K: the width)
+RULES = ("none", "avg:K", "max:K", "span:K", "span:K:N")  # what --pool accepts (K: the width; N: the gate's first ids)
 
 
 def parse_rule(text):
     """"avg:5", "max:7", "none", "span:8" -> the selection rule (ValueError naming the text otherwise)."""
     kind, _, width = str(text).partition(":")
-    if kind not in ("none", "avg", "max", "span") or (width and not width.isdigit()) or (kind == "none" and width):
-        raise ValueError(f"selection rule {text!r}: use none, avg:K, max:K (K odd) or span:K, e.g. span:8")
+    width, _, first = width.partition(":")
+    if (kind not in ("none", "avg", "max", "span") or (width and not width.isdigit()) or (kind == "none" and width)
+            or (first and (kind != "span" or not first.isdigit()))):
+        raise ValueError(f"selection rule {text!r}: use none, avg:K, max:K (K odd), span:K or span:K:N, e.g. span:8")
     if kind == "span":
-        return SpanRule(int(width or 8))
+        return SpanRule(int(width or 8), int(first) if first else None)
     return Pool(kind, int(width or (5 if kind == "avg" else 7)))
 
 

@@ -9,14 +9,23 @@ takes the best score within kernel - 1 places on either side, times 0.95 per pla
 is still selected token by token. After kvpress's QuerySpanPress (importance carried with decay,
 granted only to tokens the model could not predict), made two-sided.
 
-Its cost is the surprisal: the LM head over prompt tokens. It is computed only where the rule can
-change what is kept, and exactly there: spreading only raises scores, so every token the rule keeps
-lies within kernel - 1 places of a token in its layer's raw top C_l (and the whole run between them
-does too). So the LM head runs on the union of the raw top C_l of every (layer, KV head), dilated by
-kernel - 1, and every other token counts as predictable: the kept slots are those of the full
-computation (tests/test_extensions.py checks it). At long prompts that union is a small part of S.
+Its cost is the surprisal, one LM-head row (V x hidden) per prompt token: for SmolLM2 a quarter of the
+model's work per token, seven times the rest of the method (RESULTS.md, section 9). Two ways down:
 
-    EvictConfig(..., rule=SpanRule(8))      # or: generate.py --pool span:8
+- Where: only where the rule can change what is kept. Spreading only raises scores, so every token the
+  rule keeps lies within kernel - 1 places of a token in its layer's raw top C_l (and the whole run
+  between them does too). So the surprisal is computed on the union of the raw top C_l of every
+  (layer, KV head), dilated by kernel - 1, and every other token counts as predictable: exact
+  (tests/test_extensions.py checks it). At 32K that union is a small part of S; at 1-2K with 90
+  (layer, KV head) pairs it is nearly all of it.
+- What (the gate, span:K:N): log Z = logsumexp of the logits over a shortlist of the vocabulary, not all
+  of it: the first N ids (a BPE vocabulary is numbered in merge order: its most frequent pieces) and every
+  id of the prompt (the tokens a model copying from its context expects; the token that came is one of
+  them). A part of the sum, so the surprisal is a lower bound: the gate can only call an unpredictable
+  token predictable, never the reverse. With N = 1024 it reads ~1.5K of SmolLM2's 49K rows at 2K tokens.
+
+    EvictConfig(..., rule=SpanRule(8, 1024))   # or: generate.py --pool span:8:1024
+    EvictConfig(..., rule=SpanRule(8))         # the exact surprisal: --pool span:8
 """
 import torch
 import torch.nn.functional as F
@@ -43,10 +52,12 @@ class HiddenStates(Hook):
         return torch.cat(self.rows, dim=1)  # (B, S, hidden)
 
 
-def token_surprisal(lm_head, hidden, ids, where=None, rows=256):
+def token_surprisal(lm_head, hidden, ids, where=None, rows=256, vocab=None):
     """-log p(ids[t] | ids[<t]) in nats, (B, S) float32, from the final normed hidden states (B, S, hidden)
     of the prompt's own forward (row t - 1 predicts token t), `rows` at a time so that no (S, vocab)
-    tensor is made. where (B, S) bool: only those tokens (the others get 0, as the first token does)."""
+    tensor is made. where (B, S) bool: only those tokens (the others get 0, as the first token does).
+    vocab (n,) long: normalise over these rows of the LM head only (shortlist()); it must hold every id
+    of `ids`, and then the result is a lower bound of the exact one (a part of the sum in log Z)."""
     B, S = ids.shape
     out = torch.zeros(B, S, device=ids.device)
     if where is None:
@@ -54,11 +65,22 @@ def token_surprisal(lm_head, hidden, ids, where=None, rows=256):
     where = where.clone()
     where[:, 0] = False  # the first token has no context
     b_idx, t_idx = where.nonzero(as_tuple=True)  # the tokens asked for, row-major
+    W = lm_head.weight if vocab is None else lm_head.weight[vocab]  # (V or n, hidden)
     for a in range(0, len(t_idx), rows):
         b, t = b_idx[a:a + rows], t_idx[a:a + rows]
-        logp = lm_head(hidden[b, t - 1]).float().log_softmax(-1)  # (n, V)
-        out[b, t] = -logp.gather(-1, ids[b, t][:, None])[:, 0]
+        h = hidden[b, t - 1]  # (r, hidden): the row that predicts token t
+        log_z = F.linear(h, W).float().logsumexp(-1)  # (r,)
+        own = (h * lm_head.weight[ids[b, t]]).sum(-1).float()  # (r,) the logit of the token that came
+        out[b, t] = log_z - own
     return out
+
+
+def shortlist(ids, vocab_size, first):
+    """The LM-head rows the cheap gate normalises over: the first `first` ids (a BPE vocabulary is
+    numbered in merge order, so they are its most frequent pieces) and every id in the prompt (what a
+    model copying from its context expects). (n,) sorted, n << vocab_size."""
+    head = torch.arange(min(first, vocab_size), device=ids.device)
+    return torch.unique(torch.cat([head, ids.flatten()]))
 
 
 def shift(t, o, fill):
@@ -104,16 +126,19 @@ def candidates(scores, budgets, kernel):
 
 class SpanRule:
     """The selection rule: watch the prefill for its final hidden states, then smooth the scores with
-    span_scores, the surprisal computed on the candidate tokens only (exact; see the module docstring)."""
+    span_scores, the surprisal computed on the candidate tokens only, over the whole vocabulary
+    (first=None: exact) or over shortlist(ids, V, first) (the cheap gate; see the module docstring)."""
 
-    def __init__(self, kernel=8):
+    def __init__(self, kernel=8, first=None):
         if kernel < 1:
             raise ValueError(f"span width {kernel} must be >= 1")
-        self.kernel = kernel
+        if first is not None and first < 1:
+            raise ValueError(f"span shortlist {first} must be >= 1")
+        self.kernel, self.first = kernel, first  # first: None = the exact surprisal, else shortlist(ids, V, first)
         self.last_share = None  # the share of prompt tokens whose surprisal the last smooth() computed
 
     def __repr__(self):
-        return f"span:{self.kernel}"
+        return f"span:{self.kernel}" + ("" if self.first is None else f":{self.first}")
 
     def prefill_hook(self, model, S):
         return HiddenStates(model.lm_head, S) if self.kernel > 1 else None
@@ -126,7 +151,15 @@ class SpanRule:
         where = candidates(prefix, budgets or [n] * scores.shape[0], self.kernel)  # (B, n)
         ids = run.ids[:, :n]
         hook = run.rule_hook
-        surprisal = token_surprisal(hook.lm_head, hook.states()[:, :n], ids, where)
+        hidden = hook.states()[:, :n]
+        if self.first is None:
+            surprisal = token_surprisal(hook.lm_head, hidden, ids, where)
+        else:  # one shortlist per batch row, of its own tokens (not its padding): a row scores as it would alone
+            V = hook.lm_head.weight.shape[0]
+            real = torch.ones_like(ids, dtype=torch.bool) if run.valid is None else run.valid[:, 0, :n]
+            surprisal = torch.cat([token_surprisal(hook.lm_head, hidden[b:b + 1], ids[b:b + 1], where[b:b + 1],
+                                                   vocab=shortlist(ids[b][real[b]], V, self.first))
+                                   for b in range(len(ids))])
         surprisal = surprisal.masked_fill(run.positions[:, :n] == 0, 0.0)  # each row's first real token
         self.last_share = where.float().mean().item()
         pooled = span_scores(prefix, surprisal, self.kernel).to(scores.dtype)

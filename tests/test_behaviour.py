@@ -22,10 +22,12 @@ RECORD = Path(__file__).parent / "data" / "behaviour_record.json"
 
 def configs(C):
     """The recorded configurations, in today's words."""
-    out = {m: EvictConfig(m, C) for m in ["full", "streaming", "random", "snapkv", "pyramidkv", "h2o", "laq",
-                                          "oracle", "lookahead"]}
-    out["lookahead_twopass"] = EvictConfig("lookahead", C, one_pass=False)
-    out["lookahead_uniform"] = EvictConfig("lookahead", C, budgets=uniform_budgets)
+    out = {m: EvictConfig(m, C) for m in ["full", "streaming", "random", "snapkv", "pyramidkv", "h2o", "laq", "oracle"]}
+    # the adapter's rule then: span:8 with the exact surprisal (it now ships the shortlist gate, span:8:1024)
+    exact = parse_rule("span:8")
+    out["lookahead"] = EvictConfig("lookahead", C, rule=exact)
+    out["lookahead_twopass"] = EvictConfig("lookahead", C, one_pass=False, rule=exact)
+    out["lookahead_uniform"] = EvictConfig("lookahead", C, budgets=uniform_budgets, rule=exact)
     for rule, name in [("none", "none1"), ("avg:5", "avg5"), ("max:7", "max7"), ("span:4", "span4")]:
         out[f"lookahead_{name}"] = EvictConfig("lookahead", C, rule=parse_rule(rule))
     out["snapkv_max7"] = EvictConfig("snapkv", C, rule=parse_rule("max:7"))

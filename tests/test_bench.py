@@ -66,9 +66,9 @@ def test_overhead_rows(tiny_config, tmp_path, capsys):
     # shipped adapter's rule; the unpooled row is the paper's form
     assert "untrained LookaheadModule (M=32, LoRA q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj r=8)" \
         in printed
-    assert "lookahead: rule span:8, C every layer, one pass" in printed
+    assert "lookahead: rule span:8:1024, C every layer, one pass" in printed
     assert "lookahead-unpooled: rule none, C every layer, one pass" in printed
-    assert "lookahead-2pass: rule span:8, C every layer, two passes" in printed
+    assert "lookahead-2pass: rule span:8:1024, C every layer, two passes" in printed
 
 
 def test_overhead_skips_h2o_above_limit(tiny_config, capsys):
@@ -214,3 +214,22 @@ def test_decode_cost_rows(tiny_config, capsys):
     assert "overhead ms/tok" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="budget 4 is too small for snapkv"):
         run(tiny_config, "--mode", "decode-cost", "--lengths", "4", "--window", "4", "--methods", "snapkv")
+
+
+def test_overhead_prompts_are_text_when_there_is_a_tokenizer():
+    """The span rule's gate reads the LM-head rows of the prompt's distinct tokens, so the overhead rows time a
+    prompt of real text (the standard library's source, the same every run), not random ids, which hold about
+    as many distinct tokens as tokens; without a tokenizer (--random-init) random ids."""
+    from model import ModelConfig, Tokenizer
+
+    if not (SMOL / "tokenizer.json").exists():
+        pytest.skip("run python weights/prepare.py")
+    cfg = ModelConfig.from_hf_config(SMOL)
+    model = type("M", (), {"lm_head": torch.nn.Linear(1, 1), "config": cfg})()  # text_ids reads these two only
+    tok = Tokenizer(SMOL, cfg)
+    ids = bench.text_ids(model, tok, 1024)
+    assert ids.shape == (1, 1024) and torch.equal(ids, bench.text_ids(model, tok, 1024))
+    assert len(ids.unique()) < 512 < len(bench.random_ids(model, 1, 1024).unique())
+    assert tok.decode(ids[0, :200].tolist()) in "".join(
+        p.read_text() for p in sorted(Path(__import__("argparse").__file__).parent.glob("*.py"))[:3])
+    assert bench.text_ids(model, None, 100).shape == (1, 100)

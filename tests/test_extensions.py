@@ -20,7 +20,7 @@ import methods
 from eviction import EvictConfig, Pool, compress, decode, prefill_and_score, select, uniform_budgets
 from extensions.decode import DecodeEviction
 from extensions.layer_budgets import FLOOR, LayerBudgets, layer_weights, measure, spread_budgets
-from extensions.span import SURPRISE_NATS, SpanRule, span_scores, token_surprisal
+from extensions.span import SURPRISE_NATS, SpanRule, shortlist, span_scores, token_surprisal
 from lookaheadkv import LookaheadModule, answer_attention
 from methods import make_scorer
 from model import Hook, KVCache
@@ -166,6 +166,38 @@ def test_token_surprisal_is_the_models_own_next_token_loss():
     assert any(not torch.equal(a, b) for a, b in zip(kept, unpooled))  # the rule changed what is kept
 
 
+def test_the_shortlist_gate_is_a_lower_bound_and_exact_with_the_whole_vocabulary():
+    """With a shortlist of LM-head rows (the first ids and the prompt's own ids), log Z is summed over those
+    rows only: every surprisal is at most the exact one (the gate can only call a token predictable), equal
+    where the shortlist is the whole vocabulary; the rule with it keeps the exact rule's slots when its first
+    ids cover the vocabulary, and differs from it on a short shortlist (the gate is read)."""
+    model = tiny_model()
+    V = model.config.vocab_size
+    ids = rand_ids(2, 37, seed=4)
+    cap = Hidden()
+    model(ids, positions=pos(0, 37, 2), hook=cap, logits_at=-1)
+    exact = token_surprisal(model.lm_head, cap.h, ids)
+    vocab = shortlist(ids, V, 5)
+    assert torch.equal(vocab, torch.unique(torch.cat([torch.arange(5), ids.flatten()])))  # sorted, no repeats
+    assert len(vocab) < V
+    cheap = token_surprisal(model.lm_head, cap.h, ids, rows=7, vocab=vocab)
+    assert (cheap <= exact + 1e-5).all() and (cheap < exact - 1e-3).any()
+    assert torch.allclose(token_surprisal(model.lm_head, cap.h, ids, vocab=shortlist(ids, V, V)), exact, atol=1e-5)
+    mod = random_module(model.config, 8)
+    ids = 10 + rand_ids(2, 37, seed=5) % 3  # three distinct ids: a shortlist of 4 rows sees no surprise
+    for first, same in ((V, True), (1, False)):
+        ec = dict(budget=12, window=4, budgets=None)
+        run = prefill_and_score(model, ids, make_scorer(EvictConfig("lookahead", rule=SpanRule(4), **ec), mod))
+        want = make_scorer(EvictConfig("lookahead", rule=SpanRule(4), **ec), mod).evict(run.scores, run)
+        rule = SpanRule(4, first)
+        got = make_scorer(EvictConfig("lookahead", rule=rule, **ec), mod).evict(run.scores, run)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) == same, first
+    assert repr(methods.parse_rule("span:8:1024")) == "span:8:1024" and methods.parse_rule("span:8:1024").first == 1024
+    for bad in ("avg:5:3", "span:8:x", "span:8:0"):
+        with pytest.raises(ValueError, match="span|selection rule"):
+            methods.parse_rule(bad)
+
+
 def test_span_rule_on_a_left_padded_batch():
     """With left padding the reference surprisal is each row's own (0 on the padding and on a row's first
     real token, which has no context), and the span rule keeps the reference's top C, no padding."""
@@ -186,6 +218,14 @@ def test_span_rule_on_a_left_padded_batch():
         run = prefill_and_score(model, ids, make_scorer(ec), pad_mask=pad)
         assert_same_top(kept, *span_reference(model, ids, scorer, run, 4, pad))
         assert all((k[1] >= S - lens[1]).all() for k in kept)  # no padding kept
+    # the shortlist gate: one shortlist per row, of its own tokens, so a row keeps what it keeps alone
+    small = [r % 5 + 3 + 20 * i for i, r in enumerate(rows)]  # few distinct ids, other ones per row: the gate decides
+    ids = torch.cat([torch.cat([torch.full((1, S - r.shape[1]), 90), r], 1) for r in small])  # padding id 90
+    ec = EvictConfig("snapkv", budget=8, window=4, rule=SpanRule(4, 1))
+    batched = compress(model, ids, make_scorer(ec), pad_mask=pad)[3]
+    for b, r in enumerate(small):
+        alone = compress(model, r, make_scorer(ec))[3]
+        assert all(torch.equal(k[b] - (S - lens[b]), a[0]) for k, a in zip(batched, alone)), b
 
 
 # -----------------------------------------------------------------------------

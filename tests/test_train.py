@@ -281,7 +281,7 @@ def test_resume_equals_uninterrupted_run(model_dir, tmp_path, stub_prompts, monk
         write_data(out, model_dir)
     train.main(argv(model_dir, a))  # 4 steps straight (4 samples / batch 2 x 2 epochs)
     meta_a = json.loads((a / "adapter.json").read_text())
-    assert meta_a["steps"] == 4 and meta_a["rule"] == "span:8"
+    assert meta_a["steps"] == 4 and meta_a["rule"] == "span:8:1024"
 
     # run B: checkpoint every step, killed right after step 2's checkpoint
     orig_save = train.save_checkpoint
@@ -487,7 +487,7 @@ def test_stage_budgets_writes_weights_into_the_adapter(model_dir, tmp_path, stub
     order = sorted(range(L), key=lambda l: got["gain"][l])
     assert [got["weights"][l] for l in order] == sorted(got["weights"])
     meta = json.loads((out / "adapter.json").read_text())
-    assert meta["layer_weights"] == got["weights"] and meta["rule"] == "span:8"
+    assert meta["layer_weights"] == got["weights"] and meta["rule"] == "span:8:1024"
     assert meta["layer_weights_from"] == dict(rows=4, C=6, group=1, floor=layer_budgets.FLOOR,
                                               power=layer_budgets.POWER)
     assert (out / "adapter.prev.safetensors").read_bytes() == before[0]
