@@ -19,7 +19,7 @@ model's work per token, seven times the rest of the method (RESULTS.md, section 
   (tests/test_extensions.py checks it). At 32K that union is a small part of S; at 1-2K with 90
   (layer, KV head) pairs it is nearly all of it.
 - What (the gate, span:K:N): log Z = logsumexp of the logits over a shortlist of the vocabulary, not all
-  of it: the first N ids (a BPE vocabulary is numbered in merge order: its most frequent pieces) and every
+  of it: the first N ids (a byte-level BPE vocabulary: bytes, then merges, most frequent first) and every
   id of the prompt (the tokens a model copying from its context expects; the token that came is one of
   them). A part of the sum, so the surprisal is a lower bound: the gate can only call an unpredictable
   token predictable, never the reverse. With N = 1024 it reads ~1.5K of SmolLM2's 49K rows at 2K tokens.
@@ -70,14 +70,15 @@ def token_surprisal(lm_head, hidden, ids, where=None, rows=256, vocab=None):
         b, t = b_idx[a:a + rows], t_idx[a:a + rows]
         h = hidden[b, t - 1]  # (r, hidden): the row that predicts token t
         log_z = F.linear(h, W).float().logsumexp(-1)  # (r,)
-        own = (h * lm_head.weight[ids[b, t]]).sum(-1).float()  # (r,) the logit of the token that came
+        own = (h.float() * lm_head.weight[ids[b, t]].float()).sum(-1)  # (r,) the logit of the token that came
         out[b, t] = log_z - own
     return out
 
 
 def shortlist(ids, vocab_size, first):
-    """The LM-head rows the cheap gate normalises over: the first `first` ids (a BPE vocabulary is
-    numbered in merge order, so they are its most frequent pieces) and every id in the prompt (what a
+    """The LM-head rows the cheap gate normalises over: the first `first` ids (a byte-level BPE vocabulary
+    holds its special and 256 byte tokens first, then its merges in the order they were learnt, the most
+    frequent pieces first) and every id in the prompt (what a
     model copying from its context expects). (n,) sorted, n << vocab_size."""
     head = torch.arange(min(first, vocab_size), device=ids.device)
     return torch.unique(torch.cat([head, ids.flatten()]))
