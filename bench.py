@@ -123,14 +123,17 @@ def peak_rss_gib():
 
 
 def time_rounds(fns, repeats, device, desc="", clock=time.perf_counter):
-    """One warm-up round, then `repeats` rounds calling every fn of {name: fn} in turn.
-    Returns {name: [ms per round]}, {name: peak GiB}, {name: last result}. Peak: on CUDA the
-    allocator's peak during the call; on CPU (Linux) the process's peak RSS during the call, which
-    includes the weights and Python (None where /proc cannot be reset)."""
+    """One warm-up round, then `repeats` rounds calling every fn of {name: fn} in turn, the order rotated
+    by one each round (on a shared machine a call's speed drifts within a round: no row may always take
+    one place in it). Returns {name: [ms per round]}, {name: peak GiB}, {name: last
+    result}. Peak: on CUDA the allocator's peak during the call; on CPU (Linux) the process's peak RSS
+    during the call, which includes the weights and Python (None where /proc cannot be reset)."""
     cuda = torch.device(device).type == "cuda"
     times, peak, out = {n: [] for n in fns}, {n: None for n in fns}, {}
+    names = list(fns)
     for r in tqdm(range(repeats + 1), desc=desc, leave=False):
-        for n, fn in fns.items():
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[n]
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
