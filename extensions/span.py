@@ -10,7 +10,7 @@ is still selected token by token. After kvpress's QuerySpanPress (importance car
 granted only to tokens the model could not predict), made two-sided.
 
 Its cost is the surprisal, one LM-head row (V x hidden) per prompt token: for SmolLM2 a quarter of the
-model's work per token, seven times the rest of the method (RESULTS.md, section 9). Two ways down:
+model's work per token, several times the rest of the method (RESULTS.md, section 9). Two ways down:
 
 - Where: only where the rule can change what is kept. Spreading only raises scores, so every token the
   rule keeps lies within kernel - 1 places of a token in its layer's raw top C_l (and the whole run
@@ -22,7 +22,7 @@ model's work per token, seven times the rest of the method (RESULTS.md, section 
   of it: the first N ids (a byte-level BPE vocabulary: bytes, then merges, most frequent first) and every
   id of the prompt (the tokens a model copying from its context expects; the token that came is one of
   them). A part of the sum, so the surprisal is a lower bound: the gate can only call an unpredictable
-  token predictable, never the reverse. With N = 1024 it reads ~1.5K of SmolLM2's 49K rows at 2K tokens.
+  token predictable, never the reverse. With N = 1024 it reads ~1.4K of SmolLM2's 49K rows at 2K tokens of text.
 
     EvictConfig(..., rule=SpanRule(8, 1024))   # or: generate.py --pool span:8:1024
     EvictConfig(..., rule=SpanRule(8))         # the exact surprisal: --pool span:8
@@ -78,8 +78,8 @@ def token_surprisal(lm_head, hidden, ids, where=None, rows=256, vocab=None):
 def shortlist(ids, vocab_size, first):
     """The LM-head rows the cheap gate normalises over: the first `first` ids (a byte-level BPE vocabulary
     holds its special and 256 byte tokens first, then its merges in the order they were learnt, the most
-    frequent pieces first) and every id in the prompt (what a
-    model copying from its context expects). (n,) sorted, n << vocab_size."""
+    frequent pieces first) and every id in the prompt (what a model copying from its context expects).
+    (n,) sorted, n << vocab_size."""
     head = torch.arange(min(first, vocab_size), device=ids.device)
     return torch.unique(torch.cat([head, ids.flatten()]))
 
@@ -152,15 +152,13 @@ class SpanRule:
         where = candidates(prefix, budgets or [n] * scores.shape[0], self.kernel)  # (B, n)
         ids = run.ids[:, :n]
         hook = run.rule_hook
-        hidden = hook.states()[:, :n]
-        if self.first is None:
-            surprisal = token_surprisal(hook.lm_head, hidden, ids, where)
-        else:  # one shortlist per batch row, of its own tokens (not its padding): a row scores as it would alone
-            V = hook.lm_head.weight.shape[0]
-            real = torch.ones_like(ids, dtype=torch.bool) if run.valid is None else run.valid[:, 0, :n]
-            surprisal = torch.cat([token_surprisal(hook.lm_head, hidden[b:b + 1], ids[b:b + 1], where[b:b + 1],
-                                                   vocab=shortlist(ids[b][real[b]], V, self.first))
-                                   for b in range(len(ids))])
+        hidden, V = hook.states()[:, :n], hook.lm_head.weight.shape[0]
+        real = torch.ones_like(ids, dtype=torch.bool) if run.valid is None else run.valid[:, 0, :n]
+        # one batch row at a time: the gate's shortlist is of that row's own tokens (not its padding),
+        # so a row scores as it would alone
+        vocab = [None if self.first is None else shortlist(ids[b][real[b]], V, self.first) for b in range(len(ids))]
+        surprisal = torch.cat([token_surprisal(hook.lm_head, hidden[b:b + 1], ids[b:b + 1], where[b:b + 1], vocab=v)
+                               for b, v in enumerate(vocab)])
         surprisal = surprisal.masked_fill(run.positions[:, :n] == 0, 0.0)  # each row's first real token
         self.last_share = where.float().mean().item()
         pooled = span_scores(prefix, surprisal, self.kernel).to(scores.dtype)
