@@ -63,20 +63,17 @@ def group_attention(q, k, key_valid=None, causal=True):
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     G = H // Hkv
-    qg = q.reshape(B, Hkv, G * Tq, D)  # (B, H_kv, G*Tq, D), a view when q is contiguous
-    logits = (qg @ k.transpose(-1, -2)).float() / math.sqrt(D)  # (B, H_kv, G*Tq, Tk)
-    mask = torch.ones(1, Tk, dtype=torch.bool, device=q.device)
-    if causal:
-        q_slot = torch.arange(Tk - Tq, Tk, device=q.device).repeat(G)[:, None]  # row r is query r % Tq
-        mask = torch.arange(Tk, device=q.device)[None, :] <= q_slot  # bottom-right aligned
-    if key_valid is not None:
-        mask = mask & key_valid[:, :, None, :]  # (B, 1|H_kv, G*Tq, Tk)
-    probs = logits.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    blind = None if key_valid is None else ~mask.any(dim=-1, keepdim=True)  # queries that see no key
-    if blind is None or not blind.any():
-        return probs
-    # with padding, a left-padding query sees no real key: its all -inf row is NaN, make it 0
-    return probs.masked_fill(blind, 0.0)
+    qg = q.reshape(B, Hkv, G * Tq, D).float() / math.sqrt(D)  # (B, H_kv, G*Tq, D), scaled before Q K^T
+    # in float32, as SDPA accumulates: these probabilities may also make the rows' output (Hook.attn_output)
+    logits = qg @ k.float().transpose(-1, -2)  # (B, H_kv, G*Tq, Tk)
+    if causal:  # query t (row g*Tq + t) sits at slot Tk - Tq + t: only the last Tq keys can come after it
+        t = torch.arange(Tq, device=q.device)
+        logits[..., Tk - Tq:].masked_fill_(t[None, :] > t.repeat(G)[:, None], float("-inf"))  # (G*Tq, Tq)
+    if key_valid is None:
+        return logits.softmax(dim=-1)
+    logits.masked_fill_(~key_valid[:, :, None, :], float("-inf"))  # (B, 1|H_kv, 1, Tk)
+    # with padding, a left-padding query may see no real key: its all -inf row is NaN, make it 0
+    return logits.softmax(dim=-1).nan_to_num(nan=0.0)
 
 
 class WindowHook(Hook):
@@ -84,12 +81,18 @@ class WindowHook(Hook):
     (B, H_kv, S), or per query head (B, H, S). SnapKV (the last prompt queries) and the lookahead
     rows score this way; they differ in which queries they use."""
 
+    keep_probs = False  # a subclass that makes its rows' output from them (Hook.attn_output) keeps them
+
     def __init__(self, n, S, per_query_head=False):
         self.n, self.S, self.per_query_head = n, S, per_query_head
         self.scores = {}
 
     def attn(self, layer, q, k, key_valid):
-        probs = group_attention(q[:, :, -self.n:], k, key_valid)[..., : self.S]  # (B, H_kv, G*n, S)
+        q = q[:, :, -self.n:]  # (B, H, n, D)
+        probs = group_attention(q, k, key_valid)  # (B, H_kv, G*n, Tk)
+        if self.keep_probs:
+            self.probs, self.rows = probs, q.shape[2]
+        probs = probs[..., : self.S]  # (B, H_kv, G*n, S)
         if self.per_query_head:  # training: one distribution per query head, (B, H, S)
             B, Hkv, _, S = probs.shape
             self.scores[layer] = probs.view(B, Hkv, -1, self.n, S).mean(dim=3).flatten(1, 2)
@@ -124,6 +127,9 @@ class Hooks(Hook):
     def attn(self, layer, q, k, key_valid):
         for h in self.hooks:
             h.attn(layer, q, k, key_valid)
+
+    def attn_output(self, layer, v):
+        return next((y for h in self.hooks if (y := h.attn_output(layer, v)) is not None), None)
 
     def hidden(self, h):
         for hook in self.hooks:

@@ -165,6 +165,8 @@ class LookaheadHook(WindowHook):
     adds their LoRA delta and scores the prompt with their attention (WindowHook: the mean over
     the M queries and the GQA group, or per query head for training)."""
 
+    keep_probs = True
+
     def __init__(self, module, S, per_query_head=False):
         super().__init__(module.n_tokens, S, per_query_head=per_query_head)
         self.module = module
@@ -172,6 +174,14 @@ class LookaheadHook(WindowHook):
     def lora(self, layer, name, x):
         # only the last M rows get a delta: model.project adds it to those rows alone
         return self.module.delta(layer, name, x[:, -self.n:])
+
+    def attn_output(self, layer, v):
+        """The M rows' attention output (B, H, M, D), from the probabilities their scores were read from:
+        the model runs SDPA for the prompt rows alone (FullKV's very call, so the prompt's cache is FullKV's
+        to the bit) and the M rows are attended for once, not twice."""
+        probs, self.probs = self.probs, None  # (B, H_kv, G*M, Tk), float32
+        y = probs @ v.float()  # (B, H_kv, G*M, D): row g*M + t is query t of query head kv*G + g
+        return y.to(v.dtype).view(v.shape[0], -1, self.rows, v.shape[-1])  # (B, H, M, D)
 
 
 def lookahead_pass(model, module, cache, next_pos, per_query_head=False):

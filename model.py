@@ -258,6 +258,10 @@ class Hook:
         chunk attends to (B, H_kv, Tk, D), cache included; the chunk's queries sit at the LAST Tq
         key slots. key_valid (B, 1 or H_kv, Tk) bool or None (all valid). Scorers read attention
         from here; the model does not change.
+    attn_output(layer, v): called right after attn. A hook that computed the softmax of the chunk's
+        LAST n queries in attn (a scorer reading the M lookahead rows' or SnapKV's window's attention)
+        returns their attention output (B, H, n, D) from it: the model then runs SDPA on the other rows
+        only, so those n rows' attention is paid once, not twice. None (the default): SDPA does every row.
     hidden(h): sees the chunk's final normed hidden states (B, T, hidden).
     """
 
@@ -266,6 +270,9 @@ class Hook:
 
     def attn(self, layer, q, k, key_valid):
         pass
+
+    def attn_output(self, layer, v):
+        return None
 
     def hidden(self, h):  # what the LM head reads: a selection rule may ask how predictable the prompt was
         pass
@@ -327,25 +334,34 @@ class Attention(nn.Module):
             k, v, key_valid = cache.append(i, k, v, pad_mask)  # (B, H_kv, Tk, D), Tk = cached + T
         elif pad_mask is not None:
             key_valid = pad_mask[:, None, :]  # (B, 1, T)
+        y_last = None
         if hook is not None:
             hook.attn(i, q, k, key_valid)
-        Tk = k.shape[2]
+            y_last = hook.attn_output(i, v)  # (B, H, n, D) for the chunk's last n queries, or None
+        # SDPA attends for every row, or for all but the hook's last n: no earlier row sees their keys (causal)
+        n, Tk = 0 if y_last is None else y_last.shape[2], k.shape[2]
+        valid = None if key_valid is None else key_valid[..., : Tk - n]
+        y = self.sdpa(q[:, :, : T - n], k[:, :, : Tk - n], v[:, :, : Tk - n], valid) if n < T else None  # (B, H, T - n, D)
+        parts = [part.transpose(1, 2) for part in (y, y_last) if part is not None]  # (B, T - n and n, H, D)
+        y = torch.cat(parts, dim=1).reshape(B, T, self.n_head * self.head_dim)  # one copy, as a reshape alone makes
+        return project(self, "o_proj", y, i, hook)
+
+    def sdpa(self, q, k, v, key_valid):
+        """Causal attention of q (B, H, Tq, D), the last Tq of the Tk slots of k, v (B, H_kv, Tk, D)."""
+        T, Tk = q.shape[2], k.shape[2]
         if key_valid is None and T == Tk:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        elif key_valid is None and T == 1:
-            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # one new token sees everything
-        elif key_valid is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if key_valid is None and T == 1:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # one new token sees everything
+        if key_valid is None:
             # a chunk on top of a cache: causal, aligned bottom-right. As a CausalBias rather than a
             # bool mask, so CUDA keeps its flash kernel (which takes GQA but no explicit mask); on
             # CPU it becomes the same (T, Tk) mask as attention_mask(T, Tk, None)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, Tk), enable_gqa=True)
-        else:
-            mask = attention_mask(T, Tk, key_valid, x.device)  # (B|1, H_kv|1, T, Tk)
-            if mask.shape[1] > 1:  # per-KV-head validity (after eviction): one row per query head
-                mask = mask.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
-        return project(self, "o_proj", y, i, hook)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, Tk), enable_gqa=True)
+        mask = attention_mask(T, Tk, key_valid, q.device)  # (B|1, H_kv|1, T, Tk)
+        if mask.shape[1] > 1:  # per-KV-head validity (after eviction): one row per query head
+            mask = mask.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 class MLP(nn.Module):

@@ -31,15 +31,12 @@ Seams (the places where values would be needed; each is named here and nowhere h
    `.tolist()`, `.to("cpu")` answer zeros (OneDevice: aten._local_scalar_dense, aten._to_copy to
    cpu). Each read is recorded with its file:line (`OneDevice.host_reads`, printed with -s): on CUDA
    each is a device-to-host sync. The sites today: decode()'s `done.all()` (once per generated
-   token), group_attention's `blind.any()` (padded batches: training, the data stage, padded
-   compress), greedy()'s `tokens.tolist()` (answer_and_target's answers: zeros, so every answer runs
+   token), greedy()'s `tokens.tolist()` (answer_and_target's answers: zeros, so every answer runs
    to max_new_tokens; the stop-id stub excludes 0), DecodeEviction.evict's `int(next_pos[0])` (its
    log), the untrained module's embedding std (`.item()`), the training step's `loss.item()`, and
    the device-to-host copies of LookaheadModule.save and save_sample (`.cpu()`: zeros are written,
    so the round trip checks shapes and placement, not values); metrics.keep_fraction (`.cpu()`,
    and seam 2) for generate.py --show.
-   Branches taken on a true value: `OneDevice(truth=True)` answers True instead, and
-   test_padded_compress_takes_the_blind_query_branch runs group_attention's masked_fill branch.
 2. DATA-DEPENDENT SHAPES. aten.bincount on meta answers zeros of `minlength` (it has no meta kernel;
    metrics.keep_fraction uses it, outside the paths checked here). aten.nonzero on meta answers every
    index, as if the mask were all True (extensions/span.token_surprisal: the candidate tokens; on CUDA a
@@ -133,12 +130,12 @@ def _site():
 class OneDevice(TorchDispatchMode):
     """Every aten op, forward, backward and optimiser alike: its tensor operands must share one device,
     as on CUDA (FakeTensor._find_common_device's rule; see the module docstring), and a matmul's
-    floating operands one dtype. Host reads of a meta tensor answer 0 / False / zeros (truth=True:
-    True) and are recorded in host_reads (seams 1 and 2)."""
+    floating operands one dtype. Host reads of a meta tensor answer 0 / False / zeros and are recorded in
+    host_reads (seams 1 and 2)."""
 
-    def __init__(self, truth=False):
+    def __init__(self):
         super().__init__()
-        self.truth, self.host_reads = truth, []
+        self.host_reads = []
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -157,7 +154,7 @@ class OneDevice(TorchDispatchMode):
         if x is not None and x.device.type == "meta":
             if func is aten._local_scalar_dense.default:  # seam 1: .item(), bool(), int()
                 self.host_reads.append(("item", _site()))
-                return self.truth if x.dtype == torch.bool else 0
+                return False if x.dtype == torch.bool else 0
             if func is aten._to_copy.default and torch.device(kwargs.get("device") or "meta").type == "cpu":
                 self.host_reads.append(("to cpu", _site()))  # seam 1: .cpu(), .tolist(), .to("cpu")
                 return torch.zeros(x.shape, dtype=kwargs.get("dtype") or x.dtype)
@@ -335,19 +332,6 @@ def test_span_rule_and_layer_budgets(method, check):
     assert_cache_on_device(cache)
     assert [k.shape[-1] for k in kept] == [8, 24]
     on_device(*decode(model, cache, logits, next_pos, 2))
-
-
-def test_padded_compress_takes_the_blind_query_branch():
-    """Host reads answering True: group_attention's branch for queries that see no key (left padding,
-    `probs.masked_fill(blind, 0.0)`) runs on the device too."""
-    model = device_model()
-    ids, mask = left_padded([30, 22])
-    with OneDevice(truth=True) as mode:
-        for method, kw in (("snapkv", {}), ("h2o", {}), ("lookahead", dict(module=device_module(model.config)))):
-            ec = EvictConfig(method, budget=12, window=4, chunk_size=8)
-            cache = compress_by(model, ids, ec, pad_mask=mask, **kw)[0]
-            assert_cache_on_device(cache)
-    assert any(what == "item" for what, _ in mode.host_reads)
 
 
 @pytest.mark.parametrize("method", ["streaming", "snapkv", "h2o", "lookahead"])

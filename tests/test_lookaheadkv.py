@@ -835,7 +835,7 @@ def test_corrupt_adapter_is_refused(tmp_path, damage):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("valid", [None, "shared", "per_head"])
+@pytest.mark.parametrize("valid", [None, "shared", "per_head", "blind"])
 def test_group_attention_equals_repeat_interleave(causal, valid):
     torch.manual_seed(0)
     B, H, Hkv, Tq, Tk, D = 2, 6, 2, 3, 9, 8
@@ -848,7 +848,18 @@ def test_group_attention_equals_repeat_interleave(causal, valid):
     elif valid == "per_head":
         kv = torch.rand(B, Hkv, Tk, generator=torch.Generator().manual_seed(1)) > 0.3
         kv[..., -Tq:] = True  # every query row keeps at least its own key
+    elif valid == "blind":  # row 1 is all padding but its last key: its first queries see no key at all
+        kv = torch.ones(B, 1, Tk, dtype=torch.bool)
+        kv[1, 0, :-1] = False
     got = ev.group_attention(q, k, kv, causal=causal)  # (B, H_kv, G*Tq, Tk)
+    if valid == "blind":  # such a query's row is 0 (never NaN); the others attend as usual
+        assert not got.isnan().any()
+        seen = got.view(B, Hkv, 3, Tq, Tk)[1].sum(-1)  # (H_kv, G, Tq)
+        if causal:
+            assert (seen[..., :-1] == 0).all() and torch.allclose(seen[..., -1], torch.ones(Hkv, 3))
+        else:
+            assert torch.allclose(seen, torch.ones(Hkv, 3, Tq))
+        got, q, k, kv, B = got[:1], q[:1], k[:1], kv[:1], 1  # the reference below: the other row
     assert got.shape == (B, Hkv, 3 * Tq, Tk) and got.dtype == torch.float32
     ref = explicit_probs(q, k, causal, kv)  # (B, H, Tq, Tk)
     assert torch.allclose(got.view(B, Hkv, 3, Tq, Tk).reshape(B, H, Tq, Tk), ref.float(), atol=1e-6)

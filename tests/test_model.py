@@ -652,6 +652,62 @@ def test_hook_attn_sees_queries_and_all_cached_keys(tiny):
         assert q.shape[2] == k.shape[2] == 10 and torch.equal(key_valid, pad_mask[:, None, :])
 
 
+class LastRowsByHand(Hook):
+    """attn_output: the last n queries' attention computed here (as LookaheadHook does from its scores)."""
+
+    def __init__(self, n, scale=1.0):
+        self.n, self.scale, self.calls = n, scale, 0
+
+    def attn(self, layer, q, k, key_valid):
+        from eviction import group_attention
+        self.probs, self.rows = group_attention(q[:, :, -self.n:], k, key_valid), min(self.n, q.shape[2])
+
+    def attn_output(self, layer, v):
+        self.calls += 1
+        y = (self.probs @ v.float()) * self.scale  # (B, H_kv, G*n, D)
+        return y.view(v.shape[0], -1, self.rows, v.shape[-1])
+
+
+@pytest.mark.parametrize("case", ["no-cache", "on-a-cache", "left-padded", "whole-chunk"])
+def test_hook_attn_output_replaces_sdpa_for_the_last_rows(tiny, case):
+    """A hook's attn_output is the last n rows' attention: with the same attention computed by hand the
+    forward is the one SDPA gives, and the rows before them are run exactly as a forward of those rows
+    alone runs them (their keys, values and logits to the bit): how the lookahead rows ride in the prefill
+    without touching the prompt's cache."""
+    L, n = tiny.config.num_hidden_layers, 3
+    ids, pad_mask, positions, cache = rand_ids(2, 9, seed=27), None, pos(0, 9, 2), None
+    if case == "left-padded":
+        ids, pad_mask, positions = left_pad(padded_rows(seed=28)[:2], 10)
+    if case in ("on-a-cache", "whole-chunk"):
+        cache, _ = prefill(tiny, rand_ids(2, 5, seed=29))
+        positions = pos(5, 9, 2)
+    if case == "whole-chunk":  # the two-pass form: every row of the chunk is the hook's
+        ids, positions = ids[:, :n], positions[:, :n]
+    T = ids.shape[1]
+    fresh = lambda: KVCache(L) if cache is None else cache.copy()
+
+    def run(hook, c, rows=T):
+        mask = None if pad_mask is None else pad_mask[:, :rows]
+        return tiny(ids[:, :rows], positions=positions[:, :rows], pad_mask=mask, cache=c, hook=hook)
+
+    want = run(None, fresh())
+    hook, hand_cache = LastRowsByHand(n), fresh()
+    got = run(hook, hand_cache)
+    assert hook.calls == L
+    assert max_diff(got, want) <= ATOL
+    if T > n:  # the first T - n rows: as a forward of them alone
+        alone_cache = fresh()
+        alone = run(None, alone_cache, T - n)
+        assert torch.equal(got[:, : T - n], alone)
+        for l in range(L):
+            assert torch.equal(hand_cache.k[l][:, :, :-n], alone_cache.k[l])
+            assert torch.equal(hand_cache.v[l][:, :, :-n], alone_cache.v[l])
+    # the output is used: a wrong one changes the last rows' logits (and only theirs)
+    wrong = run(LastRowsByHand(n, scale=2.0), fresh())
+    assert max_diff(wrong[:, -n:], want[:, -n:]) > 1e-3
+    assert torch.equal(wrong[:, : T - n], got[:, : T - n])
+
+
 # -----------------------------------------------------------------------------
 # 8. KVCache bookkeeping
 
