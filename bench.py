@@ -28,7 +28,8 @@ builds that shape with random weights (bf16 on CUDA): timing needs no trained we
 (CUDA only): overhead, repeats 5, Llama-3.1-8B shape at 8K and 32K, Qwen3-8B at 8K; h2o skipped
 above 16K (it scores with every prompt query: S x S work in row chunks). Rows print as they are
 measured and --json OUT is rewritten after each (a killed run keeps them); --markdown prints markdown.
-On a shared CPU, --threads 1 --clock cpu counts only this process's CPU time.
+On a shared CPU, --threads 1 --clock cpu counts only this process's CPU time. On CPU, freed memory is kept
+for reuse (keep_freed_memory), so no round pays page faults an earlier one already paid.
 RESULTS.md gives each measured table with the command that made it; the issue 27 row:
     python bench.py --mode overhead --lengths 2048 --budget 128 --threads 1 --clock cpu --repeats 5
 
@@ -48,6 +49,7 @@ Every flag is checked, and every row's scorer made, before a model loads: a bad 
 """
 
 import argparse
+import ctypes
 import json
 import statistics
 import time
@@ -65,6 +67,7 @@ from methods import DECODE_METHODS, METHODS, load_adapter, make_scorer, parse_ru
 from model import ModelConfig, Tokenizer, Transformer, default_dtype
 
 ROOT = Path(__file__).resolve().parent
+KEPT_MEMORY = False  # keep_freed_memory() took: set when run as a script
 # row name -> EvictConfig fields; any other name in methods.METHODS runs as itself
 VARIANTS = {
     "lookahead": dict(method="lookahead"),  # as shipped: the adapter's rule and per-layer budgets
@@ -120,6 +123,19 @@ def peak_rss_gib():
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 2**20  # kB -> GiB
+
+
+def keep_freed_memory():
+    """CPU timing: ask glibc to keep freed memory for the next allocation rather than give it back to the
+    kernel. Otherwise every large activation is mmap'ed and unmapped in each call and each round pays its
+    page faults again: 0.3-1.2 s of system time per 2K prefill on this 2-core machine, varying from call to
+    call (CUDA's caching allocator keeps its memory the same way). True if it took (glibc only)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
 def time_rounds(fns, repeats, device, desc="", clock=time.perf_counter):
@@ -277,6 +293,9 @@ def describe(model, args, module=None, scorers=None, note=None):
     dt = next(model.parameters()).dtype
     print(f"\n{model.config.name}  {args.device} {str(dt)[6:]}  threads {torch.get_num_threads()}  budget {args.budget}"
           f"  window {args.window}  repeats {args.repeats}  clock {args.clock.__name__}  torch {torch.__version__}")
+    if KEPT_MEMORY and torch.device(args.device).type == "cpu":
+        print("allocator: freed memory kept for reuse (glibc mallopt), as CUDA's caching allocator does; "
+              "peak GiB includes what is kept")
     if module is not None:
         kind = ("untrained LookaheadModule" if module.source == "untrained" else f"adapter {module.source}")
         print(f"lookahead rows: {kind} (M={module.n_tokens}, LoRA {','.join(module.targets)} r={module.rank})")
@@ -606,4 +625,5 @@ def run(args, jobs):
 
 
 if __name__ == "__main__":
+    KEPT_MEMORY = keep_freed_memory()  # the whole process, so only when run as a script (not under pytest)
     main()

@@ -63,9 +63,8 @@ def group_attention(q, k, key_valid=None, causal=True):
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     G = H // Hkv
-    qg = q.reshape(B, Hkv, G * Tq, D).float() / math.sqrt(D)  # (B, H_kv, G*Tq, D), scaled before Q K^T
-    # in float32, as SDPA accumulates: these probabilities may also make the rows' output (Hook.attn_output)
-    logits = qg @ k.float().transpose(-1, -2)  # (B, H_kv, G*Tq, Tk)
+    qg = q.reshape(B, Hkv, G * Tq, D) / math.sqrt(D)  # (B, H_kv, G*Tq, D), scaled before Q K^T
+    logits = (qg @ k.transpose(-1, -2)).float()  # (B, H_kv, G*Tq, Tk): the softmax in float32, as in HF's eager
     if causal:  # query t (row g*Tq + t) sits at slot Tk - Tq + t: only the last Tq keys can come after it
         t = torch.arange(Tq, device=q.device)
         logits[..., Tk - Tq:].masked_fill_(t[None, :] > t.repeat(G)[:, None], float("-inf"))  # (G*Tq, Tq)
