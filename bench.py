@@ -12,7 +12,8 @@ one warm-up round (CUDA: torch.cuda.Event; CPU: wall time, or --clock cpu). Five
 overhead: each row is one method's compress() (prefill, scoring, eviction) on a prompt of the standard
 library's source (text_ids; random ids with --random-init) at each prompt length, and
 overhead = the median over rounds of (method - full) timed in the same round (drift cancels), printed
-in ms and as % of FullKV's prefill. Rows (--methods): full, snapkv, h2o, laq, and
+in ms and as % of FullKV's prefill; "middle half" is the 25th..75th percentile of those differences (the
+noise of the machine). Rows (--methods): full, snapkv, h2o, laq, and
     lookahead            as shipped: the model's adapter (weights/<model>.lookahead.safetensors, or
                          --adapter) with the rule and per-layer budgets of its .json
     lookahead-unpooled   the same adapter, top C of its raw scores, C in every layer (the paper's form)
@@ -94,7 +95,8 @@ RESPONSE = 128  # train-cost: the answer whose attention is the target
 SEED = 0  # the random prompts and the untrained module
 COLUMNS = {  # mode -> (row key, header) of the printed table; --json has every key
     "overhead": [("method", "method"), ("S", "S"), ("prefill_ms", "prefill ms"), ("total_ms", "total ms"),
-                 ("overhead_ms", "overhead ms"), ("overhead_pct", "overhead %"), ("kv_mib", "KV MiB"),
+                 ("overhead_ms", "overhead ms"), ("overhead_pct", "overhead %"), ("spread", "middle half %"),
+                 ("kv_mib", "KV MiB"),
                  ("full_kv_mib", "full KV MiB"), ("peak_gib", "peak GiB")],
     "decode": [("method", "method"), ("S", "S"), ("batch", "batch"), ("full_tok_s", "full tok/s"),
                ("evicted_tok_s", "evicted tok/s"), ("speedup", "evicted / full"), ("kv_mib", "KV MiB"),
@@ -190,14 +192,34 @@ def row_scorer(name, args, module=None, budget=None):
         raise ValueError(f"row {name}: {e}") from None
 
 
+def free_memory_gib(device):
+    """Memory free for new tensors on `device`: CUDA's free memory, Linux's MemAvailable; None if unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] / 2**30
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20  # kB -> GiB
+    except OSError:
+        pass
+    return None
+
+
 def random_model(config_path, device, dtype=None):
     """config.json's shape with random weights (normal std 0.02, norms 1): built on meta and
     materialised once on `device`, so an 8B model never exists in float32 on the CPU."""
     cfg = ModelConfig.from_hf_config(config_path)
     cfg.name = Path(config_path).stem
     with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to(dtype or default_dtype(device)).to_empty(device=device)
+        model = Transformer(cfg).to(dtype or default_dtype(device))
+    need = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    have = free_memory_gib(device)
+    if have is not None and need > 0.9 * have:  # said now, not by the kernel's OOM killer halfway through
+        raise ValueError(f"{cfg.name}'s weights take {need:.1f} GiB in {str(next(model.parameters()).dtype)[6:]}, "
+                         f"more than the {have:.1f} GiB free on {device}: run --random-init {config_path} on a "
+                         f"GPU (--device cuda), or time a smaller config")
+    model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty makes new Parameters: tie the head again
         model.lm_head.weight = model.model.embed_tokens.weight
     with torch.no_grad():
@@ -364,10 +386,15 @@ def run_overhead(model, module, scorers, args, lengths, emit):
         times, peak, kv = time_rounds(fns, args.repeats, args.device, f"overhead S={S}", args.clock)
         prefill = med(times["full"])
         for name in [m for m in fns if m in args.methods]:
-            over = med([t - f for t, f in zip(times[name], times["full"])])  # paired: drift cancels
+            diffs = [t - f for t, f in zip(times[name], times["full"])]  # paired: drift cancels
+            over = med(diffs)
+            # the middle half of the rounds' differences: how far apart the rounds were (the noise)
+            q1, q3 = (statistics.quantiles(diffs, n=4)[::2] if len(diffs) > 1 else diffs * 2)
             emit(dict(mode="overhead", model=model.config.name, method=name, S=S, budget=args.budget,
                       prefill_ms=prefill, total_ms=med(times[name]), overhead_ms=over,
-                      overhead_pct=100 * over / prefill, kv_mib=kv[name] / 2**20, full_kv_mib=kv["full"] / 2**20,
+                      overhead_pct=100 * over / prefill, overhead_pct_q1=100 * q1 / prefill,
+                      overhead_pct_q3=100 * q3 / prefill, spread=f"{100 * q1 / prefill:+.1f}..{100 * q3 / prefill:+.1f}",
+                      kv_mib=kv[name] / 2**20, full_kv_mib=kv["full"] / 2**20,
                       peak_gib=peak[name]))
 
 

@@ -259,9 +259,9 @@ class Hook:
         key slots. key_valid (B, 1 or H_kv, Tk) bool or None (all valid). Scorers read attention
         from here; the model does not change.
     attn_output(layer, v): called right after attn. A hook that computed the softmax of the chunk's
-        LAST n queries in attn (a scorer reading the M lookahead rows' or SnapKV's window's attention)
-        returns their attention output (B, H, n, D) from it: the model then runs SDPA on the other rows
-        only, so those n rows' attention is paid once, not twice. None (the default): SDPA does every row.
+        LAST n queries in attn (LookaheadHook: the M lookahead rows, whose attention is their score)
+        may return their attention output (B, H, n, D) from it: the model then runs SDPA on the other
+        rows only, so those n rows are attended for once, not twice. None (the default): SDPA does all.
     hidden(h): sees the chunk's final normed hidden states (B, T, hidden).
     """
 

@@ -168,6 +168,19 @@ def test_random_model_ties_and_inits(tiny_config):
     assert not any(p.requires_grad for p in model.parameters())
 
 
+def test_random_model_too_big_for_the_device_is_one_line(tiny_config, monkeypatch):
+    """An 8B shape on a CPU: one error line before any memory is taken, not the kernel's OOM killer."""
+    need = bench.random_model(tiny_config, "cpu")
+    need = sum(p.numel() * 4 for p in need.parameters()) / 2**30
+    monkeypatch.setattr(bench, "free_memory_gib", lambda device: need / 2)
+    with pytest.raises(SystemExit, match=r"^error: config's weights take .* GiB free on cpu: .*--device cuda") as e:
+        run(tiny_config, "--lengths", "8")
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(bench, "free_memory_gib", lambda device: need * 2)  # room: it builds
+    assert bench.random_model(tiny_config, "cpu") is not None
+    assert bench.free_memory_gib("cpu") is None or bench.free_memory_gib("cpu") > 0
+
+
 def shrunk(name, tmp_path):
     """configs/NAME.json with the width and depth cut down, everything else kept: head_dim 128,
     4 query heads per KV head, llama3 RoPE scaling (Llama) or q/k norms (Qwen3), untied head."""
