@@ -13,8 +13,9 @@ It streams the answer, then a stats block of four lines:
     prefill X ms  eviction Y ms (score + select + gather)  ttft Z ms
     decode N tok/s  KV cache A MB -> B MB
 
-"prefill" is the prompt's forward pass, which FullKV pays too (LookaheadKV's one-pass rows ride in it:
-bench.py --mode overhead times that difference against FullKV); "eviction" is all the method adds
+"prefill" is the prompt's forward pass; LookaheadKV's M rows ride in it, so it costs a little more than
+FullKV's (that difference cannot be timed apart inside one forward: bench.py --mode overhead times the
+whole against FullKV's); "eviction" is all the method adds
 after it: its scores, the selection rule (the span rule's surprisal is computed here), the top C and
 the gather. ttft runs from the start of the prefill to the first generated token. --json prints the
 same as one object (prefill_ms, evict_ms, ttft_ms, ...). --show then prints the prompt with the kept
