@@ -52,6 +52,8 @@ def test_overhead_rows(tiny_config, tmp_path, capsys):
     for r in rows:
         assert r["prefill_ms"] > 0 and r["total_ms"] > 0
         assert math.isfinite(r["overhead_ms"]) and math.isfinite(r["overhead_pct"])
+        # one round: the middle half of the differences is that round's difference
+        assert r["overhead_pct_q1"] == pytest.approx(r["overhead_pct"]) == pytest.approx(r["overhead_pct_q3"])
         assert r["full_kv_mib"] * 2**20 == kv_bytes(r["S"])
         if bench.peak_rss_reset():  # Linux: the process's peak RSS during the call
             assert 0.01 < r["peak_gib"] < 64
@@ -61,7 +63,7 @@ def test_overhead_rows(tiny_config, tmp_path, capsys):
             assert r["kv_mib"] * 2**20 == kv_bytes(BUDGET) < kv_bytes(r["S"])
     assert json.loads(out.read_text())["rows"] == rows
     printed = capsys.readouterr().out
-    assert "overhead %" in printed
+    assert "overhead %" in printed and "middle half %" in printed
     # no adapter for a random model: the untrained module of the shipped configuration, selecting by the
     # shipped adapter's rule; the unpooled row is the paper's form
     assert "untrained LookaheadModule (M=32, LoRA q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj r=8)" \
@@ -76,6 +78,13 @@ def test_overhead_skips_h2o_above_limit(tiny_config, capsys):
     assert [(r["method"], r["S"]) for r in rows] == [
         ("snapkv", 64), ("h2o", 64), ("full-1chunk", 64), ("snapkv", 96), ("full-1chunk", 96)]
     assert "h2o skipped at S = [96]" in capsys.readouterr().out
+
+
+def test_overhead_spread_brackets_the_median(tiny_config):
+    """Several rounds: the printed middle half (25th..75th percentile of the rounds' differences) holds the median."""
+    [row] = run(tiny_config, "--lengths", "64", "--methods", "snapkv", "--repeats", "4")
+    assert row["overhead_pct_q1"] <= row["overhead_pct"] <= row["overhead_pct_q3"]
+    assert row["spread"] == f"{row['overhead_pct_q1']:+.1f}..{row['overhead_pct_q3']:+.1f}"
 
 
 @pytest.mark.parametrize("method", ["snapkv", "lookahead"])
