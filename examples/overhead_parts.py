@@ -57,7 +57,7 @@ def parts(model, tok, module, S, calls):
     x, xi = torch.randn(1, S, cfg.hidden_size, generator=g), torch.randn(1, S, cfg.intermediate_size, generator=g)
     inputs = {n: (layer.self_attn, x) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
     inputs.update(gate_proj=(layer.mlp, x), up_proj=(layer.mlp, x), down_proj=(layer.mlp, xi))  # name -> (owner, input)
-    linear = L * fastest(lambda: [getattr(owner, n)(inp) for n, (owner, inp) in inputs.items()], max(3, calls // 3))
+    linear = L * fastest(lambda: [getattr(owner, n)(inp) for n, (owner, inp) in inputs.items()], calls)
     out[f"linear layers: M / S of the prompt's {linear:.0f} ms"] = linear * M / S
     out["LoRA on the M rows"] = L * fastest(lambda: [module.delta(0, n, inp[:, -M:]) for n, (_, inp) in inputs.items()],
                                             calls)
