@@ -255,3 +255,17 @@ def test_overhead_prompts_are_text_when_there_is_a_tokenizer():
     assert tok.decode(ids[0, :200].tolist()) in "".join(
         p.read_text() for p in sorted(Path(__import__("argparse").__file__).parent.glob("*.py"))[:3])
     assert bench.text_ids(model, None, 100).shape == (1, 100)
+
+
+def test_overhead_parts_script_times_every_piece(tiny_config):
+    """examples/overhead_parts.py on a tiny random model: every piece timed, both forms of score + evict."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("overhead_parts", ROOT / "examples" / "overhead_parts.py")
+    parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parts)
+    model = bench.random_model(tiny_config, "cpu")
+    module = bench.untrained(model)
+    full, out = parts.parts(model, None, module, 192, calls=2)  # S > C = 128; no tokenizer: random ids
+    assert full > 0 and len(out) == 5 and all(ms > 0 for ms in out.values())
+    assert [k for k in out if k.startswith("score + evict")] == [
+        "score + evict, paper's form (none)", f"score + evict, as shipped ({bench.shipped_rule()})"]
