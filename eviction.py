@@ -90,7 +90,7 @@ class WindowHook(Hook):
         q = q[:, :, -self.n:]  # (B, H, n, D)
         probs = group_attention(q, k, key_valid)  # (B, H_kv, G*n, Tk)
         if self.keep_probs:
-            self.probs, self.rows = probs, q.shape[2]
+            self.probs = probs
         probs = probs[..., : self.S]  # (B, H_kv, G*n, S)
         if self.per_query_head:  # training: one distribution per query head, (B, H, S)
             B, Hkv, _, S = probs.shape

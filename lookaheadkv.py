@@ -182,7 +182,7 @@ class LookaheadHook(WindowHook):
         probs, self.probs = self.probs, None  # (B, H_kv, G*M, Tk), float32
         # in the model's dtype, as HF's eager attention does (training keeps no float32 copy of V for backward)
         y = probs.to(v.dtype) @ v  # (B, H_kv, G*M, D): row g*M + t is query t of query head kv*G + g
-        return y.view(v.shape[0], -1, self.rows, v.shape[-1])  # (B, H, M, D)
+        return y.view(v.shape[0], -1, self.n, v.shape[-1])  # (B, H, M, D)
 
 
 def lookahead_pass(model, module, cache, next_pos, per_query_head=False):
