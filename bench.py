@@ -395,7 +395,7 @@ def run_overhead(model, module, scorers, args, lengths, emit):
                       overhead_pct=100 * over / prefill, overhead_pct_q1=100 * q1 / prefill,
                       overhead_pct_q3=100 * q3 / prefill, spread=f"{100 * q1 / prefill:+.1f}..{100 * q3 / prefill:+.1f}",
                       kv_mib=kv[name] / 2**20, full_kv_mib=kv["full"] / 2**20,
-                      peak_gib=peak[name]))
+                      peak_gib=peak[name], rounds_ms=times[name], full_rounds_ms=times["full"]))
 
 
 @torch.inference_mode()

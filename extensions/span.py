@@ -52,26 +52,51 @@ class HiddenStates(Hook):
         return torch.cat(self.rows, dim=1)  # (B, S, hidden)
 
 
-def token_surprisal(lm_head, hidden, ids, where=None, rows=256, vocab=None):
+def token_surprisal(lm_head, hidden, ids, where=None, rows=256, vocab=None, enough=None):
     """-log p(ids[t] | ids[<t]) in nats, (B, S) float32, from the final normed hidden states (B, S, hidden)
     of the prompt's own forward (row t - 1 predicts token t), `rows` at a time so that no (S, vocab)
     tensor is made. where (B, S) bool: only those tokens (the others get 0, as the first token does).
     vocab (n,) long: normalise over these rows of the LM head only (shortlist()); it must hold every id
-    of `ids`, and then the result is a lower bound of the exact one (a part of the sum in log Z)."""
+    of `ids`, and then the result is a lower bound of the exact one (a part of the sum in log Z).
+
+    enough (nats): for a caller that only asks whether the surprisal is above it (the span rule). log Z is
+    then summed in two parts: first over the ids of the tokens asked about (the prompt's own: where a
+    model copying from its context puts its mass), then over the rest of vocab (or of the vocabulary) for
+    the tokens still at or below `enough` only. A part of the sum is a lower bound, so a token above it
+    after the first part stays above it: (out > enough) is the one-part sum's, and out is its number
+    wherever out <= enough. The first part decides most of the tokens above it (RESULTS.md, section 9)."""
     B, S = ids.shape
     out = torch.zeros(B, S, device=ids.device)
     if where is None:
         where = torch.ones(B, S, dtype=torch.bool, device=ids.device)
     where = where.clone()
     where[:, 0] = False  # the first token has no context
-    b_idx, t_idx = where.nonzero(as_tuple=True)  # the tokens asked for, row-major
-    W = lm_head.weight if vocab is None else lm_head.weight[vocab]  # (V or n, hidden)
-    for a in range(0, len(t_idx), rows):
-        b, t = b_idx[a:a + rows], t_idx[a:a + rows]
-        h = hidden[b, t - 1]  # (r, hidden): the row that predicts token t
-        log_z = F.linear(h, W).float().logsumexp(-1)  # (r,)
-        own = (h.float() * lm_head.weight[ids[b, t]].float()).sum(-1)  # (r,) the logit of the token that came
-        out[b, t] = log_z - own
+    b, t = where.nonzero(as_tuple=True)  # the tokens asked for, row-major
+    W = lm_head.weight  # (V, hidden)
+
+    def h(r):  # (len(r), hidden): the rows that predict the tokens r
+        return hidden[b[r], t[r] - 1]
+
+    def slices(todo):
+        return [todo[a:a + rows] for a in range(0, len(todo), rows)]
+
+    todo = torch.arange(len(t), device=ids.device)  # the tokens not yet decided: all of them
+    own = torch.zeros(len(t), device=ids.device)  # (n,) the logit of the token that came
+    for r in slices(todo):
+        own[r] = (h(r).float() * W[ids[b[r], t[r]]].float()).sum(-1)
+    parts = [vocab]  # the LM-head rows of each part of log Z (None: all of them)
+    if enough is not None:
+        own_ids = torch.zeros(len(W), dtype=torch.bool, device=ids.device).index_fill_(0, ids[b, t], True)  # (V,)
+        rest = (~own_ids).nonzero()[:, 0] if vocab is None else vocab[(~own_ids[vocab]).nonzero()[:, 0]]
+        parts = [own_ids.nonzero()[:, 0], rest]
+    log_z = torch.full_like(own, float("-inf"))  # (n,) the sum so far
+    for i, part in enumerate(parts):
+        if i:
+            todo = todo[(log_z[todo] - own[todo] <= enough).nonzero()[:, 0]]
+        rows_of = W if part is None else W[part]  # (V or n, hidden)
+        for r in slices(todo):
+            log_z[r] = torch.logaddexp(log_z[r], F.linear(h(r), rows_of).float().logsumexp(-1))
+    out[b, t] = log_z - own
     return out
 
 
@@ -157,8 +182,8 @@ class SpanRule:
         # one batch row at a time: the gate's shortlist is of that row's own tokens (not its padding),
         # so a row scores as it would alone
         vocab = [None if self.first is None else shortlist(ids[b][real[b]], V, self.first) for b in range(len(ids))]
-        surprisal = torch.cat([token_surprisal(hook.lm_head, hidden[b:b + 1], ids[b:b + 1], where[b:b + 1], vocab=v)
-                               for b, v in enumerate(vocab)])
+        surprisal = torch.cat([token_surprisal(hook.lm_head, hidden[b:b + 1], ids[b:b + 1], where[b:b + 1], vocab=v,
+                                               enough=SURPRISE_NATS) for b, v in enumerate(vocab)])
         surprisal = surprisal.masked_fill(run.positions[:, :n] == 0, 0.0)  # each row's first real token
         self.last_share = where.float().mean().item()
         pooled = span_scores(prefix, surprisal, self.kernel).to(scores.dtype)

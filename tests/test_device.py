@@ -39,7 +39,8 @@ Seams (the places where values would be needed; each is named here and nowhere h
    and seam 2) for generate.py --show.
 2. DATA-DEPENDENT SHAPES. aten.bincount on meta answers zeros of `minlength` (it has no meta kernel;
    metrics.keep_fraction uses it, outside the paths checked here). aten.nonzero on meta answers every
-   index, as if the mask were all True (extensions/span.token_surprisal: the candidate tokens; on CUDA a
+   index, as if the mask were all True (extensions/span.token_surprisal: the candidate tokens, and its
+   two parts of log Z: the tokens' own ids, the rest, the tokens still undecided; each on CUDA a
    device-to-host sync). Any other op without a meta kernel (unique, masked_select) fails the test:
    name it here if library code ever needs one.
 3. CausalBias. torch cannot create the CausalBias tensor subclass (model.py's causal_lower_right, a

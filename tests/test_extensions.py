@@ -198,6 +198,27 @@ def test_the_shortlist_gate_is_a_lower_bound_and_exact_with_the_whole_vocabulary
             methods.parse_rule(bad)
 
 
+def test_surprisal_in_two_parts_decides_as_the_one_part_sum():
+    """token_surprisal(enough=e), as the span rule calls it: log Z over the tokens' own ids first, the rest
+    of the vocabulary (or shortlist) only for the tokens still at or below e. The same bits (> e) and,
+    wherever the value is at or below e, the same number as the one-part sum; some tokens are decided by
+    the first part alone (their value is then a smaller lower bound: the rest was not read)."""
+    model = tiny_model()
+    V = model.config.vocab_size
+    ids = rand_ids(2, 45, seed=8)
+    cap = Hidden()
+    model(ids, positions=pos(0, 45, 2), hook=cap, logits_at=-1)
+    where = torch.rand(2, 45, generator=torch.Generator().manual_seed(2)) > 0.2
+    for vocab in (None, shortlist(ids, V, 7)):
+        one = token_surprisal(model.lm_head, cap.h, ids, where=where, vocab=vocab)
+        for e in (SURPRISE_NATS, one[where].median().item()):
+            two = token_surprisal(model.lm_head, cap.h, ids, where=where, rows=6, vocab=vocab, enough=e)
+            assert torch.equal(two > e, one > e)
+            low = one <= e
+            assert torch.allclose(two[low], one[low], atol=1e-5)
+            assert (two <= one + 1e-5).all() and (two < one - 1e-3).any()
+
+
 def test_span_rule_on_a_left_padded_batch():
     """With left padding the reference surprisal is each row's own (0 on the padding and on a row's first
     real token, which has no context), and the span rule keeps the reference's top C, no padding."""
