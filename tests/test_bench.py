@@ -63,7 +63,7 @@ def test_overhead_rows(tiny_config, tmp_path, capsys):
             assert r["kv_mib"] * 2**20 == kv_bytes(BUDGET) < kv_bytes(r["S"])
     assert json.loads(out.read_text())["rows"] == rows
     printed = capsys.readouterr().out
-    assert "overhead %" in printed and "middle half %" in printed
+    assert "overhead %" in printed and "middle half %" in printed and "fastest %" in printed
     # no adapter for a random model: the untrained module of the shipped configuration, selecting by the
     # shipped adapter's rule; the unpooled row is the paper's form
     assert "untrained LookaheadModule (M=32, LoRA q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj r=8)" \
@@ -85,6 +85,10 @@ def test_overhead_spread_brackets_the_median(tiny_config):
     [row] = run(tiny_config, "--lengths", "64", "--methods", "snapkv", "--repeats", "4")
     assert row["overhead_pct_q1"] <= row["overhead_pct"] <= row["overhead_pct_q3"]
     assert row["spread"] == f"{row['overhead_pct_q1']:+.1f}..{row['overhead_pct_q3']:+.1f}"
+    # fastest: the fastest round of the row against FullKV's, both from the rounds --json keeps
+    assert len(row["rounds_ms"]) == len(row["full_rounds_ms"]) == 4
+    best = min(row["full_rounds_ms"])
+    assert row["fastest_pct"] == pytest.approx(100 * (min(row["rounds_ms"]) - best) / best)
 
 
 @pytest.mark.parametrize("method", ["snapkv", "lookahead"])
