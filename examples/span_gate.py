@@ -8,9 +8,15 @@ standard-library files; the last 2K tokens of each, with a question after) and p
 
 - the share of tokens the exact surprisal calls unpredictable, and the share on which the gate agrees;
 - for C = 64 / 128 / 256, the share of the exact rule's kept slots the gate's rule keeps too
-  (the same prefill and scores; only the gate differs), and, for scale, the unpooled rule's share.
+  (the same prefill and scores; only the gate differs), and, for scale, the unpooled rule's share;
+- "own ids decide": of the tokens the last gate calls unpredictable, the share already above 2 nats when
+  log Z is summed over the tokens' own ids alone (the first of token_surprisal's two parts: the others
+  read the rest of the shortlist);
+- with --probe, a candidate the rule does not use: log Z predicted by a linear probe of the hidden state
+  (one dot product per token), fitted by least squares on 2K tokens of each of seven other texts, and
+  how often it agrees with the exact surprisal.
 
-    python examples/span_gate.py --first 256,1024
+    python examples/span_gate.py --first 256,1024 --probe
 """
 
 import argparse
@@ -18,11 +24,12 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cli  # noqa: E402
 from eviction import EvictConfig, Pool, prefill_and_score  # noqa: E402
-from extensions.span import SURPRISE_NATS, SpanRule, shortlist, token_surprisal  # noqa: E402
+from extensions.span import SURPRISE_NATS, HiddenStates, SpanRule, shortlist, token_surprisal  # noqa: E402
 from methods import load_adapter, make_scorer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +48,36 @@ def prompts():
     return texts
 
 
+PROBE_FIT = ["collections/__init__.py", "json/decoder.py", "email/message.py", "pathlib.py", "textwrap.py",
+             "difflib.py", "/usr/share/common-licenses/LGPL-2.1"]  # none of them among prompts()
+
+
+def exact_log_z(lm_head, hidden, rows=256):
+    """(n,) log Z over the whole vocabulary for the hidden states (n, hidden), `rows` at a time."""
+    return torch.cat([F.linear(hidden[a:a + rows], lm_head.weight).logsumexp(-1) for a in range(0, len(hidden), rows)])
+
+
+def fit_probe(model, tok, tokens):
+    """Least squares (ridge 1e-2) of log Z on [hidden state, 1] over PROBE_FIT's texts: (hidden + 1,)."""
+    lib, X, y = Path(argparse.__file__).parent, [], []
+    for name in PROBE_FIT:
+        path = Path(name) if name.startswith("/") else lib / name
+        if not path.is_file():
+            continue
+        ids = torch.tensor([tok.encode(path.read_text())[:tokens]])
+        hidden = final_states(model, ids)[0]
+        X.append(torch.cat([hidden, torch.ones(len(hidden), 1)], 1).double())
+        y.append(exact_log_z(model.lm_head, hidden).double())
+    X, y = torch.cat(X), torch.cat(y)
+    return torch.linalg.solve(X.T @ X + 1e-2 * torch.eye(X.shape[1], dtype=X.dtype), X.T @ y).float()
+
+
+def final_states(model, ids):
+    hook = HiddenStates(model.lm_head, ids.shape[1])
+    model(ids, positions=torch.arange(ids.shape[1])[None], hook=hook, logits_at=-1)
+    return hook.states()  # (1, S, hidden)
+
+
 def kept_share(got, want):
     """The share of `want`'s kept slots (per layer: (B, H_kv, C_l)) that `got` keeps too."""
     same = sum((g[..., :, None] == w[..., None, :]).any(-1).sum().item() for g, w in zip(got, want))
@@ -54,14 +91,17 @@ def main():
     p.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
     p.add_argument("--model", default=None, help="HF folder (default: the prepared SmolLM2)")
     p.add_argument("--adapter", default=None, help="adapter (default: the one shipped for the model)")
+    p.add_argument("--probe", action="store_true", help="also fit and test a linear probe of log Z (slower)")
     args = p.parse_args()
     firsts = [int(x) for x in args.first.split(",")]
     torch.set_num_threads(1)
     model, tok, _ = cli.load(args.model)
     module = load_adapter(args.adapter or cli.default_adapter_path(model.config), model.config)
     V = model.config.vocab_size
+    probe = fit_probe(model, tok, args.tokens) if args.probe else None
     print(f"{'prompt':12s} {'S':>5s} {'unpred.':>7s} " + " ".join(f"{'agree N=' + str(n):>12s}" for n in firsts)
-          + "   kept-slot share of the exact rule's, C=64/128/256: " + ", ".join(f"N={n}" for n in firsts) + ", unpooled")
+          + "   kept-slot share of the exact rule's, C=64/128/256: " + ", ".join(f"N={n}" for n in firsts) + ", unpooled"
+          + "   own ids decide" + ("   probe agrees" if args.probe else ""))
     for name, text in prompts().items():
         ids = tok.encode(tok.chat(text + QUESTION))
         ids = torch.tensor([ids[:1] + ids[-(args.tokens - 1):]])  # the first token, then the end: the question
@@ -71,6 +111,14 @@ def main():
         exact = token_surprisal(model.lm_head, hidden, ids)[0, 1:] > SURPRISE_NATS
         agree = [(token_surprisal(model.lm_head, hidden, ids, vocab=shortlist(ids, V, n))[0, 1:] > SURPRISE_NATS)
                  .eq(exact).float().mean().item() for n in firsts]
+        gate = token_surprisal(model.lm_head, hidden, ids, vocab=shortlist(ids, V, firsts[-1]))[0, 1:] > SURPRISE_NATS
+        own = token_surprisal(model.lm_head, hidden, ids, vocab=ids.unique())[0, 1:] > SURPRISE_NATS
+        decide = (own & gate).sum().item() / max(gate.sum().item(), 1)
+        extra = f"   {decide:15.3f}"
+        if probe is not None:
+            h = hidden[0, :-1]  # row t - 1 predicts token t
+            logit = (h * model.lm_head.weight[ids[0, 1:]]).sum(-1)
+            extra += f"   {((h @ probe[:-1] + probe[-1] - logit > SURPRISE_NATS) == exact).float().mean().item():13.3f}"
         shares = []
         for C in (64, 128, 256):
             want = make_scorer(EvictConfig("lookahead", C, rule=exact_rule), module).evict(run.scores, run)
@@ -79,7 +127,7 @@ def main():
                                       want) for r in rules])
         cells = [" / ".join(f"{s[i]:.3f}" for s in shares) for i in range(len(firsts) + 1)]
         print(f"{name:12s} {ids.shape[1]:5d} {exact.float().mean().item():7.2f} "
-              + " ".join(f"{a:12.3f}" for a in agree) + "   " + "   ".join(cells), flush=True)
+              + " ".join(f"{a:12.3f}" for a in agree) + "   " + "   ".join(cells) + extra, flush=True)
 
 
 if __name__ == "__main__":
