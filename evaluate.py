@@ -717,12 +717,13 @@ def check_args(args):
             if not prefill_mode and m != "full":  # the decode-phase form's own: window, --every
                 DecodeEviction.check(scorer, args.every, args.window)
     if args.plot:
-        if importlib.util.find_spec("matplotlib") is None:
-            raise ValueError("--plot needs matplotlib: pip install matplotlib (or pip install '.[plot]')")
         suffix = Path(args.plot).suffix.lower()
         if suffix not in (".png", ".pdf", ".svg", ".jpg"):
             raise ValueError(f"--plot {args.plot}: the name must end in .png, .pdf, .svg or .jpg")
         cli.output_file("--plot", args.plot, Path(args.plot).suffix)
+        # after the name and the place (a wrong path is said first, with or without matplotlib here)
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot needs matplotlib: pip install matplotlib (or pip install '.[plot]')")
     rows = read_tasks(args.tasks, args.mode == "conversation") if args.tasks else None
     return methods, budgets, lengths, rows, paths
 

@@ -3,6 +3,7 @@ shared prefill against compress() per budget, the held-out check, and end-to-end
 Llama (with a word-level chat tokenizer) that take seconds."""
 
 import contextlib
+import importlib.util
 import io
 import json
 import math
@@ -380,6 +381,15 @@ def test_argument_errors(tiny, extra, message):
     extra = [x.replace("TASKS", str(tiny / "tasks.jsonl")) for x in extra]
     with pytest.raises(SystemExit, match=f"^error: .*{message}"):
         evaluate.main(argv(tiny) + extra)
+
+
+def test_plot_without_matplotlib_is_one_line(tiny, tmp_path, monkeypatch):
+    """A good --plot path on a machine without matplotlib: one line saying how to get it, before any work."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    with pytest.raises(SystemExit, match=r"^error: --plot needs matplotlib: pip install matplotlib"):
+        evaluate.main(argv(tiny) + ["--plot", str(tmp_path / "plot.png")])
+    assert not (tmp_path / "plot.png").exists()
 
 
 def test_missing_adapter_says_how_to_train(tiny):
