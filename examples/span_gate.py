@@ -52,6 +52,13 @@ PROBE_FIT = ["collections/__init__.py", "json/decoder.py", "email/message.py", "
              "difflib.py", "/usr/share/common-licenses/LGPL-2.1"]  # none of them among prompts()
 
 
+def final_states(model, ids):
+    """The final normed hidden states of a plain forward of ids (1, S)."""
+    hook = HiddenStates(model.lm_head, ids.shape[1])
+    model(ids, positions=torch.arange(ids.shape[1])[None], hook=hook, logits_at=-1)
+    return hook.states()  # (1, S, hidden)
+
+
 def exact_log_z(lm_head, hidden, rows=256):
     """(n,) log Z over the whole vocabulary for the hidden states (n, hidden), `rows` at a time."""
     return torch.cat([F.linear(hidden[a:a + rows], lm_head.weight).logsumexp(-1) for a in range(0, len(hidden), rows)])
@@ -70,12 +77,6 @@ def fit_probe(model, tok, tokens):
         y.append(exact_log_z(model.lm_head, hidden).double())
     X, y = torch.cat(X), torch.cat(y)
     return torch.linalg.solve(X.T @ X + 1e-2 * torch.eye(X.shape[1], dtype=X.dtype), X.T @ y).float()
-
-
-def final_states(model, ids):
-    hook = HiddenStates(model.lm_head, ids.shape[1])
-    model(ids, positions=torch.arange(ids.shape[1])[None], hook=hook, logits_at=-1)
-    return hook.states()  # (1, S, hidden)
 
 
 def kept_share(got, want):

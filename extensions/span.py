@@ -86,22 +86,22 @@ def token_surprisal(lm_head, hidden, ids, where=None, rows=256, vocab=None, enou
         return [todo[a:a + rows] for a in range(0, len(todo), rows)]
 
     todo = torch.arange(len(t), device=ids.device)  # the tokens not yet decided: all of them
-    own = torch.zeros(len(t), device=ids.device)  # (n,) the logit of the token that came
+    own_logit = torch.zeros(len(t), device=ids.device)  # (n,) the logit of the token that came
     for r in slices(todo):
-        own[r] = (h(r).float() * W[ids[b[r], t[r]]].float()).sum(-1)
+        own_logit[r] = (h(r).float() * W[ids[b[r], t[r]]].float()).sum(-1)
     parts = [vocab]  # the LM-head rows of each part of log Z (None: all of them)
     if enough is not None:
         own_ids = torch.zeros(len(W), dtype=torch.bool, device=ids.device).index_fill_(0, ids[b, t], True)  # (V,)
         rest = (~own_ids).nonzero()[:, 0] if vocab is None else vocab[(~own_ids[vocab]).nonzero()[:, 0]]
         parts = [own_ids.nonzero()[:, 0], rest]
-    log_z = torch.full_like(own, float("-inf"))  # (n,) the sum so far
+    log_z = torch.full_like(own_logit, float("-inf"))  # (n,) the sum so far
     for i, part in enumerate(parts):
         if i:
-            todo = todo[(log_z[todo] - own[todo] <= enough).nonzero()[:, 0]]
+            todo = todo[(log_z[todo] - own_logit[todo] <= enough).nonzero()[:, 0]]
         rows_of = W if part is None else W[part]  # (V or n, hidden)
         for r in slices(todo):
             log_z[r] = torch.logaddexp(log_z[r], F.linear(h(r), rows_of).float().logsumexp(-1))
-    out[b, t] = log_z - own
+    out[b, t] = log_z - own_logit
     return out
 
 
