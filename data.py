@@ -479,10 +479,13 @@ def task_mix(pools, copy_frac=None):
 
 REMINDERS = ("Reminder: ", "To repeat the task: ", "Again: ")
 
-def place(rng, ctx, instruction):
+def place(rng, ctx, instruction, first=False):
     """The whole user message: the instruction usually follows the context (as in most chat use), sometimes
-    precedes it, and sometimes comes first and again at the end, as a reminder after a long document."""
+    precedes it, and sometimes comes first and again at the end, as a reminder after a long document.
+    first: always one of the two forms that open with the instruction (in their usual ratio)."""
     r = rng.random()
+    if first:
+        r = 0.72 + 0.28 * r  # the same draw, mapped onto the two instruction-first forms
     if r < 0.72:
         return f"{ctx}\n\n{instruction}"
     if r < 0.9:
@@ -501,7 +504,7 @@ def build_task(task, rng, ctx):
         if out:
             return t, out
 
-def training_row(tok, pools, task, rng, n_tokens, key):
+def training_row(tok, pools, task, rng, n_tokens, key, first=False):
     kind = TASKS[task][0]
     source = rng.choice(sorted({d.source for d in pools[kind]}))  # sources equally, not documents
     docs, state, budget = [d for d in pools[kind] if d.source == source], rng.getstate(), n_tokens
@@ -511,7 +514,7 @@ def training_row(tok, pools, task, rng, n_tokens, key):
         rng.setstate(state)
         ctx, names = take_tokens(tok, docs, rng, budget)
         got, out = build_task(task, rng, ctx)
-        prompt = place(rng, *out)
+        prompt = place(rng, *out, first=first)
         tokens = len(tok.encode(prompt))
         if tokens <= n_tokens:
             break
@@ -546,6 +549,64 @@ def make_training_prompts(tok, n, split="train", min_tokens=512, max_tokens=2048
             n_tokens = rng.randint(min_tokens, max_tokens)
         rows.append(training_row(tok, pools, mix[i % len(mix)], rng, n_tokens, f"{seed}-{i}"))
     return rows
+
+def group_rows(tok, pools, tasks, rng, n_tokens, key):
+    """len(tasks) prompts on ONE context, each instruction placed after it: the prompts share every token up to
+    their own instruction, so the data stage prefills that prefix once for all of them (train.py). Tasks that
+    plant lines (made-up facts, keys, variables, a bug) plant into the shared context one after another, so a
+    context holds every member's planted lines; the answers are the model's own, whatever the text says."""
+    kind = TASKS[tasks[0]][0]
+    source = rng.choice(sorted({d.source for d in pools[kind]}))
+    docs, state, budget = [d for d in pools[kind] if d.source == source], rng.getstate(), n_tokens
+    for _ in range(5):  # as training_row: shrink the context by what the longest member ran over
+        rng.setstate(state)
+        ctx, names = take_tokens(tok, docs, rng, budget)
+        built = []
+        for task in tasks:
+            got, (ctx, instruction) = build_task(task, rng, ctx)
+            built.append((got, instruction))
+        prompts = [f"{ctx}\n\n{instruction}" for _, instruction in built]
+        tokens = [len(tok.encode(p)) for p in prompts]
+        if max(tokens) <= n_tokens:
+            break
+        budget -= max(tokens) - n_tokens + n_tokens // 100
+    tag = f"stdlib-{PYTHON}" if source == "stdlib" else source
+    rows = [dict(id=f"{tag}/{names[0]}/{got}/{key}-{m}", source=source, doc=names[0], task=got, prompt=prompt,
+                 tokens=n, group=key) for m, ((got, _), prompt, n) in enumerate(zip(built, prompts, tokens))]
+    return [dict(r, python=PYTHON) if source == "stdlib" else r for r in rows]
+
+def make_training_groups(tok, n, split="train", group=6, first_frac=0.15, min_tokens=512, max_tokens=2048, seed=0,
+                         docs=None, long_frac=0.1, long_max=4096, copy_frac=None):
+    """n training prompts as make_training_prompts makes them, but most of them in groups of `group` prompts on
+    one shared context (group_rows), which the data stage prefills once: a context costs one prefill however
+    many questions ride on it. About first_frac of the prompts open with their instruction (nothing to share:
+    each is a single prompt, training_row's instruction-first forms). Tasks are drawn from the same mix
+    (copy_frac as there), a group's tasks from its context's kind (text or code). Group g depends only on
+    (seed, g), and groups are always whole before the list is cut to n: the first n rows of a larger n are the
+    same rows. Each row has "group": the key its group shares (a single's own)."""
+    if group < 1 or not 0 <= first_frac <= 1:
+        raise ValueError(f"group must be >= 1 and first_frac in [0, 1], got {group} and {first_frac}")
+    docs = split_documents(load_documents() if docs is None else docs, split)
+    pools = {"text": [d for d in docs if d.source != "stdlib"], "code": [d for d in docs if d.source == "stdlib"]}
+    mix = task_mix(pools, copy_frac)
+    if not mix:
+        raise ValueError(f"no documents in split {split!r}: pass docs as load_documents() returns them")
+    # a draw is a single with probability p, a group of `group` otherwise: singles are first_frac of the prompts
+    p = first_frac / (first_frac + (1 - first_frac) / group) if first_frac < 1 else 1.0
+    rows, g = [], 0
+    while len(rows) < n:
+        rng, key = random.Random(f"{seed}-g{g}"), f"{seed}-g{g}"
+        long = rng.random() < long_frac
+        n_tokens = rng.randint(max_tokens, max(max_tokens, long_max)) if long else rng.randint(min_tokens, max_tokens)
+        if rng.random() < p:
+            row = training_row(tok, pools, rng.choice(mix), rng, n_tokens, key, first=True)
+            rows.append(dict(row, group=key))
+        else:
+            kind = TASKS[rng.choice(mix)][0]
+            of_kind = [t for t in mix if TASKS[t][0] == kind]
+            rows += group_rows(tok, pools, [rng.choice(of_kind) for _ in range(group)], rng, n_tokens, key)
+        g += 1
+    return rows[:n]
 
 LENGTH_BUCKETS = (512, 1024, 2048, 4096)
 
@@ -739,33 +800,55 @@ def read_jsonl(path, required=("prompt",), types=None, allow_empty=False):
 def sample_path(out, row_id):
     return Path(out) / "samples" / (hashlib.sha1(row_id.encode()).hexdigest()[:16] + ".safetensors")
 
-def sample_ok(path):
-    """Whether `path` is a whole sample file: its header parses, names the target, and the file is as long
-    as the header says (a file cut short by a full disk or a copy fails). Reads the header only."""
+def prefix_path(out, group):
+    """The file of a group's shared prefix cache (train.py: its members' sample files name it)."""
+    return Path(out) / "samples" / (hashlib.sha1(f"prefix:{group}".encode()).hexdigest()[:16] + ".safetensors")
+
+def file_header(path):
+    """A safetensors file's header (a dict) if the file is whole: the header parses and the file is as long
+    as it says (a file cut short by a full disk or a copy fails); None otherwise. Reads the header only."""
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             if not 0 < n < 2**26:
-                return False
+                return None
             header = json.loads(f.read(n))
         end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
-        return "target" in header and os.path.getsize(path) == 8 + n + end
+        return header if os.path.getsize(path) == 8 + n + end else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
+        return None
 
-def save_sample(path, sample, store_dtype):
-    """The prompt's cache in store_dtype (bfloat16 halves the disk: the cache is an input, not a
-    target), the target in float32; store_dtype None: the target alone (the cache is recomputed at
-    every step). Written to a temporary name first: a kill leaves no half file."""
+def sample_ok(path):
+    """Whether `path` is a whole sample file that names the target, and the prefix file it names (if any) is
+    whole too."""
+    header = file_header(path)
+    prefix = ((header or {}).get("__metadata__") or {}).get("prefix")
+    return header is not None and "target" in header and (prefix is None or
+                                                          file_header(Path(path).parent / prefix) is not None)
+
+def save_safetensors(path, tensors, metadata=None):
+    """Written to a temporary name first: a kill leaves no half file."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, str(path.with_suffix(".tmp")), metadata)
+    os.replace(path.with_suffix(".tmp"), path)
+
+def save_sample(path, sample, store_dtype, prefix=None):
+    """The prompt's cache in store_dtype (bfloat16 halves the disk: the cache is an input, not a
+    target), the target in float32; store_dtype None: the target alone (the cache is recomputed at
+    every step). prefix: the file (save_prefix) that holds the first sample["shared"] slots of the cache,
+    which a group's prompts share: this file then keeps only the slots after them, and names it."""
     tensors = dict(target=sample["target"].float())
     if store_dtype is not None:
-        tensors.update(k=sample["k"].to(store_dtype), v=sample["v"].to(store_dtype))
-    save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, str(path.with_suffix(".tmp")))
-    os.replace(path.with_suffix(".tmp"), path)
+        first = sample["shared"] if prefix is not None else 0
+        tensors.update(k=sample["k"][:, :, first:].to(store_dtype), v=sample["v"][:, :, first:].to(store_dtype))
+    save_safetensors(path, tensors, None if prefix is None else {"prefix": Path(prefix).name})
+
+def save_prefix(path, sample, shared, store_dtype):
+    """The first `shared` slots of a sample's cache (L, H_kv, shared, D): the prefix its group shares."""
+    save_safetensors(path, dict(k=sample["k"][:, :, :shared].to(store_dtype), v=sample["v"][:, :, :shared].to(store_dtype)))
 
 def sample_bytes(cfg, S, store_dtype):
     """Disk size of one sample of S prompt tokens."""
@@ -792,7 +875,12 @@ def load_batch(paths, dev, dtype):
     items = []
     for p in paths:
         try:
-            items.append(load_file(str(p)))
+            item = load_file(str(p))
+            prefix = ((file_header(p) or {}).get("__metadata__") or {}).get("prefix")
+            if prefix is not None:  # a group's shared prefix, then this prompt's own slots
+                shared = load_file(str(Path(p).parent / prefix))
+                item.update(k=torch.cat([shared["k"], item["k"]], dim=2), v=torch.cat([shared["v"], item["v"]], dim=2))
+            items.append(item)
         except Exception as e:  # safetensors raises its own error type on a truncated file
             raise unreadable_sample(p, e) from None
     lengths = [it["target"].shape[-1] for it in items]

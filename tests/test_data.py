@@ -466,3 +466,33 @@ def test_real_sources():
         assert 0.1 < len(data.split_documents({source: v}, "eval")) / len(v) < 0.2
     assert not any("test" in d.name.split("/") or d.name.startswith("idlelib/") for d in docs["stdlib"])
     assert "\n\nThe way Apple runs" in next(d.text for d in docs["essays"] if d.name == "apple")
+
+
+def test_training_groups_share_their_context(docs, tok):
+    """make_training_groups: most prompts come in groups on one context, each instruction after it (their
+    common text is the whole context); about first_frac are single prompts that open with the instruction;
+    rows are deterministic and a smaller n gives a prefix of a larger n's rows."""
+    make = lambda n=120, seed=3, group=4, **kw: data.make_training_groups(tok, n, docs=docs, group=group, seed=seed,
+                                                                          min_tokens=300, max_tokens=600, long_max=1200, **kw)
+    rows = make(first_frac=0.25)
+    assert len(rows) == 120 and len({r["id"] for r in rows}) == 120
+    assert rows == make(first_frac=0.25) and rows[:37] == make(37, first_frac=0.25)
+    by_group = {}
+    for r in rows:
+        by_group.setdefault(r["group"], []).append(r)
+    singles = [g for g in by_group.values() if len(g) == 1]
+    groups = [g for g in by_group.values() if len(g) > 1]
+    assert groups and singles and all(len(g) == 4 for g in groups[:-1])
+    assert 0.1 < sum(map(len, singles)) / len(rows) < 0.4  # first_frac 0.25 of the prompts, drawn
+    train_docs = {marker_of(d) for d in data.split_documents(docs, "train")}
+    for g in groups:
+        ctx = g[0]["prompt"][:g[0]["prompt"].rindex("\n\n")]
+        assert len(ctx) > 500 and all(r["prompt"].startswith(ctx + "\n\n") for r in g)  # one context, then each one's own
+        assert len({r["source"] for r in g}) == 1 and set(re.findall(MARKER, ctx)) <= train_docs
+        assert [r["id"] for r in g] == [r["id"].rsplit("/", 1)[0] + f"/{r['group']}-{m}" for m, r in enumerate(g)]
+    assert all(r["id"].endswith("/" + r["group"]) for (r,) in singles)
+    # a single opens with its instruction: place(first=True) never puts the context first
+    assert all(not data.place(random.Random(i), "CTX", "ASK", first=True).startswith("CTX") for i in range(200))
+    assert {data.place(random.Random(i), "CTX", "ASK")[:3] for i in range(200)} == {"CTX", "ASK"}
+    with pytest.raises(ValueError, match="group must be"):
+        make(group=0)

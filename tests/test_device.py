@@ -31,8 +31,8 @@ Seams (the places where values would be needed; each is named here and nowhere h
    `.tolist()`, `.to("cpu")` answer zeros (OneDevice: aten._local_scalar_dense, aten._to_copy to
    cpu). Each read is recorded with its file:line (`OneDevice.host_reads`, printed with -s): on CUDA
    each is a device-to-host sync. The sites today: decode()'s `done.all()` (once per generated
-   token), greedy()'s `tokens.tolist()` (answer_and_target's answers: zeros, so every answer runs
-   to max_new_tokens; the stop-id stub excludes 0), DecodeEviction.evict's `int(next_pos[0])` (its
+   token), greedy()'s and answer_and_target's `tokens.tolist()` (the answers: zeros, so every answer
+   runs to max_new_tokens; the stop-id stub excludes 0), DecodeEviction.evict's `int(next_pos[0])` (its
    log), the untrained module's embedding std (`.item()`), the training step's `loss.item()`, and
    the device-to-host copies of LookaheadModule.save and save_sample (`.cpu()`: zeros are written,
    so the round trip checks shapes and placement, not values); metrics.keep_fraction (`.cpu()`,

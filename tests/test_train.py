@@ -821,3 +821,52 @@ def test_batched_loss_equals_the_mean_of_per_sample_losses(tmp_path):
         assert torch.allclose(p.detach(), before[n] - grads[n], atol=1e-6), n
 
 
+
+
+def test_grouped_prompts_share_one_prefill_and_give_each_its_own_sample(tmp_path):
+    """answer_and_target with groups: prompts of a group share their prefix's prefill (and the decode reads it
+    once: SharedPrefixAttention), yet each row's answer, target and cache equal a forward of it alone; the
+    data stage stores the prefix once (save_batch) and load_batch puts each sample back together whole."""
+    model = tiny_model()
+    base = rand_list(40, 7)
+    prompts = [base + rand_list(n, 50 + n) for n in (3, 9, 5)] + [rand_list(33, 8)]  # a group of 3 and a single
+    groups = ["a", "a", "a", "b"]
+    alone = [train.answer_and_target(model, StubTok(set()), [p], 6)[0]["response_ids"] for p in prompts]
+    stop = alone[1][2]
+    samples = train.answer_and_target(model, StubTok({stop}), prompts, 6, groups=groups)
+    assert [s["shared"] for s in samples][3] == 32 and all(s["shared"] >= 40 for s in samples[:3])
+    assert samples[1]["response_ids"][-1] == stop
+    for p, s, a in zip(prompts, samples, alone):
+        assert s["response_ids"] == a[:len(s["response_ids"])]
+        cache, gt, _ = ground_truth(model, dict(prompt_ids=p, response_ids=s["response_ids"]))
+        assert torch.allclose(s["target"], torch.cat([gt[l] for l in range(len(gt))]), atol=1e-5)
+        assert torch.allclose(s["k"], torch.cat(cache.k), atol=1e-5) and torch.allclose(s["v"], torch.cat(cache.v), atol=1e-5)
+    rows = [dict(id=f"r{i}", split="train", group=g) for i, g in enumerate(groups)]
+    train.save_batch(tmp_path, rows, samples, torch.float32)
+    files = sorted((tmp_path / "samples").iterdir())
+    assert len(files) == 5  # four samples and the group's one prefix file
+    for r, s in zip(rows, samples):
+        path = data.sample_path(tmp_path, r["id"])
+        assert data.sample_ok(path)
+        cache, gt, lengths = data.load_batch([path], "cpu", torch.float32)
+        assert lengths.tolist() == [s["target"].shape[-1]]
+        assert torch.equal(torch.cat(cache.k), s["k"]) and torch.equal(gt[0][0], s["target"][0])
+    data.prefix_path(tmp_path, "a").unlink()  # a member without its prefix file is not a whole sample
+    assert not data.sample_ok(data.sample_path(tmp_path, "r0")) and data.sample_ok(data.sample_path(tmp_path, "r3"))
+
+
+def test_roomy_cache_holds_what_a_plain_cache_holds():
+    """RoomyCache: decoding writes into reserved room; the keys, values and validity it shows are a plain
+    KVCache's, and past its room it goes on as a plain cache does."""
+    model = tiny_model()
+    ids, pad = train.left_pad([rand_list(12, 1), rand_list(9, 2)], "cpu")
+    cache = train.full_cache(model, ids, pad)[0]
+    plain, roomy = cache.copy(), train.RoomyCache(cache.copy(), 2)
+    for t in range(4):  # two steps in the room, two past it
+        tok = torch.tensor([[3 + t], [5 + t]])
+        pos = torch.tensor([[12 + t], [9 + t]])
+        a = model(tok, positions=pos, cache=plain)
+        b = model(tok, positions=pos, cache=roomy)
+        assert torch.allclose(a, b, atol=1e-6)
+        for l in range(len(plain.k)):
+            assert torch.equal(plain.k[l], roomy.k[l]) and torch.equal(plain.valid[l], roomy.valid[l])
