@@ -1,5 +1,7 @@
 """
-Every method and selection rule keeps what it kept before the restructure of 2026-12-02.
+Every method and selection rule keeps what it kept before the restructure of 2026-12-02, and the
+decode-phase eviction and the chat (extensions/decode.py) answer as they did before the seams
+became wrappers (issue 34).
 
 tests/data/behaviour_record.json was written by the code of commit 63db0d7 (before lookaheadkv.py
 was split into eviction.py, lookaheadkv.py and extensions/): on a short prompt from
@@ -7,7 +9,15 @@ examples/needle.txt (C = 48), per configuration, how many (layer, KV head) pairs
 token, and the first-token logits' top 5. The same configurations, written with today's API, must
 give the same counts (up to a few slots: a near tie may fall the other way on another CPU) and the
 same logits. The real model, ~20 s.
+
+tests/data/behaviour_decode.json was written by commit 9263f83 (before issue 34's restructure) through
+generate.py's own command line (--json), so it holds whatever the code inside becomes: per method, the
+answer with the cache held to --decode-budget while decoding (its text, how many evictions, the peak
+and final cache), and a two-turn chat at --budget (each turn's answer ids, cache before and kept).
+To rewrite it after a change MEANT to change behaviour: BEHAVIOUR_RECORD=write python -m pytest
+tests/test_behaviour.py, and say why in the commit.
 """
+import os
 import json
 from pathlib import Path
 
@@ -18,6 +28,7 @@ from eviction import EvictConfig, compress, greedy, uniform_budgets
 from methods import make_scorer, parse_rule
 
 RECORD = Path(__file__).parent / "data" / "behaviour_record.json"
+DECODE_RECORD = Path(__file__).parent / "data" / "behaviour_decode.json"
 
 
 def configs(C):
@@ -37,13 +48,16 @@ def configs(C):
     return out
 
 
+def needle_text():
+    text = (Path(__file__).parent.parent / "examples" / "needle.txt").read_text()
+    return (text[:700] + text[text.index("The special magic"):][:300]
+            + "\n\nWhat is the special magic number for the blue lighthouse?")
+
+
 @pytest.fixture(scope="module")
 def needle_prompt(real_model):
     model, tok, adapter = real_model
-    text = (Path(__file__).parent.parent / "examples" / "needle.txt").read_text()
-    text = (text[:700] + text[text.index("The special magic"):][:300]
-            + "\n\nWhat is the special magic number for the blue lighthouse?")
-    return torch.tensor([tok.encode(tok.chat(text))])
+    return torch.tensor([tok.encode(tok.chat(needle_text()))])
 
 
 @torch.no_grad()
@@ -69,3 +83,41 @@ def test_every_method_keeps_what_it_kept_before_the_restructure(real_model, need
         counts = torch.bincount(torch.cat([k[0].flatten() for k in kept]), minlength=ids.shape[1])
         moved = (counts - torch.tensor(want["counts"])).abs().sum().item()
         assert moved <= 0.002 * sum(want["counts"]), f"{name}: {moved} kept slots moved"
+
+
+TURNS = ["Where is the blue lighthouse? Answer in one sentence.", "And what number did I ask about?"]
+# generate.py runs: the cache evicted to 40 after the prefill and held there while decoding (an eviction every 8 tokens, the last
+# 16 slots kept), and a two-turn chat at --budget 64, for every method with a decode-phase form
+DECODE_RUNS = {f"decode_{m}": ["--method", m, "--budget", "40", "--decode-budget", "40", "--every", "8", "--window",
+                               "16", "--max-new-tokens", "32"] for m in ["streaming", "snapkv", "h2o", "lookahead"]}
+DECODE_RUNS["decode_lookahead_uniform"] = DECODE_RUNS["decode_lookahead"] + ["--uniform-budgets"]
+DECODE_RUNS.update({f"chat_{m}": ["--method", m, "--budget", "64", "--max-new-tokens", "20"] for m in ["snapkv", "lookahead"]})
+KEPT_FIELDS = ("text", "answer_ids", "decode_evictions", "peak_slots", "kv_bytes_end", "cache_before", "kept")
+
+
+def run_generate(args, tmp_path, capsys):
+    """generate.py's --json output, as the objects it prints (one per chat turn)."""
+    import generate
+
+    capsys.readouterr()
+    generate.main(args + ["--json"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    return [{k: v for k, v in line.items() if k in KEPT_FIELDS} for line in lines]
+
+
+@torch.no_grad()
+def test_decode_phase_and_chat_answer_what_they_answered(real_model, tmp_path, capsys):
+    prompt, turns = tmp_path / "needle.txt", tmp_path / "turns.json"
+    prompt.write_text(needle_text())
+    turns.write_text(json.dumps(TURNS))
+    got = {name: run_generate((["--turns", str(turns)] if name.startswith("chat") else ["--prompt", str(prompt)]) + args,
+                              tmp_path, capsys) for name, args in DECODE_RUNS.items()}
+    if os.environ.get("BEHAVIOUR_RECORD") == "write":
+        DECODE_RECORD.write_text(json.dumps(got, indent=1) + "\n")
+    want = json.loads(DECODE_RECORD.read_text())
+    assert set(got) == set(want)
+    assert any(run[0]["decode_evictions"] >= 3 for name, run in want.items() if name.startswith("decode"))
+    assert all(len(run) == 2 and run[1]["cache_before"] > run[1]["kept"] for name, run in want.items()
+               if name.startswith("chat"))  # the second turn did evict: the record covers what it should
+    for name in want:
+        assert got[name] == want[name], name
