@@ -190,7 +190,8 @@ def test_random_model_too_big_for_the_device_is_one_line(tiny_config, monkeypatc
         run(tiny_config, "--lengths", "8")
     assert "\n" not in str(e.value)
     monkeypatch.setattr(bench, "free_memory_gib", lambda device: need * 2)  # room: it builds
-    assert bench.random_model(tiny_config, "cpu") is not None
+    built = bench.random_model(tiny_config, "cpu")
+    assert sum(p.numel() * 4 for p in built.parameters()) / 2**30 == pytest.approx(need)
     assert bench.free_memory_gib("cpu") is None or bench.free_memory_gib("cpu") > 0
 
 

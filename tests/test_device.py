@@ -370,7 +370,7 @@ def test_data_stage_answer_and_target_then_save(tmp_path, check):
         assert s["k"].shape == (L, Hkv, len(p), D) and s["target"].shape == (L, H, len(p))
         path = tmp_path / f"{len(p)}.safetensors"
         train.save_sample(path, s, BF16)
-        assert path.exists()
+        assert train.sample_ok(path)  # a whole file: its header and its length agree
 
 
 def new_module_on_device(model):
