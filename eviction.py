@@ -42,7 +42,7 @@ class EvictConfig:
     # None = the method's own (C in every layer; pyramidkv: its pyramid; lookahead: its adapter's)
     n_sink: int = 4  # streaming: first tokens always kept (attention sinks)
     laq_tokens: int = 8  # laq: draft length, and the number of last prompt queries added to it
-    pyramid_beta: int = 20  # pyramidkv: last layer's budget = first layer's / ~beta (kvpress)
+    pyramid_beta: int = 20  # pyramidkv: KVCache-Factory's pyramid: prefix budgets fall from hi to lo = (C - w) // beta
     one_pass: bool = True  # lookahead: append the M rows to the prefill (fast) or a 2nd pass (reference)
     chunk_size: int = 4096  # prefill in chunks of this many tokens (bounded activations at 32K)
     seed: int = 0  # random
