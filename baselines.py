@@ -11,9 +11,6 @@ adds to the prefill and how it scores; its docstring cites its paper.
     h2o         H2O: attention each key gets from ALL prompt queries, per query that sees it
     laq         LAQ: SnapKV-compress, draft 8 tokens, re-score the full cache with their queries
     oracle      Oracle: the true future (the full-cache answer's attention); needs that answer
-
-A method that can also re-score a cache that grew after the prefill (extensions/decode.py) says how
-in decode_hook / decode_scores: streaming, snapkv, h2o (and lookahead, in lookaheadkv.py).
 """
 
 import torch
@@ -56,12 +53,6 @@ class StreamingLLM(Unpooled):
         slot = torch.arange(S, device=run.positions.device).float()
         return slot.expand(L, run.positions.shape[0], Hkv, S)  # recency
 
-    def decode_hook(self, window):
-        return None
-
-    def decode_scores(self, model, cache, hook, next_pos):
-        (B, Hkv, n), L = cache.k[0].shape[:3], len(cache.k)  # slots stay in position order: recency again
-        return torch.arange(n, device=cache.k[0].device).float().expand(L, B, Hkv, n)
 
 
 class RandomKV(Unpooled):
@@ -92,12 +83,6 @@ class SnapKV(Scorer):
     # after the prefill: the queries of the last `window` tokens run (the generated ones, or a new turn's
     # last ones) over every slot; those tokens are the last slots (the window is always kept), so causal
     # alignment holds
-    def decode_hook(self, window):
-        return RecentQueries(window)
-
-    def decode_scores(self, model, cache, hook, next_pos):
-        return torch.stack([group_attention(hook.q[l], cache.k[l], cache.valid[l]).mean(dim=2)
-                            for l in range(len(cache.k))])
 
 
 class PyramidKV(SnapKV):
@@ -108,7 +93,6 @@ class PyramidKV(SnapKV):
     def own_budgets(self, budget, n_layers, S, least):
         return pyramid_budgets(budget, self.window, n_layers, self.eviction.pyramid_beta, S)
 
-    decode_hook, decode_scores = Scorer.decode_hook, Scorer.decode_scores  # no decode-phase form of its own
 
 
 def pyramid_budgets(budget, window, n_layers, beta, S=None):
@@ -155,30 +139,6 @@ class H2OHook(Hook):
         return {l: s / seen_by.clamp(min=1) for l, s in self.sums.items()}
 
 
-class RunningH2O(H2OHook):
-    """H2O's native decode-phase form: H2OHook's running sums of the attention each slot has received, over
-    every forward watched since (decode steps, new turns), and how many queries saw each slot (x the group).
-    Both travel with their slots when the cache is gathered; the score is their ratio, as in the prefill."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = {}
-
-    def attn(self, layer, q, k, key_valid):
-        super().attn(layer, q, k, key_valid)  # self.sums[layer]: (B, H_kv, Tk), the earlier sums on their slots
-        Tq, Tk, G = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
-        # the chunk's queries sit at the last Tq slots: slot j is seen by min(Tq, Tk - j) of them
-        seen = torch.zeros_like(self.sums[layer]) + (Tk - torch.arange(Tk, device=k.device)).clamp(max=Tq) * G
-        prev = self.seen.get(layer)
-        if prev is not None:
-            seen[..., : prev.shape[-1]] += prev
-        self.seen[layer] = seen
-
-    def gather(self, layer, idx):
-        self.sums[layer] = self.sums[layer].gather(-1, idx)
-        self.seen[layer] = self.seen[layer].gather(-1, idx)
-
-
 class H2O(Scorer):
     """H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
     Language Models", arXiv 2306.14048), prefill form: the attention each key receives from ALL
@@ -197,11 +157,6 @@ class H2O(Scorer):
         cfg = model.config
         return stack_layers(run.hook.scores(run.valid, cfg.num_attention_heads // cfg.num_key_value_heads))
 
-    def decode_hook(self, window):
-        return RunningH2O()
-
-    def decode_scores(self, model, cache, hook, next_pos):
-        return stack_layers({l: s / hook.seen[l] for l, s in hook.sums.items()})
 
 
 class LAQ(SnapKV):
@@ -211,7 +166,6 @@ class LAQ(SnapKV):
     keep the top C (window kept). Decoding starts from the original first-token logits."""
 
     budget_dependent = True  # the draft runs on the SnapKV-compressed cache of size C
-    decode_hook, decode_scores = Scorer.decode_hook, Scorer.decode_scores  # no decode-phase form of its own
 
     def prefill_hook(self, S):
         # SnapKV's scores (for the draft's cache) and the last laq_tokens prompt queries

@@ -64,10 +64,10 @@ from tqdm import tqdm
 
 import cli
 from eviction import EvictConfig, Pool, compress, decode, uniform_budgets
-from extensions.decode import DecodeEviction
+from extensions.decode import DECODE_METHODS, DecodeEviction
 from extensions.span import SpanRule
 from lookaheadkv import LookaheadHook, answer_attention, kl_loss, lookahead_pass, untrained_module
-from methods import DECODE_METHODS, METHODS, load_adapter, make_scorer, parse_rule
+from methods import METHODS, load_adapter, make_scorer, parse_rule
 from model import ModelConfig, Tokenizer, Transformer, default_dtype
 
 ROOT = Path(__file__).resolve().parent

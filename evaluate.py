@@ -99,10 +99,10 @@ import data
 import harness
 from baselines import Unpooled
 from eviction import EvictConfig, Prefilled, decode, greedy, keep_slots, prefill_and_score, uniform_budgets
-from extensions.decode import DecodeEviction, add_turn, forced_logprobs_evicting
+from extensions.decode import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
 from harness import mean_of, results_table
 from lookaheadkv import answer_attention, untrained_module
-from methods import DECODE_METHODS, METHODS, RULES, load_adapter, make_scorer, parse_rule, selecting_like
+from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selecting_like
 from metrics import Stopwatch, answer_kl, forced_logprobs, gap_closed, recall_of_kept
 
 UNTRAINED = "lookahead-untrained"

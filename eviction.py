@@ -245,8 +245,7 @@ class Scorer:
     watches the queries; `extra_rows`: rows after the prompt, scored then discarded), and how it
     turns what it saw into scores (`score`: (L, B, H_kv, S), higher = keep). `protect` says which
     tokens it always keeps; `evict` is the step every method shares: smooth by the selection rule,
-    top C_l per (layer, KV head) by the budget policy, in slot order. After the prefill, a method
-    that can also re-score a grown cache (extensions/decode.py) says how in decode_hook/decode_scores."""
+    top C_l per (layer, KV head) by the budget policy, in slot order."""
 
     evicts = True  # False: FullKV
     window = 0  # the last `window` prompt tokens are always kept (inside the budget)
@@ -302,12 +301,6 @@ class Scorer:
         if len(set(budgets)) == 1:  # one top-k for all layers
             return list(select(scores, budgets[0], run.valid, protect))
         return [select(scores[l], b, run.valid, protect) for l, b in enumerate(budgets)]
-
-    def decode_hook(self, window):  # the hook that watches every forward after the prefill, or None
-        raise ValueError(f"method {self.eviction.method} has no decode-phase form here")
-
-    def decode_scores(self, model, cache, hook, next_pos):  # (L, B, H_kv, n): every slot of a grown cache
-        raise NotImplementedError
 
 
 # -----------------------------------------------------------------------------

@@ -54,8 +54,8 @@ import torch
 
 import cli
 from eviction import EvictConfig, compress, decode, greedy, uniform_budgets
-from extensions.decode import DecodeEviction, add_turn
-from methods import DECODE_METHODS, METHODS, RULES, load_adapter, make_scorer, parse_rule
+from extensions.decode import DECODE_METHODS, DecodeEviction, add_turn
+from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule
 from metrics import Stopwatch, keep_fraction
 from model import ModelConfig, Tokenizer, decode_utf8
 

@@ -284,11 +284,3 @@ class LookaheadKV(Scorer):
         if self.eviction.one_pass:
             return stack_layers(run.hook.scores)
         return stack_layers(lookahead_pass(model, self.module, run.cache, run.next_pos))
-
-    # after the prefill (extensions/decode.py): nothing new, the M rows at the next positions on top of
-    # whatever the cache now holds; their K/V go with the copy lookahead_pass runs them on
-    def decode_hook(self, window):
-        return None
-
-    def decode_scores(self, model, cache, hook, next_pos):
-        return stack_layers(lookahead_pass(model, self.module, cache, next_pos))

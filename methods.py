@@ -20,8 +20,6 @@ from lookaheadkv import LookaheadKV, LookaheadModule
 
 METHODS = {"full": FullKV, "streaming": StreamingLLM, "random": RandomKV, "snapkv": SnapKV, "pyramidkv": PyramidKV,
            "h2o": H2O, "laq": LAQ, "oracle": Oracle, "lookahead": LookaheadKV}
-# the methods whose Scorer can also re-score a cache that grew after the prefill (extensions/decode.py)
-DECODE_METHODS = ("streaming", "snapkv", "h2o", "lookahead")
 RULES = ("none", "avg:K", "max:K", "span:K", "span:K:N")  # what --pool accepts (K: the width; N: the gate's first ids)
 
 

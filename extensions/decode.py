@@ -5,9 +5,10 @@ The paper evicts once, after the prefill, and names what follows as its main lim
 answer grows the cache again by one slot per token, and in a chat every turn is prefilled on top
 of all the turns before it. Here the cache is held to `budget` slots per (layer, KV head)
 throughout: each time it holds budget + `every` slots while decoding, and once per new turn
-(add_turn), EVERY current slot is scored by the method's decode-phase form (its Scorer's
-decode_hook / decode_scores: lookahead, snapkv, h2o, streaming) and the cache is gathered back to
-the budget by the shared eviction step (Scorer.evict), the last `window` slots always kept.
+(add_turn), EVERY current slot is scored by the method's decode-phase form (FORMS, below: a hook that
+watches every forward after the prefill, and the scores it gives a grown cache; streaming, snapkv, h2o,
+lookahead) and the cache is gathered back to the budget by the shared eviction step (Scorer.evict),
+the last `window` slots always kept. Nothing in the methods' own files knows of it.
 
     from extensions.decode import DecodeEviction
     evictor = DecodeEviction(make_scorer(EvictConfig("lookahead", 128), module), every=32)
@@ -17,7 +18,81 @@ import copy
 
 import torch
 
-from eviction import Pool, Prefilled, decode_step, keep_slots, prefill
+from baselines import H2O, H2OHook, SnapKV, StreamingLLM
+from eviction import Pool, Prefilled, RecentQueries, decode_step, group_attention, keep_slots, prefill, stack_layers
+from lookaheadkv import LookaheadKV, lookahead_pass
+
+# -----------------------------------------------------------------------------
+# Each method's decode-phase form: the hook that watches every forward after the prefill (or None), and the
+# scores (L, B, H_kv, n) of every slot of the grown cache from what it saw
+
+
+class RunningH2O(H2OHook):
+    """H2O's native decode-phase form: H2OHook's running sums of the attention each slot has received, over
+    every forward watched since (decode steps, new turns), and how many queries saw each slot (x the group).
+    Both travel with their slots when the cache is gathered; the score is their ratio, as in the prefill."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+
+    def attn(self, layer, q, k, key_valid):
+        super().attn(layer, q, k, key_valid)  # self.sums[layer]: (B, H_kv, Tk), the earlier sums on their slots
+        Tq, Tk, G = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+        # the chunk's queries sit at the last Tq slots: slot j is seen by min(Tq, Tk - j) of them
+        seen = torch.zeros_like(self.sums[layer]) + (Tk - torch.arange(Tk, device=k.device)).clamp(max=Tq) * G
+        prev = self.seen.get(layer)
+        if prev is not None:
+            seen[..., : prev.shape[-1]] += prev
+        self.seen[layer] = seen
+
+    def gather(self, layer, idx):
+        self.sums[layer] = self.sums[layer].gather(-1, idx)
+        self.seen[layer] = self.seen[layer].gather(-1, idx)
+
+
+
+def recency(scorer, model, cache, hook, next_pos):
+    """StreamingLLM: slots stay in position order, so recency is the slot order again."""
+    (B, Hkv, n), L = cache.k[0].shape[:3], len(cache.k)
+    return torch.arange(n, device=cache.k[0].device).float().expand(L, B, Hkv, n)
+
+
+def recent_queries_attention(scorer, model, cache, hook, next_pos):
+    """SnapKV: the attention of the last `window` fed tokens' queries over every slot, mean over the GQA group."""
+    return torch.stack([group_attention(hook.q[l], cache.k[l], cache.valid[l]).mean(dim=2) for l in range(len(cache.k))])
+
+
+def running_h2o(scorer, model, cache, hook, next_pos):
+    """H2O: the attention each slot received from every query since the prefill, per query that saw it."""
+    return stack_layers({l: s / hook.seen[l] for l, s in hook.sums.items()})
+
+
+def lookahead_rows(scorer, model, cache, hook, next_pos):
+    """LookaheadKV: nothing new to watch; the M rows at the next positions on top of whatever the cache now
+    holds (the two-pass form; their K/V go with the copy lookahead_pass runs them on)."""
+    return stack_layers(lookahead_pass(model, scorer.module, cache, next_pos))
+
+
+FORMS = {  # the scorer's class -> (the hook for a window, the scores); a class not here has no decode-phase form
+    StreamingLLM: (lambda window: None, recency),
+    SnapKV: (RecentQueries, recent_queries_attention),
+    H2O: (lambda window: RunningH2O(), running_h2o),
+    LookaheadKV: (lambda window: None, lookahead_rows),
+}
+DECODE_METHODS = ("streaming", "snapkv", "h2o", "lookahead")  # the methods.METHODS names of FORMS' classes
+
+
+def form_of(scorer):
+    """(hook maker, scores) of the scorer's own class (not a subclass: PyramidKV and LAQ are SnapKVs that
+    have no decode-phase form of their own)."""
+    if type(scorer) not in FORMS:
+        raise ValueError(f"method {scorer.eviction.method} has no decode-phase form here")
+    return FORMS[type(scorer)]
+
+
+# -----------------------------------------------------------------------------
+# The cache held to its budget
 
 
 class DecodeEviction:
@@ -37,13 +112,14 @@ class DecodeEviction:
         if not isinstance(scorer.rule, Pool):  # a rule that watches the prefill (the span rule) has nothing to
             scorer.rule = Pool("none")  # watch for generated tokens: select unpooled
         self.budget, self.every, self.window = scorer.eviction.budget, every, window
-        self.hook = scorer.decode_hook(window)  # watches every forward on the cache from now on
+        make_hook, self.scores = form_of(scorer)
+        self.hook = make_hook(window)  # watches every forward on the cache from now on
         self.log = []
 
     @staticmethod
     def check(scorer, every=None, window=32):
         """The checks that need no model: ValueError."""
-        scorer.decode_hook(window)  # raises for a method without a decode-phase form
+        form_of(scorer)  # raises for a method without a decode-phase form
         if every is not None and every < 1:
             raise ValueError(f"evict every {every} tokens: must be at least 1, e.g. 32")
         budget, sinks = scorer.eviction.budget, scorer.sinks
@@ -63,7 +139,7 @@ class DecodeEviction:
         next_pos: the position of the next token (where the lookahead rows go). Returns the kept slots
         per layer (B, H_kv, budget), in slot order."""
         n = len(cache)
-        scores = self.scorer.decode_scores(model, cache, self.hook, next_pos)  # (L, B, H_kv, n)
+        scores = self.scores(self.scorer, model, cache, self.hook, next_pos)  # (L, B, H_kv, n)
         slots = torch.arange(n, device=scores.device).expand(scores.shape[1], n)  # (B, n): a slot's order
         run = Prefilled(cache, self.hook, None, slots, next_pos, None)
         kept = self.scorer.evict(scores, run, budget=self.budget if budget is None else budget)

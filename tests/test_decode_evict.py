@@ -1,6 +1,6 @@
 """Beyond the paper: eviction while decoding and across conversation turns (extensions/decode.py: DecodeEviction,
 add_turn, forced_logprobs_evicting; decode(..., hook=, after_step=); generate.py's chat). Each method's
-decode-phase form is its Scorer's decode_hook / decode_scores (baselines.py, lookaheadkv.py).
+decode-phase form lives there too (extensions.decode.FORMS): the methods' own files know nothing of it.
 
 The cache never holds more than C_d + every slots; a budget that holds everything changes nothing (FullKV
 token for token); decoding with evictions equals ONE masked full forward in which each generated token sees,
@@ -23,15 +23,30 @@ from safetensors.torch import save_file
 import eviction as ev_
 import lookaheadkv as lk
 from eviction import EvictConfig, decode, stack_layers
-from extensions.decode import DecodeEviction, add_turn, forced_logprobs_evicting
+from extensions.decode import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting, form_of
 from extensions.span import SpanRule
-from methods import DECODE_METHODS, make_scorer
+from methods import METHODS, make_scorer
 from model import Hook, ModelConfig, Tokenizer, Transformer, attention_mask, load_model
-from test_lookaheadkv import compress_by, rand_ids, random_module, tiny_model
+from test_lookaheadkv import compress_by, method_kwargs, rand_ids, random_module, tiny_model
 from test_lookaheadkv import _no_grad  # noqa: F401 (autouse)
 
 W, C, N = 4, 16, 5  # window, (decode) budget, every
 ATOL = 1e-4
+
+
+def test_decode_phase_forms_are_the_extensions_own():
+    """Every method in DECODE_METHODS has its decode-phase form in extensions.decode.FORMS (the hook that watches
+    after the prefill: SnapKV's recent queries, H2O's running sums; StreamingLLM and LookaheadKV watch
+    nothing); every other method, PyramidKV and LAQ (SnapKVs) too, is refused in one line."""
+    cfg = tiny_model().config
+    for name in METHODS:
+        scorer = make_scorer(EvictConfig(name, budget=16, window=4), **method_kwargs(name, cfg))
+        if name in DECODE_METHODS:
+            hook = form_of(scorer)[0](4)
+            assert isinstance(hook, Hook) if name in ("snapkv", "h2o") else hook is None, name
+        else:
+            with pytest.raises(ValueError, match=f"method {name} has no decode-phase form"):
+                form_of(scorer)
 
 
 def watching(ev):
@@ -288,7 +303,7 @@ def test_decode_phase_scores_equal_explicit_attention(method, monkeypatch):
     assert len(ev.log) == 3 and len(cache) == C + 3  # scored below on a cache that evicted and grew again
     next_pos = S + 18
     now = watch.now()
-    got = ev.scorer.decode_scores(model, cache, ev.hook, torch.tensor([next_pos]))  # (L, 1, H_kv, n)
+    got = ev.scores(ev.scorer, model, cache, ev.hook, torch.tensor([next_pos]))  # (L, 1, H_kv, n)
     seq_x = model.model.embed_tokens(torch.tensor([ids[0].tolist() + toks[:-1]]))  # (1, next_pos, hidden)
     if method == "lookahead":
         x = torch.cat([seq_x, mod.embeddings[None]], dim=1)
@@ -333,7 +348,7 @@ def test_running_h2o_equals_explicit_column_sums(monkeypatch):
     hook = Restricted()
     _, masks = masked_forward(model, monkeypatch, model.model.embed_tokens(torch.tensor([ids[0].tolist() + toks[:-1]])),
                               watch.allowed, hook)
-    got = ev.scorer.decode_scores(model, cache, ev.hook, torch.tensor([T]))  # (L, 1, H_kv, n)
+    got = ev.scores(ev.scorer, model, cache, ev.hook, torch.tensor([T]))  # (L, 1, H_kv, n)
     for l in range(cfg.num_hidden_layers):
         kr = hook.k[l].repeat_interleave(G, dim=1).double()
         logits_ = hook.q[l][:, :, S:].double() @ kr.transpose(-1, -2) / math.sqrt(cfg.head_dim)  # the fed rows
