@@ -520,3 +520,34 @@ def test_next_turn_is_the_templates_rendering(tmp_path, fmt):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "there ."},
                 {"role": "user", "content": "be brief ."}]
     assert tok.chat("hi") + "there ." + tok.next_turn("be brief .") == tm.rendered_by_transformers(folder, messages)
+
+
+def test_the_rest_runs_without_this_extension(tmp_path):
+    """Deleting extensions/decode.py (and the lines that name it in the scripts) leaves every other feature
+    working: in a fresh interpreter where it cannot be imported, the core, the other extensions, the
+    training and the harness import, and every method compresses a prompt (the cheap form of the check)."""
+    import subprocess
+    from pathlib import Path
+
+    from test_lookaheadkv import TINY
+
+    code = f"""
+import sys, torch
+sys.modules["extensions.decode"] = None  # import extensions.decode now raises ImportError
+import eviction, harness, methods, model, train
+from lookaheadkv import LookaheadModule
+torch.manual_seed(0)
+cfg = model.ModelConfig(**{TINY!r})
+m = model.Transformer(cfg).eval()
+ids = torch.randint(1, cfg.vocab_size, (1, 40))
+for name in methods.METHODS:
+    kw = dict(module=LookaheadModule(cfg, n_tokens=4)) if name == "lookahead" else {{}}
+    if name == "oracle":
+        kw["response"] = torch.randint(1, cfg.vocab_size, (1, 5))
+    with torch.no_grad():
+        eviction.compress(m, ids, methods.make_scorer(eviction.EvictConfig(name, budget=16, window=4), **kw))
+print("ok")
+"""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
