@@ -617,7 +617,9 @@ def batch_loss(model, module, cache, gt, lengths):
 def optimizer_step(module, opt, model, micro, n_samples, clip, world=1):
     """One optimiser step over this rank's micro-batches `micro` (an iterable of load_batch results):
     each sample weighs the same in the step's mean over n_samples (all ranks), ranks average their
-    gradients, then clip and step. Returns the step's loss as a 0-dim tensor (no sync here)."""
+    gradients, then clip and step. Returns the step's loss as a 0-dim tensor. A non-finite loss or gradient
+    (nan, inf: from a bad adapter, a bad sample, too high a rate) steps nothing and raises ValueError: the
+    run stops in one line with its last good checkpoint, rather than training on nan and saving it."""
     total = torch.zeros((), device=next(module.parameters()).device)
     for cache, gt, lengths in micro:
         part = batch_loss(model, module, cache, gt, lengths) * lengths.shape[0] * world / n_samples
@@ -625,7 +627,15 @@ def optimizer_step(module, opt, model, micro, n_samples, clip, world=1):
         total += part.detach().float() / world
     if world > 1:
         all_reduce_grads(module, world)
-    torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+    try:
+        torch.nn.utils.clip_grad_norm_(module.parameters(), clip, error_if_nonfinite=True)
+    except RuntimeError as e:
+        if "non-finite" not in str(e):
+            raise
+        opt.zero_grad(set_to_none=True)
+        raise ValueError("the training loss or its gradient is not finite (nan or inf): stopped before this step, "
+                         "nothing saved from it (OUT/ckpt.pt keeps the last good checkpoint); check --init's adapter "
+                         "and its .json, and the data, or lower --lr, then rerun with --resume") from None
     opt.step()
     opt.zero_grad(set_to_none=True)
     return total

@@ -870,3 +870,25 @@ def test_roomy_cache_holds_what_a_plain_cache_holds():
         assert torch.allclose(a, b, atol=1e-6)
         for l in range(len(plain.k)):
             assert torch.equal(plain.k[l], roomy.k[l]) and torch.equal(plain.valid[l], roomy.valid[l])
+
+
+def test_a_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(model_dir, tmp_path, stub_prompts,
+                                                                         monkeypatch):
+    """A step whose loss is nan (a bad adapter, a bad sample) steps nothing: one error line, exit 1, the last
+    checkpoint as it was, and no adapter written from the bad weights."""
+    out = tmp_path / "run"
+    write_data(out, model_dir)
+    real, calls = train.batch_loss, []
+
+    def nan_at_step_3(*a):
+        calls.append(1)
+        loss = real(*a)
+        return loss * float("nan") if len(calls) > 4 else loss  # micro-batch 1, 2 per step: step 3 on
+
+    monkeypatch.setattr(train, "batch_loss", nan_at_step_3)
+    with pytest.raises(SystemExit, match=r"^error: the training loss or its gradient is not finite") as e:
+        train.main(argv(model_dir, out, "--save-every", "1"))
+    assert "\n" not in str(e.value)
+    ck = torch.load(out / "ckpt.pt", weights_only=False)
+    assert ck["step"] == 2 and all(torch.isfinite(t).all() for t in ck["module"].values())
+    assert not (out / "adapter.safetensors").exists()
