@@ -55,7 +55,7 @@ import torch
 import cli
 from eviction import EvictConfig, compress, decode, greedy, uniform_budgets
 from extensions.decode import DECODE_METHODS, DecodeEviction, add_turn
-from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule
+from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selection_of
 from metrics import Stopwatch, keep_fraction
 from model import ModelConfig, Tokenizer, decode_utf8
 
@@ -338,8 +338,9 @@ def answer(args, model, tok, module, folder, ids, blank_prompt=False):
     t_end = time.perf_counter()
     n_dec = max(len(out) - 1, 0)
     text = tok.decode(out)
+    rule, budgets = selection_of(scorer)
     stats = dict(
-        method=args.method, budget=args.budget, prompt_tokens=S, kept_tokens=round(sum(per_layer) / len(per_layer)),
+        method=args.method, rule=rule, budgets=budgets, budget=args.budget, prompt_tokens=S, kept_tokens=round(sum(per_layer) / len(per_layer)),
         kept_range=[min(per_layer), max(per_layer)], text=text,
         prefill_ms=round(clock.ms(0, 1), 1), evict_ms=round(clock.ms(1, 2) + extra_ms, 1),
         ttft_ms=round((t_first - t0) * 1e3 + extra_ms, 1),
@@ -357,7 +358,7 @@ def answer(args, model, tok, module, folder, ids, blank_prompt=False):
     lo, hi = stats["kept_range"]
     print(text[len(printed):])
     print("---")
-    print(f"method {args.method}  budget {args.budget}  prompt {S} tokens  kept {stats['kept_tokens']} per "
+    print(f"method {args.method} ({rule}, {budgets})  budget {args.budget}  prompt {S} tokens  kept {stats['kept_tokens']} per "
           f"(layer, KV head)" + (f" on average ({lo}-{hi} by layer)" if lo < hi else ""))
     print(f"prefill {stats['prefill_ms']:.0f} ms  eviction {stats['evict_ms']:.0f} ms (score + select + gather)  "
           f"ttft {stats['ttft_ms']:.0f} ms")

@@ -13,7 +13,7 @@ EvictConfig names its own rule or budgets (EvictConfig(budgets=uniform_budgets):
 import dataclasses
 
 from baselines import H2O, LAQ, FullKV, Oracle, PyramidKV, RandomKV, SnapKV, StreamingLLM
-from eviction import Pool
+from eviction import Pool, Scorer
 from extensions.layer_budgets import LayerBudgets
 from extensions.span import SpanRule
 from lookaheadkv import LookaheadKV, LookaheadModule
@@ -44,6 +44,22 @@ def make_scorer(eviction, module=None, response=None):
         rule, budgets = adapter_selection(module)
         eviction = dataclasses.replace(eviction, rule=eviction.rule or rule, budgets=eviction.budgets or budgets)
     return METHODS[eviction.method](eviction, module=module, response=response)
+
+
+def selection_of(scorer):
+    """What a scorer selects by, in words: (its selection rule, its budget policy), e.g. ("span:8:1024",
+    "per-layer budgets") for the shipped adapter, ("none", "C in every layer") for an unpooled top C,
+    ("avg:5", "pyramid budgets") for PyramidKV: generate.py's stats, bench.py's rows and evaluate.py's tables say it."""
+    if not scorer.evicts:
+        return "none", "nothing evicted"
+    policy = scorer.eviction.budgets
+    if isinstance(policy, LayerBudgets):
+        budgets = "per-layer budgets"
+    elif policy is None and type(scorer).own_budgets is not Scorer.own_budgets:
+        budgets = "pyramid budgets"
+    else:
+        budgets = "C in every layer"
+    return repr(scorer.rule), budgets
 
 
 def adapter_selection(module):

@@ -273,6 +273,7 @@ def test_good_arguments_run_and_report_each_step(prompt, tiny_model, capsys):
     out = generate_py.main(["--prompt", str(prompt), "--model", str(tiny_model), "--method", "snapkv", "--budget", "4",
                             "--window", "2", "--pool", "avg:3", "--max-new-tokens", "3", "--device", "cpu", "--json"])
     assert out["prompt_tokens"] == 6 and out["kept_tokens"] == 4  # What is 2 + 2 ?
+    assert (out["rule"], out["budgets"]) == ("avg:3", "C in every layer")  # what ran, said
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out
     # issue 27: the prefill FullKV pays too, apart from what the method adds after it (the Stopwatch's marks)
     assert out["prefill_ms"] > 0 and out["evict_ms"] >= 0 and out["ttft_ms"] >= out["prefill_ms"]
@@ -283,6 +284,7 @@ def test_stats_lines(prompt, tiny_model, capsys):
     generate_py.main(["--prompt", str(prompt), "--model", str(tiny_model), "--method", "snapkv", "--budget", "4",
                       "--window", "2", "--max-new-tokens", "2", "--device", "cpu", "--show"])
     printed = capsys.readouterr().out
+    assert re.search(r"^method snapkv \(avg:5, C in every layer\)  budget 4  prompt \d+ tokens", printed, re.M)
     assert re.search(r"^prefill \d+ ms  eviction \d+ ms \(score \+ select \+ gather\)  ttft \d+ ms$", printed, re.M)
     assert re.search(r"^decode [\d.]+ tok/s  KV cache [\d.]+ MB -> [\d.]+ MB$", printed, re.M)
     assert "--- kept tokens" in printed

@@ -409,3 +409,19 @@ def test_planted_a_narrower_candidate_set_is_caught(monkeypatch):
         except AssertionError:
             caught += 1
     assert caught
+
+
+def test_selection_of_names_the_rule_and_the_budget_policy():
+    """methods.selection_of: what generate.py's stats, bench.py and evaluate.py say ran."""
+    from extensions.layer_budgets import LayerBudgets as LB
+    from methods import selection_of
+
+    cfg = tiny_model().config
+    shipped = LookaheadModule(cfg, n_tokens=4)
+    shipped.info.update(rule="span:8:1024", layer_weights=[1.0] * cfg.num_hidden_layers)
+    assert selection_of(make_scorer(EvictConfig("lookahead", 16), shipped)) == ("span:8:1024", "per-layer budgets")
+    paper = make_scorer(EvictConfig("lookahead", 16, rule=Pool("max", 7), budgets=uniform_budgets), shipped)
+    assert selection_of(paper) == ("max:7", "C in every layer")
+    assert selection_of(make_scorer(EvictConfig("pyramidkv", 16, window=4))) == ("avg:5", "pyramid budgets")
+    assert selection_of(make_scorer(EvictConfig("snapkv", 16, window=4, budgets=LB([1, 3])))) == ("avg:5", "per-layer budgets")
+    assert selection_of(make_scorer(EvictConfig("full"))) == ("none", "nothing evicted")
