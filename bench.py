@@ -524,7 +524,7 @@ def run_train_cost(model, module, scorers, args, lengths, emit):
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser("bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--mode", default="overhead", choices=list(DEFAULT_LENGTHS))
     a("--model", default=None, help="HF folder (default: weights/SmolLM2-135M-Instruct, prepared if missing)")
@@ -611,8 +611,7 @@ def check_args(args):
 
 
 def main(argv=None):
-    args = get_args(argv)
-    return cli.run(lambda: bench(args))
+    return cli.run(lambda: bench(get_args(argv)))
 
 
 def bench(args):

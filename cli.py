@@ -9,6 +9,7 @@ Every bad input ends in exit status 1 and one line "error: <what is wrong>: <wha
 model loads wherever the check needs none. Ctrl-C (or SIGTERM) says how to resume; a closed pipe
 (`| head`) ends quietly.
 """
+import argparse
 import math
 import os
 import signal
@@ -38,6 +39,17 @@ def run(fn, resume=None):
         raise SystemExit(f"interrupted: nothing saved so far is lost{again}") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag (`--budget 1.5`, an unknown option) is one `error:` line and exit 1 through
+    run(), like every other bad input, not a usage block and exit 2. --help still prints the whole help."""
+
+    def __init__(self, script, **kw):
+        super().__init__(prog=script, **kw)
+
+    def error(self, message):
+        raise ValueError(f"{message} (python {self.prog} --help)")
 
 
 def one_line(e):

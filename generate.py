@@ -61,7 +61,7 @@ from model import ModelConfig, Tokenizer, decode_utf8
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser("generate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", default=None, help="a text file with the user message, or - for stdin")
     p.add_argument("--model", default=None,
                    help="an HF folder (default: weights/SmolLM2-135M-Instruct, prepared if missing)")
@@ -199,13 +199,25 @@ def printable(text):
     return kept, len(text) - len(kept)
 
 
-def read_prompt(arg):
+BYTES_PER_TOKEN = 64  # more than any token of our tokenizers spans: a longer file cannot fit the context
+
+
+def read_prompt(arg, context):
     """(the user message, a warning or None) from a UTF-8 file, or from stdin for "-". A blank file is an
-    error; control characters are removed, with a warning (all of them: the answer runs on the template)."""
+    error; control characters are removed, with a warning (all of them: the answer runs on the template).
+    A file too big to fit `context` tokens at BYTES_PER_TOKEN is refused by its size, before it is read
+    or tokenized (a 200 MB file would otherwise take all the memory in the tokenizer)."""
+    limit = BYTES_PER_TOKEN * context
     if arg == "-":
-        raw, where = sys.stdin.buffer.read(), "stdin"
+        raw, where = sys.stdin.buffer.read(limit + 1), "stdin"
+        size = len(raw)
     else:
-        raw, where = cli.input_file("--prompt", arg).read_bytes(), f"prompt file {arg}"
+        path, where = cli.input_file("--prompt", arg), f"prompt file {arg}"
+        size = path.stat().st_size
+        raw = path.read_bytes() if size <= limit else b""
+    if size > limit:
+        raise ValueError(f"the prompt ({where}) is over {limit // 2**10} KB, more than the model's context of "
+                         f"{context} tokens can hold: shorten it")
     text = decode_utf8(raw, where).replace("\r\n", "\n")  # as text-mode reading did
     if not text.strip():
         raise ValueError(f"the prompt ({where}) is empty: write the user message into it")
@@ -242,8 +254,7 @@ def why_empty(last, tok, blank_prompt):
 
 
 def main(argv=None):
-    args = get_args(argv)
-    return cli.run(lambda: quiet_pipe(lambda: work(args)))
+    return cli.run(lambda: quiet_pipe(lambda: work(get_args(argv))))
 
 
 def quiet_pipe(fn):
@@ -264,12 +275,14 @@ def quiet_pipe(fn):
 def work(args):
     check_args(args)
     # the files, before the weights: the prompt or turns, config.json, tokenizer.json, the adapter
-    text, note = read_prompt(args.prompt) if args.prompt is not None else (None, None)
+    if args.prompt not in (None, "-"):
+        cli.input_file("--prompt", args.prompt)  # a missing file is said before a model is prepared
+    folder = cli.resolve_model(args.model)
+    cfg = ModelConfig.from_hf_config(folder)
+    text, note = read_prompt(args.prompt, cfg.max_context) if args.prompt is not None else (None, None)
     turns = (stdin_turns() if args.turns == "-" else read_turns(args.turns)) if args.turns is not None else None
     if note:
         warn(note)
-    folder = cli.resolve_model(args.model)
-    cfg = ModelConfig.from_hf_config(folder)
     tok = Tokenizer(folder, cfg)
     ids = None
     if text is not None:

@@ -537,7 +537,8 @@ def load_model(path, device="cpu", dtype=None):
         except Exception as e:
             raise ValueError(f"{path / fname} is not a readable safetensors file ({one_line(e)}): {fix}") from None
     # names first (cheap): a checkpoint that does not fit its config.json fails before any copying
-    stored = {name: fname for fname, f in opened for name in f.keys()}
+    # buffers some HF checkpoints carry and transformers ignores: RoPE's inv_freq is recomputed from config.json
+    stored = {name: fname for fname, f in opened for name in f.keys() if not name.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         stored.pop("lm_head.weight", None)  # some tied checkpoints store the head too; it is the embedding
     missing = sorted(set(params) - set(stored) - {"lm_head.weight"})
@@ -554,6 +555,9 @@ def load_model(path, device="cpu", dtype=None):
                     t = f.get_tensor(name)
                 except Exception as e:
                     raise ValueError(f"{path / fname}: tensor {name} cannot be read ({one_line(e)}): {fix}") from None
+                if not t.is_floating_point():  # an int8 or bool tensor cast to float would load as garbage, silently
+                    raise ValueError(f"{path / fname}: tensor {name} is stored as {t.dtype}, not a floating type: "
+                                     f"a quantised or damaged checkpoint we cannot load; {fix}")
                 if tuple(t.shape) != tuple(params[name].shape):
                     raise ValueError(f"{name} has shape {tuple(t.shape)}, config.json implies "
                                      f"{tuple(params[name].shape)}: the checkpoint does not match its config")
@@ -616,8 +620,15 @@ def mismatch_message(path, cfg, missing, unexpected, stored, fix):
 
 
 def decode_utf8(raw, where):
-    """bytes -> str (a leading BOM dropped); ValueError naming `where` and the first bad byte if
-    they are not UTF-8 (Python's own message names neither the file nor the fix)."""
+    """bytes -> str (a leading BOM dropped); UTF-16 text that says so with its BOM (Windows editors write it)
+    is read as such. ValueError naming `where` and the first bad byte if they are not UTF-8 (Python's own
+    message names neither the file nor the fix)."""
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        try:
+            return raw.decode("utf-16")
+        except UnicodeDecodeError:
+            raise ValueError(f"{where} starts with a UTF-16 byte order mark but is not UTF-16 text: convert it "
+                             f"to UTF-8, e.g. iconv -t utf-8") from None
     try:
         return raw.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
@@ -652,6 +663,10 @@ class Tokenizer:
             raise ValueError(f"{tc_file}: chat_template is {json.dumps(template)[:60]}, it must be a string "
                              f"(a jinja template): {fix}")
         vocab = self.tk.get_vocab(with_added_tokens=True)
+        if cfg is not None and vocab and max(vocab.values()) >= cfg.vocab_size:  # two files, one model: they agree
+            raise ValueError(f"{path / 'tokenizer.json'} makes token ids up to {max(vocab.values())} but "
+                             f"{path / 'config.json'} says vocab_size {cfg.vocab_size}: the two files come from "
+                             f"different models; use the tokenizer.json that came with the weights ({fix})")
         if "<|im_start|>" in vocab:
             self.format = "chatml"  # SmolLM2, Qwen
             # a template that opens with a fixed system message (SmolLM2, Qwen2.5) uses it when
@@ -676,6 +691,9 @@ class Tokenizer:
                                  f"them: {fix}")
             ids += e
         self.stop_ids = sorted(set(ids))
+        if cfg is not None and self.stop_ids and self.stop_ids[-1] >= cfg.vocab_size:
+            raise ValueError(f"stop token id {self.stop_ids[-1]} (config.json or generation_config.json's "
+                             f"eos_token_id) is outside vocab_size {cfg.vocab_size} in {path}: {fix}")
         self.bos = "<|begin_of_text|>" if self.format == "llama3" else ""
 
     def encode(self, text):

@@ -138,7 +138,7 @@ BUDGET_SAMPLES = 32  # --stage budgets measures on this many training samples
 def get_args(argv=None):
     """The run's TrainConfig: flag > --config file > default."""
     D = TrainConfig()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = cli.Parser("train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 argument_default=argparse.SUPPRESS)
     a = p.add_argument
     a("--config", metavar="JSON", help="a recipe: a JSON object of TrainConfig fields, e.g. configs/train-cpu.json")

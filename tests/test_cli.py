@@ -21,8 +21,10 @@ import torch
 import bench
 import cli
 import data
+import evaluate
 import generate as generate_py
 import model
+import train
 from weights import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -299,7 +301,7 @@ def test_stats_lines(prompt, tiny_model, capsys):
     (["--json", "{tmp}/d.json"], "d.json is a folder"),
     (["--json", "{tmp}/rows.txt"], "must end in .json"),
     (["--methods", "snapkv,oracle"], "--methods oracle"),
-    (["--methods", "full", "--pool"], None),  # not an option: argparse's own exit, status 2
+    (["--methods", "full", "--pool"], "unrecognized arguments: --pool (python bench.py --help)"),  # argparse's own
     (["--mode", "decode-cost", "--lengths", "6", "--window", "4"], "decode budget 6 leaves no room"),
     (["--mode", "decode-cost", "--methods", "laq"], "--methods laq: not a row of --mode decode-cost"),
     (["--random-init", "{tmp}"], "--random-init"),
@@ -411,3 +413,25 @@ def test_chat_on_stdin_runs(chat_model, monkeypatch, capsys):
                             "--device", "cpu", "--json"])
     assert [t["turn"] for t in out] == [1, 1]  # /reset: a new conversation
     assert '{"reset": true}' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script, argv, needle", [
+    ("generate", ["--budget", "1.5"], "argument --budget: invalid int value: '1.5' (python generate.py --help)"),
+    ("train", ["--epochs", "x"], "argument --epochs: invalid float value: 'x' (python train.py --help)"),
+    ("bench", ["--nope"], "unrecognized arguments: --nope (python bench.py --help)"),
+    ("evaluate", ["--budgets"], "argument --budgets: expected one argument (python evaluate.py --help)"),
+])
+def test_argparse_errors_are_one_line_too(script, argv, needle, no_loading):
+    """A flag argparse itself refuses ends like any other bad input: one `error:` line, exit 1, no usage block."""
+    main = {"generate": generate_py.main, "train": train.main, "bench": bench.main, "evaluate": evaluate.main}[script]
+    one_line(error_of(main, *argv), needle)
+
+
+def test_a_prompt_file_too_big_for_the_context_is_refused_by_its_size(tiny_model, tmp_path, monkeypatch, no_loading):
+    """tiny_model's context is 64 tokens: a file over 64 x 64 bytes cannot fit, and is refused before it is read
+    or tokenized (a 200 MB prompt once took all the memory in the tokenizer)."""
+    big = tmp_path / "big.txt"
+    big.write_text("what is two ? " * 400)  # 5.6 KB
+    monkeypatch.setattr(model.Tokenizer, "encode", lambda *a: pytest.fail("the prompt was tokenized"))
+    one_line(error_of(generate_py.main, "--prompt", big, "--model", tiny_model, "--method", "full"),
+             f"the prompt (prompt file {big}) is over 4 KB", "shorten it")

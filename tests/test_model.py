@@ -6,6 +6,7 @@ Everything runs on CPU in float32 on tiny random checkpoints (see tiny_hf_model 
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -925,3 +926,48 @@ def test_cli_load_reads_the_tokenizer_before_the_weights(ckpt):
     (ckpt / "model.safetensors").write_bytes(b"junk")
     with pytest.raises(ValueError, match="tokenizer.json is not a tokenizer we can read"):
         cli.load(ckpt)
+
+
+# -----------------------------------------------------------------------------
+# Nothing silent (issue 37): what passes a type check but cannot work, valid input accepted
+
+
+def test_rotary_inv_freq_buffers_are_accepted(ckpt):
+    """Many HF Llama checkpoints carry RoPE's inv_freq buffers; transformers ignores them, and so do we (RoPE is
+    recomputed from config.json): the model loads and computes what it computed without them."""
+    before = load_model(ckpt)
+    rewrite_tensors(ckpt, lambda t: t.update({f"model.layers.{l}.self_attn.rotary_emb.inv_freq": torch.ones(8)
+                                              for l in range(2)}))
+    after = load_model(ckpt)
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(before(ids, positions=torch.arange(3)[None]), after(ids, positions=torch.arange(3)[None]))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool])
+def test_a_tensor_of_a_non_floating_dtype_is_refused(ckpt, dtype):
+    name = "model.layers.0.mlp.down_proj.weight"
+    rewrite_tensors(ckpt, lambda t: t.update({name: t[name].to(dtype)}))
+    with pytest.raises(ValueError, match=rf"tensor {re.escape(name)} is stored as torch\.{str(dtype)[6:]}, not a floating"):
+        load_model(ckpt)
+
+
+def test_a_tokenizer_bigger_than_the_vocabulary_is_refused(tmp_path, tiny_hf_model):
+    """config.json's vocab_size and tokenizer.json come from different models: a high token id would index past
+    the embedding inside the prefill. Said at load, naming both files."""
+    folder = copy_folder(tiny_hf_model("llama"), tmp_path)
+    make_tokenizer(folder, [], "")
+    cfg = ModelConfig.from_hf_config(folder)
+    Tokenizer(folder, cfg)  # 6 words in a vocabulary of the tiny config's size: fine
+    edit_config(folder, lambda d: d.update(vocab_size=4))
+    with pytest.raises(ValueError, match=r"tokenizer\.json makes token ids up to 5 but .*config\.json says vocab_size 4"):
+        Tokenizer(folder, ModelConfig.from_hf_config(folder))
+
+
+def test_utf16_with_a_bom_is_read_and_other_bytes_named():
+    from model import decode_utf8
+
+    text = "Ärger über 2 + 2?"
+    assert decode_utf8(text.encode("utf-16"), "f") == text  # the BOM says which byte order
+    assert decode_utf8("\ufeff".encode() + text.encode(), "f") == text
+    with pytest.raises(ValueError, match=r"f is not UTF-8 text \(byte 0xc4 at offset 0\)"):
+        decode_utf8(text.encode("latin-1"), "f")
