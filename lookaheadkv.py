@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from eviction import Pool, Scorer, WindowHook, group_attention, stack_layers
-from model import Hook
+from model import Hook, read_json
 
 # -----------------------------------------------------------------------------
 # 1. The lookahead module: M embeddings + a LoRA that is active on their rows only
@@ -108,15 +108,14 @@ class LookaheadModule(nn.Module):
         if path.suffix != ".safetensors" or not path.is_file() or not meta_file.is_file():
             raise FileNotFoundError(f"adapter {path} (a .safetensors file and its .json) not found: "
                                     "train one with python train.py")
-        try:
-            meta = json.loads(meta_file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"adapter metadata {meta_file} is not valid JSON ({e}): retrain the adapter") from None
-        if not isinstance(meta, dict):
-            raise ValueError(f"adapter metadata {meta_file} is not a JSON object: retrain the adapter")
+        meta = read_json(meta_file, "retrain the adapter")
         for key, kind in cls.KEYS.items():
-            if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            value = meta.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
                 raise ValueError(f"adapter metadata {meta_file}: {key!r} is missing or not a {getattr(kind, '__name__', 'number')}: "
+                                 "retrain the adapter")
+            if isinstance(value, (int, float)) and not (math.isfinite(value) and value > 0):  # "alpha": NaN parses
+                raise ValueError(f"adapter metadata {meta_file}: {key!r} is {value}, not a finite number > 0: "
                                  "retrain the adapter")
         if meta["base_fingerprint"] != cfg.fingerprint():
             raise ValueError(f"adapter {path.name} was trained for {meta['base_model']!r} "

@@ -46,13 +46,13 @@ def read_json(file, fix):
     try:
         d = json.loads(Path(file).read_bytes())
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
-        raise ValueError(f"{file} is not valid JSON ({one_line(e)}): {fix}") from None
+        raise ValueError(f"{file} is not valid JSON ({short_reason(e)}): {fix}") from None
     if not isinstance(d, dict):
         raise ValueError(f"{file} holds a JSON {type(d).__name__}, not an object: {fix}")
     return d
 
 
-def one_line(e):
+def short_reason(e):
     return " ".join(str(e).split())[:200] or type(e).__name__
 
 
@@ -535,7 +535,7 @@ def load_model(path, device="cpu", dtype=None):
         try:
             opened.append((fname, safe_open(path / fname, framework="pt", device="cpu")))
         except Exception as e:
-            raise ValueError(f"{path / fname} is not a readable safetensors file ({one_line(e)}): {fix}") from None
+            raise ValueError(f"{path / fname} is not a readable safetensors file ({short_reason(e)}): {fix}") from None
     # names first (cheap): a checkpoint that does not fit its config.json fails before any copying
     # buffers some HF checkpoints carry and transformers ignores: RoPE's inv_freq is recomputed from config.json
     stored = {name: fname for fname, f in opened for name in f.keys() if not name.endswith("rotary_emb.inv_freq")}
@@ -554,7 +554,7 @@ def load_model(path, device="cpu", dtype=None):
                 try:
                     t = f.get_tensor(name)
                 except Exception as e:
-                    raise ValueError(f"{path / fname}: tensor {name} cannot be read ({one_line(e)}): {fix}") from None
+                    raise ValueError(f"{path / fname}: tensor {name} cannot be read ({short_reason(e)}): {fix}") from None
                 if not t.is_floating_point():  # an int8 or bool tensor cast to float would load as garbage, silently
                     raise ValueError(f"{path / fname}: tensor {name} is stored as {t.dtype}, not a floating type: "
                                      f"a quantised or damaged checkpoint we cannot load; {fix}")
@@ -651,7 +651,7 @@ class Tokenizer:
         try:
             self.tk = HFTokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as e:  # the tokenizers library raises a bare Exception
-            raise ValueError(f"{path / 'tokenizer.json'} is not a tokenizer we can read ({one_line(e)}): "
+            raise ValueError(f"{path / 'tokenizer.json'} is not a tokenizer we can read ({short_reason(e)}): "
                              f"{fix}") from None
         tc_file = path / "tokenizer_config.json"
         tc = read_json(tc_file, fix) if tc_file.exists() else {}

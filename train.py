@@ -71,7 +71,7 @@ from data import load_batch, sample_bytes, sample_ok, sample_path, save_sample, 
 from eviction import EvictConfig, compress, decode_step, greedy
 from extensions import layer_budgets
 from lookaheadkv import LookaheadModule, answer_attention, kl_loss, lookahead_pass, untrained_module
-from model import Hook, KVCache, ModelConfig
+from model import Hook, KVCache, ModelConfig, read_json
 
 # -----------------------------------------------------------------------------
 # Settings: a recipe file (--config) holds any of these; a flag overrides it
@@ -177,11 +177,9 @@ def read_config(path):
     file and the key otherwise)."""
     path = cli.input_file("--config", path)
     try:
-        values = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--config {path}: not valid JSON ({e})") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"--config {path}: expected a JSON object of TrainConfig fields, got {type(values).__name__}")
+        values = read_json(path, "write a JSON object of TrainConfig fields (configs/train-cpu.json is one)")
+    except ValueError as e:
+        raise ValueError(f"--config {e}") from None
     fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     for key, value in values.items():
         if key not in fields:

@@ -1025,3 +1025,16 @@ def test_every_method_is_one_scorer_in_the_table():
         assert scorer.eviction.method == name and type(scorer) is cls, name
         # the core knows only the paper and the baselines: no scorer carries an extension's method
         assert not [n for n in dir(scorer) if n.startswith("decode")], name
+
+
+@pytest.mark.parametrize("bad", ["NaN", "Infinity", "-1", "0"])
+def test_adapter_numbers_that_parse_but_cannot_work_are_refused(tmp_path, bad):
+    """An adapter .json with "alpha": NaN (JSON that Python parses) would answer nonsense with exit 0: refused at
+    load, naming the file and the key."""
+    cfg = ModelConfig(**TINY)
+    LookaheadModule(cfg, n_tokens=4).save(tmp_path / "a.safetensors")
+    meta = tmp_path / "a.json"
+    meta.write_text(meta.read_text().replace('"alpha": 32,', f'"alpha": {bad},'))
+    assert f'"alpha": {bad}' in meta.read_text()
+    with pytest.raises(ValueError, match=rf"{meta}: 'alpha' is .*, not a finite number > 0"):
+        LookaheadModule.load(tmp_path / "a.safetensors", cfg)

@@ -193,10 +193,10 @@ def test_config_file_and_flags(tmp_path):
     # a bad file: one line naming the file and the key
     for text, match in [('{"n_trian": 3}', "unknown key 'n_trian'"), ('{"n_train": "3"}', "'n_train' must be int"),
                         ('{"n_train": 2.5}', "'n_train' must be int"), ('{"lr": true}', "'lr' must be float"),
-                        ('{"resume": 1}', "'resume' must be bool"), ('[1]', "expected a JSON object"),
+                        ('{"resume": 1}', "'resume' must be bool"), ('[1]', "holds a JSON list, not an object"),
                         ('{"lr": ', "not valid JSON")]:
         recipe.write_text(text)
-        with pytest.raises(SystemExit, match=rf"^error: --config {recipe}: .*{match}"):
+        with pytest.raises(SystemExit, match=rf"^error: --config {recipe}:? .*{match}"):
             train.main(["--config", str(recipe)])
     with pytest.raises(SystemExit, match=r"^error: --config .*nope.json: no such file"):
         train.main(["--config", str(tmp_path / "nope.json")])
