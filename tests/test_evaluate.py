@@ -638,3 +638,93 @@ def test_built_in_long_answer_and_conversation_suites(tiny):
         first, second = r["turns"]
         assert second.endswith("Answer in a few words.") and len(r["answers"]) == 1
         assert r["answers"][0] in first and r["answers"][0] not in second  # only turn 1 holds the fact
+
+
+# -----------------------------------------------------------------------------
+# --suite ruler (ruler.make_suite replaced by hand-made samples with its fields: the tiny word-level
+# tokenizer cannot spell RULER's essays, keys or numbers)
+
+
+def ruler_samples(tok, length, per_task, seed=0, **_):
+    """Samples as ruler.make_suite gives them: two tasks with their own answer lengths, each answer planted
+    in the input, and an answer prefix that opens the assistant's turn."""
+    samples = []
+    for task, n_answers, tokens_to_generate in (("niah_single_1", 1, 5), ("vt", 2, 7)):
+        for i in range(per_task):
+            rng = random.Random(f"{seed}-{task}-{i}")  # the same samples on every call (a rerun resumes them)
+            words = [rng.choice(WORDS) for _ in range(50)]
+            answers = [words[10 + 15 * k] for k in range(n_answers)]
+            sample = dict(id=f"{task}/{length}/{seed}-{i}", task=task, length=length, input=" ".join(words) + " ba be",
+                          answer_prefix=" bi bo bu", answers=answers, tokens_to_generate=tokens_to_generate,
+                          metric="string_match_all")
+            samples.append(dict(sample, tokens=len(tok.encode(evaluate.ruler.chat_prompt(tok, sample)))))
+    return samples
+
+
+def ruler_argv(root, out, *extra):
+    return ["--suite", "ruler", "--lengths", "300", "--per-task", "2", "--model", str(root / "tiny-llama"),
+            "--adapter", str(root / "adapter.safetensors"), "--budgets", "8,16", "--window", "4",
+            "--methods", "full,snapkv,lookahead", "--device", "cpu", "--out", str(root / out), *extra]
+
+
+def test_ruler_suite_end_to_end_and_resume(tiny, monkeypatch, capsys):
+    """--suite ruler: each prompt is ruler.chat_prompt's ids (not wrapped in the template again), FullKV and every
+    method answer in the task's tokens_to_generate, the score is ruler.score with the sample's metric
+    (string_match_all), the tables per task print, --plot draws the score against the share of the prompt kept,
+    and a rerun finds nothing left to do."""
+    from model import Tokenizer
+
+    monkeypatch.setattr(evaluate.ruler, "make_suite", ruler_samples)
+    refs, caps, scored = [], [], []
+    real_reference, real_answer, real_score = evaluate.reference, evaluate.answer, evaluate.ruler.score
+    monkeypatch.setattr(evaluate, "reference", lambda model, ids, n, stop: (
+        refs.append((ids[0].tolist(), n)), real_reference(model, ids, n, stop))[1])
+    monkeypatch.setattr(evaluate, "answer", lambda *a: (caps.append(a[6]), real_answer(*a))[1])
+    monkeypatch.setattr(evaluate.ruler, "score", lambda metric, text, answers: (
+        scored.append(metric), real_score(metric, text, answers))[1])
+    monkeypatch.setattr(evaluate.data, "is_correct", lambda *a: pytest.fail("RULER rows are scored by ruler.score"))
+    drawn = []
+    if _has_matplotlib():
+        from matplotlib.figure import Figure
+        monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    args = ruler_argv(tiny, "out-ruler", *(["--plot", str(tiny / "ruler.png")] if _has_matplotlib() else []))
+    results = evaluate.main(args)
+
+    tok = Tokenizer(tiny / "tiny-llama")
+    samples = ruler_samples(tok, 300, 2)
+    prompts = [tok.encode(evaluate.ruler.chat_prompt(tok, s)) for s in samples]
+    assert [ids for ids, _ in refs] == prompts and prompts[0] != tok.encode(tok.chat(evaluate.ruler.chat_prompt(
+        tok, samples[0])))
+    assert [n for _, n in refs] == [5, 5, 7, 7]  # FullKV's answer: the task's tokens_to_generate
+    assert caps == [5] * 8 + [7] * 8  # snapkv and lookahead at C = 8, 16, per prompt
+    assert len(results) == 4 * 3 * 2 and scored == ["string_match_all"] * len(results)
+    by_id = {s["id"]: s for s in samples}
+    for r in results:
+        assert r["accuracy"] == real_score("string_match_all", r["output"], by_id[r["id"]]["answers"])
+        assert r["prompt_tokens"] == by_id[r["id"]]["tokens"]
+    printed = capsys.readouterr().out
+    assert "### accuracy: share of the expected answers" in printed and "(4 samples)" in printed
+    assert "### accuracy, task niah_single_1 (2 samples)" in printed and "### accuracy, task vt (2 samples)" in printed
+    saved = json.loads((tiny / "out-ruler" / "results.json").read_text())
+    assert saved["settings"]["suite"] == "ruler" and saved["settings"]["max_new_tokens"] is None
+    if drawn:  # one panel: a line per method over the kept shares, mean C / S
+        (ax,) = drawn[0].get_axes()
+        shares = [sum(C / s["tokens"] for s in samples) / 4 for C in (8, 16)]
+        assert ax.get_xlabel().startswith("share of the prompt kept") and len(ax.get_lines()) == 3
+        assert list(ax.get_lines()[1].get_xdata()) == pytest.approx(shares)
+
+    refs.clear()
+    before = (tiny / "out-ruler" / "results.json").read_bytes()
+    assert evaluate.main(args) == results and refs == []  # resumed: no prompt had work left
+    assert (tiny / "out-ruler" / "results.json").read_bytes() == before
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--max-new-tokens", "9"], "--max-new-tokens does not apply to --suite ruler"),
+    (["--mode", "decode"], "--mode does not apply to --suite ruler"),
+    (["--no-chat"], "--no-chat does not apply to --suite ruler"),
+    (["--suite", "rulers"], "invalid choice: 'rulers'"),
+])
+def test_ruler_suite_flag_errors(tiny, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        evaluate.main(ruler_argv(tiny, "out-bad", *extra))
