@@ -124,7 +124,7 @@ from eviction import EvictConfig, Prefilled, decode, greedy, keep_slots, prefill
 from extensions.decode import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
 from harness import mean_of, results_table
 from lookaheadkv import answer_attention, untrained_module
-from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selecting_like
+from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selecting_like, selection_of
 from metrics import Stopwatch, answer_kl, forced_logprobs, gap_closed, recall_of_kept
 
 UNTRAINED = "lookahead-untrained"
@@ -290,6 +290,13 @@ def eviction_config(method, budget, args):
     rule = parse_rule(args.pool) if args.pool and not issubclass(METHODS[name], Unpooled) else None
     return EvictConfig(name, budget, window=args.window, rule=rule,
                        budgets=uniform_budgets if args.uniform_budgets else None)
+
+
+def selections(args, methods, budgets, modules):
+    """{method: "rule, budget policy"} (methods.selection_of): what each row of the tables selected by."""
+    response = torch.zeros(1, 1, dtype=torch.long)  # the oracle's scorer is only described here, never run
+    return {m: ", ".join(selection_of(make_scorer(eviction_config(m, max(budgets), args), modules.get(m), response)))
+            for m in methods}
 
 
 def prefill_once(model, ids, scorer, full):
@@ -893,11 +900,13 @@ def run_settings(args, model, modules, adapter_path, chat):
     return settings
 
 
-def write_reports(args, out, results, methods, budgets):
-    """The tables (printed, and with accuracy per task in OUT/results.md) and the --plot image."""
+def write_reports(args, out, results, methods, budgets, selected=None):
+    """The tables (printed, and with accuracy per task in OUT/results.md), each method's selection said above
+    them (rule, budget policy), and the --plot image."""
     metrics = MODE_METRICS[args.mode]
-    print(report(results, methods, budgets, per_task=args.suite == "ruler", metrics=metrics))  # RULER: per task too
-    (out / "results.md").write_text(report(results, methods, budgets, per_task=True, metrics=metrics))
+    said = "selection: " + "; ".join(f"{m} ({s})" for m, s in selected.items()) + "\n\n" if selected else ""
+    print(said + report(results, methods, budgets, per_task=args.suite == "ruler", metrics=metrics))  # RULER: per task
+    (out / "results.md").write_text(said + report(results, methods, budgets, per_task=True, metrics=metrics))
     if args.plot and args.suite == "ruler":
         plot_kept_share(results, methods, budgets, args.plot)
     elif args.plot and args.mode == "prefill":
@@ -961,7 +970,7 @@ def evaluate(args):
 
     wanted = {(r["id"], m, b) for r in rows for m in methods for b in budgets}
     results = [r for r in saved["results"] if (r["id"], r["method"], r["budget"]) in wanted]
-    write_reports(args, out, results, methods, budgets)
+    write_reports(args, out, results, methods, budgets, selections(args, methods, budgets, modules))
     print(f"wrote {out / 'results.md'} and {path}" + (f", {args.plot}" if args.plot else "")
           + f" in {time.perf_counter() - t_start:.0f} s ({len(work)} of {len(rows)} prompts had work left)")
     return results

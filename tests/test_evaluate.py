@@ -233,6 +233,8 @@ def test_end_to_end_and_resume(tiny, capsys):
     printed = capsys.readouterr().out
     assert "| full | 1.000 | 1.000 |" in printed and "### recall" in printed and "### answer_kl" in printed
     assert "| full | 0.0000 | 0.0000 |" in printed and "reaches 90% of FullKV" in printed
+    # what each row selected by, said above the tables (methods.selection_of)
+    assert "selection: full (none, nothing evicted); " in printed and "; streaming (none, C in every layer)" in printed
     # snapkv and oracle ran: the headline table, a row per other method, full/snapkv/oracle not among them
     gap = printed[printed.index("### share of the SnapKV-to-oracle gap closed"):].split("\n\n")[1].splitlines()
     assert [l.split(" | ")[0][2:] for l in gap[2:]] == ["streaming", "h2o", "lookahead", "lookahead-untrained"]
