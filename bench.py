@@ -19,7 +19,8 @@ timeit advises; RESULTS.md, section 9, gives both). --json adds every round's ms
 Rows (--methods): full, snapkv, h2o, laq, and
     lookahead            as shipped: the model's adapter (weights/<model>.lookahead.safetensors, or
                          --adapter) with the rule and per-layer budgets of its .json
-    lookahead-unpooled   the same adapter, top C of its raw scores, C in every layer (the paper's form)
+    lookahead-unpooled   the same adapter, top C of its raw scores, C in every layer (our variant: the
+                         paper pools the scores first; --pool max:7 --uniform-budgets on lookahead is that)
     lookahead-2pass      as shipped, scored by a second forward of the M rows (the training form)
     lookahead-exact      as shipped, but span:8 with the exact surprisal (what the shortlist gate saves)
     full-1chunk          the prefill in one chunk instead of chunks of --chunk-size (a diagnostic)
@@ -76,7 +77,8 @@ KEPT_MEMORY = False  # keep_freed_memory() took: set when run as a script
 VARIANTS = {
     "lookahead": dict(method="lookahead"),  # as shipped: the adapter's rule and per-layer budgets
     "lookahead-2pass": dict(method="lookahead", one_pass=False),  # a 2nd forward of the M rows
-    # the paper's form: top C of the raw scores in every layer (the shipped rule's cost is lookahead minus this)
+    # unpooled top C in every layer, our variant (the paper pools first); the shipped rule's cost is lookahead
+    # minus this
     "lookahead-unpooled": dict(method="lookahead", rule=Pool("none"), budgets=uniform_budgets),
     # the span rule with the exact surprisal (every LM-head row), the adapter's budgets: what the gate saves
     "lookahead-exact": dict(method="lookahead", rule=SpanRule(8)),
