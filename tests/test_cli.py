@@ -247,7 +247,8 @@ def test_bad_adapter_stops_before_the_weights_load(prompt, tmp_path, tiny_model,
     (tmp_path / "a.safetensors").write_bytes(b"not safetensors")
     (tmp_path / "a.json").write_text("[1, 2]")  # a JSON list, not the metadata object
     one_line(error_of(generate_py.main, "--prompt", prompt, "--model", tiny_model, "--adapter",
-                      tmp_path / "a.safetensors", "--max-new-tokens", "4"), "a.json is not a JSON object")
+                      tmp_path / "a.safetensors", "--max-new-tokens", "4"), "a.json holds a JSON list, not an object",
+             "retrain the adapter")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
