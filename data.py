@@ -26,7 +26,7 @@ import hashlib, json, os, random, re, string, subprocess, sys, sysconfig, zipfil
 from collections import Counter, namedtuple
 from pathlib import Path
 
-from model import KVCache, decode_utf8  # data files are read as the prompts are
+from model import KVCache, decode_utf8  # load_batch builds a KVCache; decode_utf8 reads files as prompts are read
 
 Document = namedtuple("Document", "source name text")
 SOURCES = ("sotu", "essays", "stdlib")

@@ -308,7 +308,7 @@ class Scorer:
 
 
 def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=4096, logits_at=-1, tail=0):
-    """Run embeddings x (B, T, C) through the model into `cache`, chunk by chunk so a 32K prompt's
+    """Run embeddings x (B, T, hidden) through the model into `cache`, chunk by chunk so a 32K prompt's
     activations stay bounded. The LAST chunk is a full one (the first takes the remainder), so
     window scorers find all their queries in it; the last `tail` rows (the lookahead rows) ride
     along with it, so the prompt is chunked exactly as without them. The hook sees only the last

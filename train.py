@@ -14,7 +14,7 @@ OUT (where its choice decides the answer; RESULTS.md section 4.4) and written in
     python train.py --stage budgets --out runs/cpu --adapter-out weights/SmolLM2-135M-Instruct.lookahead.safetensors
 (the adapter measured: --init, default the shipped weights/<model>.lookahead.safetensors).
 One GPU, paper-like scale (the prompt caches recomputed in the step instead of kept on disk, which
-would take ~430 GB here: README.md, "Training on one GPU"):
+would take ~430 GB here: configs/train-gpu.json's store_dtype "none"; RESULTS.md section 5):
     python train.py --config configs/train-gpu.json --out runs/gpu --adapter-out runs/gpu/adapter.safetensors
 Several GPUs (data parallel: each rank takes every world_size-th micro-batch; build the samples first):
     python train.py --config configs/train-gpu.json --out runs/gpu --stage data && \\
