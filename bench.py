@@ -67,7 +67,8 @@ import cli
 from eviction import EvictConfig, Pool, compress, decode, uniform_budgets
 from extensions.decode import DECODE_METHODS, DecodeEviction
 from extensions.span import SpanRule
-from lookaheadkv import LookaheadHook, answer_attention, kl_loss, lookahead_pass, untrained_module
+from lookaheadkv import LookaheadHook, answer_attention, kl_loss, lookahead_pass
+import methods
 from methods import METHODS, load_adapter, make_scorer, parse_rule
 from model import ModelConfig, Tokenizer, Transformer, default_dtype
 
@@ -253,8 +254,7 @@ def shipped_rule():
 def untrained(model):
     """An untrained module (random P, LoRA B = 0: same shapes, same FLOPs, same time as a trained one),
     seeded, selecting by the shipped adapter's rule (its per-layer budgets fit the shipped model only)."""
-    torch.manual_seed(SEED)
-    module = untrained_module(model)  # the shipped configuration: LoRA on all seven projections
+    module = methods.untrained(model, SEED)  # the shipped configuration: LoRA on all seven projections
     rule = shipped_rule()
     if rule:
         module.info["rule"] = rule

@@ -123,8 +123,8 @@ from baselines import Unpooled
 from eviction import EvictConfig, Prefilled, decode, greedy, keep_slots, prefill_and_score, uniform_budgets
 from extensions.decode import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
 from harness import mean_of, results_table
-from lookaheadkv import answer_attention, untrained_module
-from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selecting_like, selection_of
+from lookaheadkv import answer_attention
+from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selection_of, untrained
 from metrics import Stopwatch, answer_kl, forced_logprobs, gap_closed, recall_of_kept
 
 UNTRAINED = "lookahead-untrained"
@@ -617,14 +617,6 @@ def heldout_rows(folder, limit=None):
     return rows
 
 
-def untrained_like(model, adapter, seed):
-    """lookahead-untrained: the adapter's M / rank / alpha / targets, a fresh init drawn from `seed`, LoRA B = 0,
-    selecting as the adapter does (its rule and per-layer budgets)."""
-    torch.manual_seed(seed)  # the same draw on every run: P ~ N(0, std of the token embeddings)
-    module = untrained_module(model, adapter.n_tokens, adapter.rank, adapter.alpha, adapter.targets)
-    return selecting_like(module, adapter)
-
-
 def run_heldout(args, budgets, paths):
     """--heldout OUT: harness.compare of the untrained module and each adapter on OUT's held-out rows."""
     rows = heldout_rows(args.heldout, args.limit)
@@ -638,7 +630,7 @@ def run_heldout(args, budgets, paths):
     paths = paths or [cli.default_adapter_path(model.config)]
     modules = [load_adapter(p, model.config, args.device) for p in paths]
     labels = ["adapter"] if len(paths) == 1 else [str(p) for p in paths]
-    adapters = [("untrained", untrained_like(model, modules[0], args.seed))] + list(zip(labels, modules))
+    adapters = [("untrained", untrained(model, args.seed, modules[0]))] + list(zip(labels, modules))
     cache = folder if os.access(folder, os.W_OK | os.X_OK) else None  # the ground truth, kept for the next run
     heldout = harness.heldout_ground_truth(model, rows, args.window, cache)
     table = harness.compare(model, adapters, heldout, budgets, args.answer_kl, args.window)
@@ -846,8 +838,7 @@ def load_modules(args, model, methods, paths):
         modules["lookahead"] = load_adapter(path, cfg, dev)
     if UNTRAINED in methods:
         like = modules.get("lookahead")  # the untrained row alone, without any adapter: the default shape
-        torch.manual_seed(args.seed)
-        modules[UNTRAINED] = untrained_like(model, like, args.seed) if like else untrained_module(model)
+        modules[UNTRAINED] = untrained(model, args.seed, like)
         if "lookahead" not in methods:
             del modules["lookahead"]
     return {m: mod.to(dev).to(dtype).eval() for m, mod in modules.items()}, path

@@ -12,11 +12,13 @@ EvictConfig names its own rule or budgets (EvictConfig(budgets=uniform_budgets):
 """
 import dataclasses
 
+import torch
+
 from baselines import H2O, LAQ, FullKV, Oracle, PyramidKV, RandomKV, SnapKV, StreamingLLM
 from eviction import Pool, Scorer
 from extensions.layer_budgets import LayerBudgets
 from extensions.span import SpanRule
-from lookaheadkv import LookaheadKV, LookaheadModule
+from lookaheadkv import LookaheadKV, LookaheadModule, untrained_module
 
 METHODS = {"full": FullKV, "streaming": StreamingLLM, "random": RandomKV, "snapkv": SnapKV, "pyramidkv": PyramidKV,
            "h2o": H2O, "laq": LAQ, "oracle": Oracle, "lookahead": LookaheadKV}
@@ -95,3 +97,14 @@ def selecting_like(module, adapter):
         if key in adapter.info:
             module.info[key] = adapter.info[key]
     return module
+
+
+def untrained(model, seed, like=None, **shape):
+    """The one way the scripts build an untrained module (lookaheadkv.untrained_module): drawn from `seed`, of
+    the shape of `like` (an adapter: its M, rank, alpha and targets, selecting as it does) or of `shape`
+    (n_tokens, rank, alpha, targets; the defaults for what is not given)."""
+    torch.manual_seed(seed)  # the same draw on every run: P ~ N(0, std of the token embeddings)
+    if like is not None:
+        shape = dict(n_tokens=like.n_tokens, rank=like.rank, alpha=like.alpha, targets=like.targets)
+    module = untrained_module(model, **shape)
+    return module if like is None else selecting_like(module, like)

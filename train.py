@@ -68,9 +68,9 @@ import data
 import harness
 import methods
 from data import load_batch, sample_bytes, sample_ok, sample_path, save_sample, unreadable_sample
-from eviction import EvictConfig, compress, decode_step, greedy
+from eviction import EvictConfig, compress, decode_step
 from extensions import layer_budgets
-from lookaheadkv import LookaheadModule, answer_attention, kl_loss, lookahead_pass, untrained_module
+from lookaheadkv import LookaheadModule, kl_loss, lookahead_pass
 from model import Hook, KVCache, ModelConfig, read_json
 
 # -----------------------------------------------------------------------------
@@ -649,8 +649,8 @@ def lr_at(step, total, cfg):
 def new_module(model, cfg):
     """The untrained module of this run's settings (lookaheadkv.untrained_module), seeded by cfg.seed,
     selecting with cfg.rule."""
-    torch.manual_seed(cfg.seed)
-    module = untrained_module(model, cfg.n_tokens, cfg.rank, cfg.alpha, parse_targets(cfg.targets))
+    module = methods.untrained(model, cfg.seed, n_tokens=cfg.n_tokens, rank=cfg.rank, alpha=cfg.alpha,
+                               targets=parse_targets(cfg.targets))
     module.info["rule"] = cfg.rule
     return module
 

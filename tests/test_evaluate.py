@@ -299,10 +299,10 @@ def test_selection_rules_and_uniform_budgets_run(tiny):
     assert any(layered[k]["recall"] != uniform[k]["recall"] for k in layered if k[0] != "full")
     model = load_model(tiny / "tiny-llama")
     adapter = load_adapter(tiny / "layered.safetensors", model.config)
-    untrained = evaluate.untrained_like(model, adapter, seed=0)
+    untrained = evaluate.untrained(model, 0, adapter)
     assert untrained.info["rule"] == "span:4" and untrained.info["layer_weights"] == [0.5, 1.5]
     assert untrained.n_tokens == adapter.n_tokens and untrained.rank == adapter.rank
-    assert torch.equal(untrained.embeddings, evaluate.untrained_like(model, adapter, seed=0).embeddings)  # seeded
+    assert torch.equal(untrained.embeddings, evaluate.untrained(model, 0, adapter).embeddings)  # seeded
 
 
 ALL = ["full", "streaming", "random", "snapkv", "pyramidkv", "h2o", "laq", "oracle", "lookahead", "lookahead-untrained"]
