@@ -922,6 +922,7 @@ def evaluate(args):
         return run_heldout(args, budgets, paths)
     conversation = args.mode == "conversation"
     out = cli.output_folder("--out", args.out or {"prefill": "runs/eval"}.get(args.mode, f"runs/eval-{args.mode}"))
+    cli.claim_folder("--out", out)  # two runs on one --out would overwrite each other's results.json
     path = out / "results.json"
     saved = read_results(path)
 

@@ -796,6 +796,8 @@ def train(cfg):
     t_start = time.perf_counter()  # --max-minutes counts from here (data generation included)
     out, dest, _, rows, adapter, ckpt = check_config(cfg)  # everything checked before the model loads
     rank, world = setup_ddp(cfg)
+    if rank == 0:  # two runs on one --out would interleave their rows and checkpoints
+        cli.claim_folder("--out", out)
     ddp = world > 1
     print0 = lambda *a: print(*a) if rank == 0 else None  # noqa: E731
     torch.manual_seed(cfg.seed)

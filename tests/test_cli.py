@@ -436,3 +436,35 @@ def test_a_prompt_file_too_big_for_the_context_is_refused_by_its_size(tiny_model
     monkeypatch.setattr(model.Tokenizer, "encode", lambda *a: pytest.fail("the prompt was tokenized"))
     one_line(error_of(generate_py.main, "--prompt", big, "--model", tiny_model, "--method", "full"),
              f"the prompt (prompt file {big}) is over 4 KB", "shorten it")
+
+
+def test_one_writer_per_output_folder(tmp_path):
+    """cli.claim_folder: a live process's lock refuses a second writer in one line; a killed run's lock (a dead
+    process id) is replaced; the same process may claim again; the lock goes when the process ends."""
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (out / ".lock").write_text(str(holder.pid))
+        with pytest.raises(ValueError, match=rf"--out {out}: another run \(process {holder.pid}\) is writing"):
+            cli.claim_folder("--out", out)
+    finally:
+        holder.kill()
+        holder.wait()
+    cli.claim_folder("--out", out)  # the holder is dead: its lock is stale, and replaced
+    assert (out / ".lock").read_text() == str(os.getpid())
+    cli.claim_folder("--out", out)  # this process again: fine
+    code = f"import cli; cli.claim_folder('--out', {str(out)!r}); print('held')"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and "another run" in r.stderr  # a second live process is refused
+    cli.release_folders()  # what run() does when a script's work ends
+    assert not (out / ".lock").exists()
+    cli.claim_folder("--out", out)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and "another run" in r.stderr  # a second live process is refused
+    other = tmp_path / "other"
+    other.mkdir()
+    r = subprocess.run([sys.executable, "-c", code.replace(str(out), str(other))], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert r.stdout.strip() == "held" and not (other / ".lock").exists()  # released when that process ended
+    cli.release_folders()
