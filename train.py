@@ -267,7 +267,7 @@ def check_config(cfg):
     if cfg.resume and cfg.stage in ("train", "all") and (out / "ckpt.pt").exists():
         shape = adapter.metadata() if adapter is not None else dict(
             n_tokens=cfg.n_tokens, rank=cfg.rank, alpha=cfg.alpha, targets=list(parse_targets(cfg.targets)))
-        ckpt = read_checkpoint(out / "ckpt.pt", model_cfg, shape)
+        ckpt = read_checkpoint(out / "ckpt.pt", model_cfg, shape, schedule_of(cfg))
     return out, dest, model_cfg, rows, adapter, ckpt
 
 
@@ -655,16 +655,26 @@ def new_module(model, cfg):
     return module
 
 
-def save_checkpoint(path, module, opt, step, log):
+RESUME_KEYS = ("batch", "lr", "epochs", "warmup", "weight_decay", "clip", "seed")  # what the result depends on
+
+
+def schedule_of(cfg):
+    """The training settings a checkpoint is only good for (--resume with others would train a mix of two
+    runs and record the wrong one in the adapter's .json)."""
+    return {k: getattr(cfg, k) for k in RESUME_KEYS}
+
+
+def save_checkpoint(path, module, opt, step, log, settings=None):
     tmp = path.with_suffix(".tmp")
     torch.save(dict(module=module.state_dict(), meta=module.metadata(), opt=opt.state_dict(), step=step, log=log,
-                    rng=torch.get_rng_state()), tmp)
+                    rng=torch.get_rng_state(), settings=settings), tmp)
     os.replace(tmp, path)  # atomic: a kill mid-save leaves the previous checkpoint intact
 
 
-def read_checkpoint(path, cfg, now):
-    """OUT/ckpt.pt, checked against the base model (cfg) and the module this run would train (now: its
-    n_tokens, rank, alpha, targets)."""
+def read_checkpoint(path, cfg, now, schedule=None):
+    """OUT/ckpt.pt, checked against the base model (cfg), the module this run would train (now: its
+    n_tokens, rank, alpha, targets) and its training settings (schedule: schedule_of; a checkpoint from
+    before they were saved is not checked for them)."""
     try:
         ck = torch.load(path, map_location="cpu", weights_only=False)
         meta = ck["meta"]
@@ -677,6 +687,9 @@ def read_checkpoint(path, cfg, now):
                          "use another --out")
     differ = [f"{k} {json.dumps(meta.get(k))} (this run: {json.dumps(now[k])})"
               for k in ("n_tokens", "rank", "alpha", "targets") if meta.get(k) != now[k]]
+    saved = ck.get("settings") or {}
+    differ += [f"{k} {json.dumps(saved[k])} (this run: {json.dumps(schedule[k])})"
+               for k in RESUME_KEYS if schedule is not None and k in saved and saved[k] != schedule[k]]
     if differ:
         raise ValueError(f"--resume: {path} was made with other settings: {'; '.join(differ)}. It is not corrupt: "
                          "resume with its settings, or pass another --out")
@@ -899,13 +912,13 @@ def train(cfg):
         if step % cfg.eval_every == 0 or step == total:
             check()
         if rank == 0 and (step % cfg.save_every == 0 or step == total):
-            save_checkpoint(ckpt_path, module, opt, step, log)
+            save_checkpoint(ckpt_path, module, opt, step, log, schedule_of(cfg))
     bar.close()
 
     # --- the adapter and its metadata
     if rank == 0:
         if stopped_early:
-            save_checkpoint(ckpt_path, module, opt, step, log)
+            save_checkpoint(ckpt_path, module, opt, step, log, schedule_of(cfg))
         module.info = adapter_metadata(cfg, train_rows, len(held_rows), step, total, stopped_early, log, init_info)
         save_adapter(module, dest)
         print(f"saved {dest} (+ .json) after {step} steps, {time.perf_counter() - t0:.0f} s")

@@ -286,8 +286,8 @@ def test_resume_equals_uninterrupted_run(model_dir, tmp_path, stub_prompts, monk
     # run B: checkpoint every step, killed right after step 2's checkpoint
     orig_save = train.save_checkpoint
 
-    def save_then_die(path, module, opt, step, log):
-        orig_save(path, module, opt, step, log)
+    def save_then_die(path, module, opt, step, log, settings=None):
+        orig_save(path, module, opt, step, log, settings)
         if step == 2:
             raise Interrupted
 
@@ -298,6 +298,11 @@ def test_resume_equals_uninterrupted_run(model_dir, tmp_path, stub_prompts, monk
     assert not (b / "adapter.safetensors").exists()
     ck = torch.load(b / "ckpt.pt", weights_only=False)
     assert ck["step"] == 2
+    # a resume with settings the checkpoint was not made with is refused, naming them, and changes nothing
+    with pytest.raises(SystemExit, match=r"^error: --resume: .*ckpt.pt was made with other settings: batch 2 "
+                                         r"\(this run: 4\); lr 0.01 \(this run: 0.02\)"):
+        train.main(argv(model_dir, b, "--resume", "--batch", "4", "--lr", "2e-2"))
+    assert torch.load(b / "ckpt.pt", weights_only=False)["step"] == 2 and not (b / "adapter.safetensors").exists()
     capsys.readouterr()
     train.main(argv(model_dir, b, "--resume"))
     assert "resumed at step 2/4" in capsys.readouterr().out
