@@ -751,6 +751,19 @@ def read_results(path):
     return saved
 
 
+def drop_changed(saved, rows, prompts):
+    """A row whose prompt changed under the same id (an edited --tasks file) is made again: its old results
+    go, said in one line, and results.json keeps each row's prompt digest for the next resume."""
+    digests = saved.setdefault("prompts", {})
+    for row, ids in zip(rows, prompts):
+        key = str(row["id"])
+        now = hashlib.sha1(json.dumps([ids, row.get("answers"), row.get("turns")]).encode()).hexdigest()[:16]
+        if digests.get(key, now) != now:
+            print(f"prompt {key} changed since its results were made: made again")
+            saved["results"] = [r for r in saved["results"] if str(r["id"]) != key]
+        digests[key] = now
+
+
 def check_args(args):
     """Every flag, before the model loads: (methods, budgets, lengths, tasks rows or None, adapter paths)."""
     check_suite(args)
@@ -945,6 +958,7 @@ def evaluate(args):
         was = ", ".join(f"{k} {saved['settings'][k]} (now {settings[k]})" for k in clash)
         raise ValueError(f"{path} was made with other settings: {was}; use another --out")
     saved["settings"] = {**saved["settings"], **settings}
+    drop_changed(saved, rows, prompts)
     done = {(r["id"], r["method"], r["budget"]) for r in saved["results"]}
     work = [(row, ids, [(m, b) for m in methods for b in budgets if (row["id"], m, b) not in done])
             for row, ids in zip(rows, prompts)]

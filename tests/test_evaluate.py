@@ -730,3 +730,22 @@ def test_ruler_suite_end_to_end_and_resume(tiny, monkeypatch, capsys):
 def test_ruler_suite_flag_errors(tiny, extra, message):
     with pytest.raises(SystemExit, match=message):
         evaluate.main(ruler_argv(tiny, "out-bad", *extra))
+
+
+def test_a_changed_task_under_the_same_id_is_made_again(tiny, tmp_path, capsys):
+    """Editing a task's prompt in the --tasks file and rerunning into the same --out: its old results go and are
+    made again (one line says so), never reported stale; the unchanged tasks are not redone."""
+    rows = data.read_jsonl(tiny / "tasks.jsonl", required=("id", "prompt"))[:2]
+    tasks = tmp_path / "tasks.jsonl"
+    data.write_jsonl(rows, tasks)
+    args = argv(tiny, str(tmp_path / "out"), "--methods", "full,snapkv", "--tasks", str(tasks))
+    args.remove("--untrained")
+    first = {(r["id"], r["method"], r["budget"]): r for r in evaluate.main(args)}
+    rows[0]["prompt"] = " ".join(rows[0]["prompt"].split()[:-10])  # the same id, a shorter prompt
+    data.write_jsonl(rows, tasks)
+    capsys.readouterr()
+    again = {(r["id"], r["method"], r["budget"]): r for r in evaluate.main(args)}
+    printed = capsys.readouterr().out
+    assert "prompt t0 changed since its results were made: made again" in printed and "t1 changed" not in printed
+    assert again["t0", "full", 8]["prompt_tokens"] == first["t0", "full", 8]["prompt_tokens"] - 10
+    assert again["t1", "snapkv", 8] == first["t1", "snapkv", 8] and "1 of 2 prompts had work left" in printed
