@@ -360,3 +360,24 @@ def test_real_qk_give_hf_rope():
     x = np.random.default_rng(5).standard_normal((5, cfg["hidden_size"]))
     ref = attn_scores(x, gq, gk, nh, nkv, rope_interleaved, base)
     np.testing.assert_allclose(attn_scores(x, q, k, nh, nkv, rope_halves, base), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_folder_of_another_model_is_not_overwritten(tmp_path, monkeypatch):
+    """prepare.py --out a folder that holds files it did not write (another model: no .prepared stamp) refuses in
+    one line and changes nothing; a folder it began (the stamp says "building": a killed run) is rebuilt."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "qwen2"}')
+    (other / "model.safetensors").write_bytes(b"their weights")
+    monkeypatch.setattr(prep, "fetch_gguf", lambda log: pytest.fail("nothing may be downloaded"))
+    with pytest.raises(SystemExit, match=r"^error: --out .*other holds config\.json, model\.safetensors that "
+                                         r"weights/prepare\.py did not write"):
+        prep.main(["--out", str(other)])
+    assert (other / "model.safetensors").read_bytes() == b"their weights" and not (other / prep.MARKER).exists()
+    began = tmp_path / "began"
+    began.mkdir()
+    (began / "config.json").write_text("{")  # a conversion that was killed half way
+    (began / prep.MARKER).write_text("building\n")
+    monkeypatch.setattr(prep, "fetch_gguf", lambda log: tmp_path / "x.gguf")
+    monkeypatch.setattr(prep, "convert_gguf", lambda g, out: (write_prepared(out), 7)[1])
+    assert prep.ensure_default(began, quiet=True) == began and prep.is_ready(began)

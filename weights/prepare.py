@@ -283,9 +283,14 @@ def prepare(out_dir=DEFAULT_DIR, quiet=False):
     why = not_whole(out_dir)
     if why is None:
         return out_dir
+    theirs = [f for f in FILES if (out_dir / f).exists()]
+    if theirs and not (out_dir / MARKER).exists():  # files another tool or a download put there: not ours to replace
+        raise ValueError(f"--out {out_dir} holds {', '.join(theirs)} that weights/prepare.py did not write (no "
+                         f"{MARKER} file): pass a new or empty folder, or move those files away first")
     if why != "not prepared":  # the stamp is there but the files are not whole: say so, then rebuild
         log(f"{out_dir} was prepared but {why}: rebuilding it")
-    (out_dir / MARKER).unlink(missing_ok=True)  # not ready until the rebuild has finished
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MARKER).write_text("building\n")  # ours, and not ready until the rebuild has finished
     gguf_path = fetch_gguf(log)
     log(f"converting {gguf_path.name} -> {out_dir}")
     n_params = convert_gguf(gguf_path, out_dir)
