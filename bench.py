@@ -596,6 +596,7 @@ def check_args(args):
             cli.input_file(flag, path)
     if args.json:
         cli.output_file("--json", args.json, ".json")
+        check_ours(Path(args.json))
     # the rows' own checks (budget against window and sinks, a rule a method refuses) before any model:
     # every row that needs no adapter now, the lookahead rows once their adapter is read
     for name in args.methods if args.mode in ("overhead", "decode") else []:
@@ -629,6 +630,19 @@ def quick(args):
     args.mode, args.repeats, args.h2o_max_len = "overhead", 5, args.h2o_max_len or 16384
     args.methods = list(QUICK_ROWS)
     return QUICK
+
+
+def check_ours(path):
+    """--json may replace an earlier bench.py output, never a file of another kind (ValueError, nothing changed)."""
+    if not path.exists():
+        return
+    try:
+        old = json.loads(path.read_text())
+        ours = isinstance(old, dict) and set(old) == {"torch", "rows"} and isinstance(old["rows"], list)
+    except (ValueError, OSError):
+        ours = False
+    if not ours:
+        raise ValueError(f"--json {path} exists and is not a bench.py output: pass a new name, or move it away")
 
 
 def run(args, jobs):

@@ -106,6 +106,9 @@ def input_file(flag, path):
     return p
 
 
+BYTES_PER_TOKEN = 64  # more than any token of our tokenizers spans: a longer prompt cannot fit the context
+
+
 def output_folder(flag, path):
     """A folder we will write into: made if missing; ValueError if it is a file or not writable."""
     p = Path(path)

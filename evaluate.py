@@ -867,12 +867,17 @@ def prompt_ids(args, model, tok, rows, chat):
     """Each row's prompt token ids (conversation: turn 1's), checked against the model's context with the
     answers to come. A RULER row's prompt is already the whole chat prompt: it is not wrapped again."""
     conversation = args.mode == "conversation"
+    ctx = model.config.max_context
+    for r in rows:  # by bytes first: a prompt far past the context must not reach the tokenizer (all the memory)
+        text = r["turns"][0] if conversation else r["prompt"]
+        if len(text.encode()) > cli.BYTES_PER_TOKEN * ctx:
+            raise ValueError(f"prompt {r['id']} is {len(text.encode()) // 2**10} KB, more than the model's context "
+                             f"of {ctx} tokens can hold: shorten it")
     if args.suite == "ruler":
         prompts = [tok.encode(r["prompt"]) for r in rows]
     else:
         first = [r["turns"][0] if conversation else r["prompt"] for r in rows]
         prompts = [tok.encode(tok.chat(text) if chat else text) for text in first]
-    ctx = model.config.max_context
     for r, ids in zip(rows, prompts):
         more = args.first_answer_tokens + len(tok.encode(tok.next_turn(r["turns"][1]))) if conversation else 0
         answer_cap = answer_length(args, r)

@@ -199,15 +199,12 @@ def printable(text):
     return kept, len(text) - len(kept)
 
 
-BYTES_PER_TOKEN = 64  # more than any token of our tokenizers spans: a longer file cannot fit the context
-
-
 def read_prompt(arg, context):
     """(the user message, a warning or None) from a UTF-8 file, or from stdin for "-". A blank file is an
     error; control characters are removed, with a warning (all of them: the answer runs on the template).
-    A file too big to fit `context` tokens at BYTES_PER_TOKEN is refused by its size, before it is read
+    A file too big to fit `context` tokens at cli.BYTES_PER_TOKEN is refused by its size, before it is read
     or tokenized (a 200 MB file would otherwise take all the memory in the tokenizer)."""
-    limit = BYTES_PER_TOKEN * context
+    limit = cli.BYTES_PER_TOKEN * context
     if arg == "-":
         raw, where = sys.stdin.buffer.read(limit + 1), "stdin"
         size = len(raw)

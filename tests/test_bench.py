@@ -274,3 +274,17 @@ def test_overhead_parts_script_times_every_piece(tiny_config):
     assert full > 0 and len(out) == 5 and all(ms > 0 for ms in out.values())
     assert [k for k in out if k.startswith("score + evict")] == [
         "score + evict, paper's form (none)", f"score + evict, as shipped ({bench.shipped_rule()})"]
+
+
+def test_json_never_replaces_a_file_of_another_kind(tiny_config, tmp_path):
+    """--json may rewrite an earlier bench.py output, but a file of another kind at that name is refused in one
+    line, before anything is timed, and left as it was."""
+    theirs = tmp_path / "notes.json"
+    theirs.write_text('{"my": "notes"}')
+    with pytest.raises(SystemExit, match=r"^error: --json .*notes\.json exists and is not a bench\.py output"):
+        run(tiny_config, "--lengths", "8", "--json", str(theirs))
+    assert theirs.read_text() == '{"my": "notes"}'
+    ours = tmp_path / "ours.json"
+    run(tiny_config, "--lengths", "64", "--methods", "snapkv", "--json", str(ours))
+    run(tiny_config, "--lengths", "64", "--methods", "snapkv", "--json", str(ours))  # its own output: rewritten
+    assert json.loads(ours.read_text())["rows"][0]["method"] == "snapkv"

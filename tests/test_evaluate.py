@@ -22,6 +22,7 @@ from eviction import EvictConfig, compress, greedy
 from lookaheadkv import LookaheadModule
 from methods import load_adapter, make_scorer
 from metrics import forced_logprobs
+import model as model_module
 from model import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -749,3 +750,12 @@ def test_a_changed_task_under_the_same_id_is_made_again(tiny, tmp_path, capsys):
     assert "prompt t0 changed since its results were made: made again" in printed and "t1 changed" not in printed
     assert again["t0", "full", 8]["prompt_tokens"] == first["t0", "full", 8]["prompt_tokens"] - 10
     assert again["t1", "snapkv", 8] == first["t1", "snapkv", 8] and "1 of 2 prompts had work left" in printed
+
+
+def test_a_task_prompt_past_the_context_is_refused_by_its_bytes(tiny, tmp_path, monkeypatch):
+    """A --tasks prompt whose size in bytes cannot fit the context never reaches the tokenizer."""
+    tasks = tmp_path / "big.jsonl"
+    data.write_jsonl([dict(id="big", task="t", prompt="word " * 200_000, answers=[])], tasks)
+    monkeypatch.setattr(model_module.Tokenizer, "encode", lambda *a: pytest.fail("the prompt was tokenized"))
+    with pytest.raises(SystemExit, match=r"^error: prompt big is 976 KB, more than the model's context of \d+ tokens"):
+        evaluate.main(argv(tiny, str(tmp_path / "out"), "--tasks", str(tasks), "--methods", "full"))
