@@ -31,24 +31,25 @@ def main():
     model, _, _ = cli.load(a.model, "cpu", torch.float32)
     rows = [r for r in data.read_jsonl(Path(a.out) / "data.jsonl", required=("id", "response_ids")) if r.get("split") == "train"
             and data.sample_ok(data.sample_path(a.out, r["id"]))][:a.limit]
-    for n in [int(t) for t in a.tokens.split(",")]:
-        kls, uni = [], []
-        for r in rows:
-            if len(r["response_ids"]) <= n:
-                continue
-            cache, gt, lengths = data.load_batch([data.sample_path(a.out, r["id"])], "cpu", torch.float32)
-            S = int(lengths[0])
-            cut = torch.tensor([r["response_ids"][:n]])
-            short = answer_attention(model, cache, cut, torch.tensor([S]), per_query_head=True)
-            kls.append(kl_loss(gt, short).item())
-            uni.append(kl_loss(gt, {l: torch.ones_like(g) for l, g in gt.items()}).item())
-        if not kls:
+    lengths = [int(t) for t in a.tokens.split(",")]
+    kls, uni = {n: [] for n in lengths}, []
+    for r in rows:  # each row's sample read once, for every N
+        longer = [n for n in lengths if len(r["response_ids"]) > n]
+        if not longer:
+            continue
+        cache, gt, S = data.load_batch([data.sample_path(a.out, r["id"])], "cpu", torch.float32)
+        uni.append(kl_loss(gt, {l: torch.ones_like(g) for l, g in gt.items()}).item())
+        for n in longer:
+            short = answer_attention(model, cache, torch.tensor([r["response_ids"][:n]]), S, per_query_head=True)
+            kls[n].append(kl_loss(gt, short).item())
+    for n in lengths:
+        if not kls[n]:
             print(f"N = {n}: no row's answer is longer")
             continue
-        q = torch.tensor(kls).quantile(torch.tensor([0.25, 0.5, 0.75])).tolist()
-        print(f"N = {n}: {len(kls)} of {len(rows)} rows longer; KL(whole || first {n}) mean {sum(kls) / len(kls):.4f} "
-              f"(quartiles {q[0]:.4f} {q[1]:.4f} {q[2]:.4f}); KL(whole || uniform) mean {sum(uni) / len(uni):.4f}")
-
+        q = torch.tensor(kls[n]).quantile(torch.tensor([0.25, 0.5, 0.75])).tolist()
+        print(f"N = {n}: {len(kls[n])} of {len(rows)} rows longer; KL(whole || first {n}) mean "
+              f"{sum(kls[n]) / len(kls[n]):.4f} (quartiles {q[0]:.4f} {q[1]:.4f} {q[2]:.4f}); "
+              f"KL(whole || uniform) mean {sum(uni) / len(uni):.4f} (rows with any N)")
 
 if __name__ == "__main__":
     main()
