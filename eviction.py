@@ -427,12 +427,11 @@ def sample(logits, temperature=0.0, top_p=1.0, generator=None):
 
 
 @torch.no_grad()
-def greedy(model, cache, logits, next_pos, max_new_tokens, stop_ids, hook=None):
+def greedy(model, cache, logits, next_pos, max_new_tokens, stop_ids):
     """Greedy answers on `cache` (it grows), one id list per batch row, each ending at its stop token
-    (kept: the end of the answer is part of its future, and it makes a future of an empty answer).
-    hook: as decode's."""
+    (kept: the end of the answer is part of its future, and it makes a future of an empty answer)."""
     answers, done = [[] for _ in range(logits.shape[0])], [False] * logits.shape[0]
-    for tokens in decode(model, cache, logits, next_pos, max_new_tokens, stop_ids, hook=hook):
+    for tokens in decode(model, cache, logits, next_pos, max_new_tokens, stop_ids):
         for b, t in enumerate(tokens.tolist()):
             if not done[b]:
                 answers[b].append(t)

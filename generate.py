@@ -348,9 +348,8 @@ def answer(args, model, tok, module, folder, ids, blank_prompt=False):
     t_end = time.perf_counter()
     n_dec = max(len(out) - 1, 0)
     text = tok.decode(out)
-    rule, budgets = selection_of(scorer)
     stats = dict(
-        method=args.method, rule=rule, budgets=budgets, budget=args.budget, prompt_tokens=S, kept_tokens=round(sum(per_layer) / len(per_layer)),
+        method=args.method, **dict(zip(("rule", "budgets"), selection_of(scorer))), budget=args.budget, prompt_tokens=S, kept_tokens=round(sum(per_layer) / len(per_layer)),
         kept_range=[min(per_layer), max(per_layer)], text=text,
         prefill_ms=round(clock.ms(0, 1), 1), evict_ms=round(clock.ms(1, 2) + extra_ms, 1),
         ttft_ms=round((t_first - t0) * 1e3 + extra_ms, 1),
@@ -368,7 +367,7 @@ def answer(args, model, tok, module, folder, ids, blank_prompt=False):
     lo, hi = stats["kept_range"]
     print(text[len(printed):])
     print("---")
-    print(f"method {args.method} ({rule}, {budgets})  budget {args.budget}  prompt {S} tokens  kept {stats['kept_tokens']} per "
+    print(f"method {args.method} ({stats['rule']}, {stats['budgets']})  budget {args.budget}  prompt {S} tokens  kept {stats['kept_tokens']} per "
           f"(layer, KV head)" + (f" on average ({lo}-{hi} by layer)" if lo < hi else ""))
     print(f"prefill {stats['prefill_ms']:.0f} ms  eviction {stats['evict_ms']:.0f} ms (score + select + gather)  "
           f"ttft {stats['ttft_ms']:.0f} ms")

@@ -223,10 +223,10 @@ def check_config(cfg):
     for flag, value, lo in [("--n-train", cfg.n_train, 1 if makes_data else 0), ("--n-heldout", cfg.n_heldout, 0),
                             ("min_tokens", cfg.min_tokens, 1), ("--max-new-tokens", cfg.max_new_tokens, 1),
                             ("gen_batch", 1 if cfg.gen_batch is None else cfg.gen_batch, 1), ("n_tokens", cfg.n_tokens, 1),
-                            ("--group", cfg.group, 1),
-                            ("rank", cfg.rank, 1), ("--batch", cfg.batch, 1), ("--micro-batch", cfg.micro_batch, 1),
-                            ("budget", cfg.budget, 1), ("window", cfg.window, 0), ("--eval-every", cfg.eval_every, 1),
-                            ("--save-every", cfg.save_every, 1), ("weight_decay", cfg.weight_decay, 0)]:
+                            ("--group", cfg.group, 1), ("rank", cfg.rank, 1), ("--batch", cfg.batch, 1),
+                            ("--micro-batch", cfg.micro_batch, 1), ("budget", cfg.budget, 1), ("window", cfg.window, 0),
+                            ("--eval-every", cfg.eval_every, 1), ("--save-every", cfg.save_every, 1),
+                            ("weight_decay", cfg.weight_decay, 0)]:
         cli.at_least(flag, value, lo)
     for flag, value in [("--lr", cfg.lr), ("alpha", cfg.alpha), ("--epochs", cfg.epochs), ("clip", cfg.clip),
                         ("store_gb", cfg.store_gb)] + ([("--max-minutes", cfg.max_minutes)] if cfg.max_minutes is not None else []):
@@ -438,9 +438,9 @@ def answer_and_target(model, tok, prompts, max_new_tokens, groups=None):
     dev, L = model.lm_head.weight.device, model.config.num_hidden_layers
     B, groups = len(prompts), list(range(len(prompts))) if groups is None else groups
     cache, logits, next_pos, slots, shared, P = shared_prefill(model, prompts, groups)
-    S = len(cache)  # the prompt's slots (padding included); decoding appends after them
-    prompt_cache = cache.copy()
+    S = len(cache)  # the prompt's slots (padding included); decoding appends after them, into a roomy copy
     roomy, hook = RoomyCache(cache, max_new_tokens), SharedPrefixAttention(P, groups, S)
+    # not greedy(): it never feeds an answer's last token, whose query is one term of the target
     answers, done = [[] for _ in range(B)], [False] * B
     for t in range(max_new_tokens):
         tokens = logits.argmax(-1)  # (B,) greedy; a finished row is fed on (batch decoding) with weight 0
@@ -457,8 +457,8 @@ def answer_and_target(model, tok, prompts, max_new_tokens, groups=None):
     for b in range(B):
         real = torch.tensor(slots[b], device=dev)  # this row's slots, without the padding
         out.append(dict(response_ids=answers[b], shared=shared[b],
-                        k=torch.stack([prompt_cache.k[l][b][:, real] for l in range(L)]),  # (L, H_kv, S_b, D)
-                        v=torch.stack([prompt_cache.v[l][b][:, real] for l in range(L)]),
+                        k=torch.stack([cache.k[l][b][:, real] for l in range(L)]),  # (L, H_kv, S_b, D)
+                        v=torch.stack([cache.v[l][b][:, real] for l in range(L)]),
                         target=torch.stack([hook.target[l][b][:, real] / lengths[b] for l in range(L)])))  # (L, H, S_b)
     return out
 
