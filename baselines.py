@@ -15,8 +15,8 @@ adds to the prefill and how it scores; its docstring cites its paper.
 
 import torch
 
-from eviction import (Hooks, Pool, RecentQueries, Scorer, WindowHook, fit_to_prompt, group_attention, keep_slots,
-                      stack_layers)
+from eviction import (EvictConfig, Hooks, Pool, RecentQueries, Scorer, WindowHook, fit_to_prompt, greedy,
+                      group_attention, keep_slots, prefill_and_score, stack_layers)
 from lookaheadkv import answer_attention
 from model import Hook
 
@@ -37,6 +37,17 @@ class FullKV(Unpooled):
     """No eviction: the reference every method is measured against."""
 
     evicts = False
+
+
+@torch.no_grad()
+def full_answer(model, ids, max_new_tokens, stop_ids, pad_mask=None, clock=None):
+    """FullKV's greedy answer to the prompt ids (B, S): the reference every method is judged by, and the future
+    whose attention LookaheadKV learns. Returns (run, answers): run is FullKV's prefill (its cache holds the
+    prompt alone: the answer is decoded on a copy), answers one id list per row, each ending at its stop token.
+    generate.py's oracle and evaluate.py call it; train.py's data stage decodes this same answer while it sums
+    the target (tests/test_train.py holds the two equal), and the held-out harness reads that answer back."""
+    run = prefill_and_score(model, ids, FullKV(EvictConfig("full")), pad_mask, clock)
+    return run, greedy(model, run.cache.copy(), run.logits, run.next_pos, max_new_tokens, stop_ids)
 
 
 class StreamingLLM(Unpooled):
@@ -74,8 +85,8 @@ class SnapKV(Scorer):
         self.window = eviction.window
         super().__init__(eviction)
 
-    def prefill_hook(self, S):
-        return WindowHook(self.window, S)
+    def prefill_hook(self, ids):
+        return WindowHook(self.window, ids.shape[1])
 
     def score(self, model, run):
         return stack_layers(run.hook.scores)
@@ -150,7 +161,7 @@ class H2O(Scorer):
         self.window = eviction.window
         super().__init__(eviction)
 
-    def prefill_hook(self, S):
+    def prefill_hook(self, ids):
         return H2OHook()
 
     def score(self, model, run):
@@ -167,9 +178,9 @@ class LAQ(SnapKV):
 
     budget_dependent = True  # the draft runs on the SnapKV-compressed cache of size C
 
-    def prefill_hook(self, S):
+    def prefill_hook(self, ids):
         # SnapKV's scores (for the draft's cache) and the last laq_tokens prompt queries
-        return Hooks(WindowHook(self.window, S), RecentQueries(self.eviction.laq_tokens))
+        return Hooks(WindowHook(self.window, ids.shape[1]), RecentQueries(self.eviction.laq_tokens))
 
     def score(self, model, run):
         window_hook, recent = run.hook.hooks

@@ -81,6 +81,8 @@ VARIANTS = {
     # unpooled top C in every layer, our variant (the paper pools first); the shipped rule's cost is lookahead
     # minus this
     "lookahead-unpooled": dict(method="lookahead", rule=Pool("none"), budgets=uniform_budgets),
+    # the paper's form as its text states it: scores pooled (max, width 7) before the top C, C in every layer
+    "lookahead-paper": dict(method="lookahead", rule=Pool("max", 7), budgets=uniform_budgets),
     # the span rule with the exact surprisal (every LM-head row), the adapter's budgets: what the gate saves
     "lookahead-exact": dict(method="lookahead", rule=SpanRule(8)),
     "full-1chunk": dict(method="full", chunk_size=1 << 30),  # prefill in one chunk (a diagnostic)

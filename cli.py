@@ -1,6 +1,7 @@
 """
 What the four scripts share, and nothing the library needs: turning exceptions into one line, checking
-flags before any long work, finding and loading the model, its tokenizer and an adapter.
+flags before any long work, finding and loading the model, its tokenizer and an adapter, and streaming
+an answer (generate.py and its chat, extensions/chat.py).
 
     def main(argv=None):
         return cli.run(lambda: work(get_args(argv)), resume="python train.py ... --resume")
@@ -15,6 +16,8 @@ import math
 import os
 import signal
 import sys
+import time
+import unicodedata
 from pathlib import Path
 
 import torch
@@ -233,3 +236,63 @@ def load(model_dir=None, device="cpu", dtype=None, tokenizer=True):
 def default_adapter_path(cfg):
     """The adapter shipped for a model: weights/<model folder name>.lookahead.safetensors."""
     return Path(__file__).resolve().parent / "weights" / f"{cfg.name}.lookahead.safetensors"
+
+
+# -----------------------------------------------------------------------------
+# An answer, streamed as it comes (generate.py, extensions/chat.py)
+
+
+def printable(text):
+    """text without control characters (NUL and the like; newlines and tabs stay), and how many went."""
+    kept = "".join(c for c in text if c in "\n\t" or unicodedata.category(c) != "Cc")
+    return kept, len(text) - len(kept)
+
+
+def warn(message):
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def check_logits(logits, folder):
+    """NaN or inf in the first logits: a broken checkpoint (one bad tensor), said now, not as an empty answer."""
+    if not torch.isfinite(logits).all():
+        raise ValueError(f"the model in {folder} gives NaN or inf logits: a weight holds NaN or inf; "
+                         f"delete the folder {folder} and download the checkpoint again")
+
+
+def watch(evictor):
+    """decode()'s arguments for a DecodeEviction (beyond the paper: extensions/decode.py): its hook watches
+    every step, and after each it evicts once the cache is full; none without one."""
+    return {} if evictor is None else dict(hook=evictor.hook, after_step=evictor.after_step)
+
+
+def stream(tok, steps, quiet=False):
+    """Read decode()'s tokens until a stop token, printing the new text as it comes (unless quiet).
+    Returns (answer ids, text printed, tokens read, the last token, time of the first token)."""
+    answer, printed, n, last, t_first = [], "", 0, None, None
+    for t_ in steps:
+        if t_first is None:
+            t_first = time.perf_counter()
+        n, last = n + 1, t_[0].item()
+        if last in tok.stop_ids:
+            break
+        answer.append(last)
+        if not quiet:
+            printed = print_new(tok, answer, printed)
+    return answer, printed, n, last, t_first
+
+
+def print_new(tok, out, printed):
+    """Stream: print what the newest token added to the decoded text; returns the text printed so far."""
+    s = tok.decode(out)
+    if s.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+        return printed
+    print(s[len(printed):], end="", flush=True)
+    return s
+
+
+def why_empty(last, tok, blank_prompt):
+    """The warning for an empty answer: what came first, and what may have caused it."""
+    cause = " (the prompt was empty once control characters were removed)" if blank_prompt else ""
+    if last in tok.stop_ids:
+        return f"the answer is empty: the model's first token was a stop token (id {last}){cause}"
+    return f"the answer is empty: its tokens decode to no text{cause}"

@@ -119,7 +119,7 @@ import cli
 import data
 import harness
 import ruler
-from baselines import Unpooled
+from baselines import Unpooled, full_answer
 from eviction import EvictConfig, Prefilled, decode, greedy, keep_slots, prefill_and_score, uniform_budgets
 from extensions.decode import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
 from harness import mean_of, results_table
@@ -272,9 +272,8 @@ def reference(model, ids, max_new_tokens, stop_ids):
     t0 = time.perf_counter()
     clock = Stopwatch(ids.device)
     clock.mark()
-    run = prefill_and_score(model, ids, make_scorer(EvictConfig("full")), clock=clock)
-    # decoding appends to the cache it is given: hand out copies, run.cache stays the prompt's alone
-    ref = greedy(model, run.cache.copy(), run.logits, run.next_pos, max_new_tokens, stop_ids)[0]
+    run, answers = full_answer(model, ids, max_new_tokens, stop_ids, clock=clock)  # run.cache: the prompt's alone
+    ref = answers[0]
     answer_ms = (time.perf_counter() - t0) * 1e3
     response = torch.tensor([ref], device=ids.device)
     true = answer_attention(model, run.cache, response, run.next_pos)
@@ -301,8 +300,7 @@ def selections(args, methods, budgets, modules):
 
 def prefill_once(model, ids, scorer, full):
     """The method's prefill and scores, shared by every budget: (run, prefill_ms, score_ms)."""
-    S = ids.shape[1]
-    if scorer.prefill_hook(S) is None and scorer.extra_rows() is None and scorer.rule.prefill_hook(model, S) is None:
+    if scorer.prefill_hook(ids) is None and scorer.extra_rows() is None:
         # nothing watches the prefill (streaming, random, oracle): it would be FullKV's own, so reuse it
         run = dataclasses.replace(full.run, cache=full.run.cache.copy())
         clock = Stopwatch(ids.device)

@@ -14,10 +14,11 @@ it saw into scores (L, B, H_kv, S), higher = keep. Everything else is shared and
                      (layer, KV head), one gather per layer
     decode(model, cache, logits, next_pos, n)  # positions go on from S whatever the cache holds
 
-Two seams let an idea beyond any one paper in without touching this file: a selection rule
-(EvictConfig.rule: how scores are smoothed before the top C, and what it needs to watch in the
-prefill) and a budget policy (EvictConfig.budgets: how many slots each layer gets). Defaults are
-the papers': SnapKV's pooling and C in every layer. The files in extensions/ provide others.
+Two settings say how scores become kept slots: the smoothing before the top C (EvictConfig.rule, a
+Pool: SnapKV's avg- or max-pooling, or none) and the budget policy (EvictConfig.budgets: how many
+slots each layer gets). Defaults are the papers': the method's own pooling and C in every layer.
+An idea beyond the papers wraps a Scorer from its own file in extensions/ (as kvpress's wrappers
+wrap any press) and this file never names it.
 
 The methods themselves: lookaheadkv.py (the paper) and baselines.py; methods.py names them all.
 Library errors are exceptions (ValueError); the scripts turn them into one line.
@@ -36,8 +37,9 @@ class EvictConfig:
     method: str = "full"
     budget: int = 128  # C: KV slots kept per (layer, KV head), protected tokens included
     window: int = 32  # snapkv/pyramidkv/h2o/laq: the last `window` prompt tokens are always kept
-    rule: object = None  # how scores are smoothed before the top C (a Pool, or a rule from extensions/);
-    # None = the method's own (SnapKV-like: avg-pool 5; lookahead: its adapter's; the oracle: none)
+    rule: object = None  # how scores are smoothed before the top C (a Pool); None = the method's own
+    # (SnapKV-like: avg-pool 5; lookahead: its adapter's; the oracle: none). methods.make_scorer also
+    # takes a rule from extensions/ here, and wraps the method in it
     budgets: object = None  # slots per layer: budgets(C, n_layers, S, least) -> list (extensions/);
     # None = the method's own (C in every layer; pyramidkv: its pyramid; lookahead: its adapter's)
     n_sink: int = 4  # streaming: first tokens always kept (attention sinks)
@@ -150,8 +152,7 @@ class Pool:
     kernel 7: a dilation, a peak spreads at full height) over a centred window; "none" keeps the
     raw scores. With a protected window (kept anyway) only the prefix before it is smoothed, as in
     SnapKV's code, so the window's large scores do not leak into the tokens before it. avg pads
-    with zeros and divides by the full width; max ignores the padding. This is the selection-rule
-    seam's plain form: a rule may also watch the prefill (prefill_hook) to smooth with what it saw."""
+    with zeros and divides by the full width; max ignores the padding."""
 
     KINDS = ("none", "avg", "max")
 
@@ -166,10 +167,7 @@ class Pool:
     def __repr__(self):
         return self.kind if self.kind == "none" else f"{self.kind}:{self.kernel}"
 
-    def prefill_hook(self, model, S):  # what the rule watches in the prefill (nothing)
-        return None
-
-    def smooth(self, scores, run, window=0, budgets=None):
+    def smooth(self, scores, window=0):
         if self.kernel == 1:
             return scores
         n = scores.shape[-1] - window  # the smoothed prefix
@@ -236,8 +234,6 @@ class Prefilled:
     next_pos: torch.Tensor  # (B,) the position of the first generated token, = S_b
     valid: torch.Tensor | None  # (B, 1, S) False on left padding, or None
     scores: torch.Tensor | None = None  # (L, B, H_kv, S) once scored
-    ids: torch.Tensor | None = None  # (B, S) the prompt's token ids
-    rule_hook: Hook | None = None  # the selection rule's hook, after it watched the prefill
 
 
 class Scorer:
@@ -256,6 +252,9 @@ class Scorer:
     def __init__(self, eviction, module=None, response=None):
         self.eviction = eviction
         self.rule = eviction.rule if eviction.rule is not None else self.default_rule
+        if not isinstance(self.rule, Pool):  # a rule from extensions/ wraps the scorer instead
+            raise ValueError(f"selection rule {self.rule!r} is not a pooling: build the method with "
+                             "methods.make_scorer, which wraps it in that rule")
         if eviction.budget < 1:
             raise ValueError(f"budget {eviction.budget} must be at least 1 KV slot per (layer, KV head)")
         if self.evicts and eviction.budget < self.window + self.sinks + 1:
@@ -264,7 +263,7 @@ class Scorer:
             raise ValueError(f"budget {eviction.budget} is too small for {eviction.method}: it always keeps {kept}; "
                              f"use a budget > {self.window + self.sinks}{smaller}")
 
-    def prefill_hook(self, S):  # a Hook watching the prefill's last chunk, or None
+    def prefill_hook(self, ids):  # a Hook watching the prefill of the prompt ids (B, S), or None
         return None
 
     def extra_rows(self):  # embeddings (M, hidden) to append after the prompt, or None
@@ -291,12 +290,13 @@ class Scorer:
         policy = self.eviction.budgets or self.own_budgets
         return policy(self.eviction.budget, n_layers, S, least=self.window + self.sinks + 1)
 
-    def evict(self, scores, run, budget=None):
+    def evict(self, scores, run, budgets=None):
         """The shared step: scores (L, B, H_kv, S) -> per layer the kept slots (B, H_kv, C_l), in slot
-        order. budget: the same C in every layer instead of the policy's (extensions/decode.py)."""
+        order. run: the Prefilled the scores are of (its positions say what is protected, its valid what
+        is padding). budgets: slots per layer; None = the budget policy's (self.budgets)."""
         L, S = scores.shape[0], scores.shape[-1]
-        budgets = self.budgets(L, S) if budget is None else [budget] * L
-        scores = self.rule.smooth(scores, run, self.window, budgets)
+        budgets = self.budgets(L, S) if budgets is None else budgets
+        scores = self.rule.smooth(scores, self.window)
         protect = self.protect(run.positions)
         if len(set(budgets)) == 1:  # one top-k for all layers
             return list(select(scores, budgets[0], run.valid, protect))
@@ -331,8 +331,13 @@ def prefill_and_score(model, ids, scorer, pad_mask=None, clock=None):
     """Steps 1 and 2 of compress: returns run, a Prefilled with the full prompt cache and run.scores
     (L, B, H_kv, S), or None when there is nothing to evict (S <= C, full). Scores do not depend on
     the budget (except LAQ's), so one call serves every budget. clock: anything with a mark() method
-    (e.g. metrics.Stopwatch), marked after the prefill."""
-    eviction = scorer.eviction
+    (e.g. metrics.Stopwatch), marked after the prefill.
+
+    scorer may also be a list of scorers that watch ONE prefill together (harness.py: every method on
+    one forward); then a list of runs, one per scorer, sharing one cache (evict into copies of it). None
+    of them may add rows after the prompt (the two-pass lookahead adds none): the others' hooks would
+    take those rows for the prompt's last queries."""
+    scorers = list(scorer) if isinstance(scorer, (list, tuple)) else [scorer]
     B, S = ids.shape
     dev = ids.device
     positions = torch.arange(S, device=dev).expand(B, S)
@@ -340,33 +345,36 @@ def prefill_and_score(model, ids, scorer, pad_mask=None, clock=None):
         positions = (pad_mask.long().cumsum(-1) - 1).clamp(min=0)
     valid = None if pad_mask is None else pad_mask[:, None, :]  # (B, 1, S)
     next_pos = positions[:, -1] + 1  # (B,) the position of the first generated token, = S_b
-    evicting = scorer.evicts and S > eviction.budget  # nothing to evict when the whole prompt fits
+    evicting = [s.evicts and S > s.eviction.budget for s in scorers]  # nothing to evict when the prompt fits
 
-    # 1. prefill; the scorer (and its selection rule) may watch it, and the scorer may add rows after
-    # the prompt (the lookahead rows, at positions S_b .. S_b+M-1, riding in the last chunk)
-    x = model.model.embed_tokens(ids)  # (B, S, hidden)
-    hook, rule_hook, rows = None, None, None
-    if evicting:
-        hook, rule_hook, rows = scorer.prefill_hook(S), scorer.rule.prefill_hook(model, S), scorer.extra_rows()
-    x_all, pos_all, mask_all = x, positions, pad_mask
-    if rows is not None:
-        M = rows.shape[0]
-        x_all = torch.cat([x, rows.to(x.dtype).expand(B, -1, -1)], dim=1)  # (B, S+M, hidden)
+    # 1. prefill; the scorer may watch it, and add rows after the prompt (the lookahead rows, at
+    # positions S_b .. S_b+M-1, riding in the last chunk)
+    hooks = [s.prefill_hook(ids) if e else None for s, e in zip(scorers, evicting)]
+    rows = [r for s, e in zip(scorers, evicting) if e and (r := s.extra_rows()) is not None]
+    if rows and len(scorers) > 1:
+        raise ValueError("a scorer that adds rows after the prompt (one-pass lookahead) prefills alone: "
+                         "use its two-pass form (one_pass=False) beside other scorers")
+    x_all, pos_all, mask_all = model.model.embed_tokens(ids), positions, pad_mask  # (B, S, hidden)
+    if rows:
+        M = rows[0].shape[0]
+        x_all = torch.cat([x_all, rows[0].to(x_all.dtype).expand(B, -1, -1)], dim=1)  # (B, S+M, hidden)
         pos_all = torch.cat([positions, next_pos[:, None] + torch.arange(M, device=dev)], dim=1)
         mask_all = None if pad_mask is None else torch.cat([pad_mask, pad_mask.new_ones(B, M)], dim=1)
-    chunk = max(eviction.chunk_size, scorer.window)  # a hook sees the last chunk only: it holds the whole window
+    # a hook sees the last chunk only: it holds the whole window
+    chunk = max([scorers[0].eviction.chunk_size] + [s.window for s in scorers])
     cache = KVCache(model.config.num_hidden_layers)
-    watch = Hooks(hook, rule_hook) if rule_hook is not None else hook
+    watch = Hooks(*hooks) if len(hooks) > 1 else hooks[0]
     logits = prefill(model, x_all, pos_all, cache, mask_all, watch, chunk, logits_at=S - 1, tail=x_all.shape[1] - S)
     cache.truncate(S)  # rows after the prompt are scored, then discarded: never in the cache
-    run = Prefilled(cache, hook, logits[:, -1], positions, next_pos, valid, ids=ids, rule_hook=rule_hook)
+    runs = [Prefilled(cache, h, logits[:, -1], positions, next_pos, valid) for h in hooks]
     if clock is not None:
         clock.mark()
 
     # 2. score: (L, B, H_kv, S), every layer at once, so smoothing and top-k are a few launches in all
-    if evicting:
-        run.scores = scorer.score(model, run)
-    return run
+    for run, s, e in zip(runs, scorers, evicting):
+        if e:
+            run.scores = s.score(model, run)
+    return runs if isinstance(scorer, (list, tuple)) else runs[0]
 
 
 def compress(model, ids, scorer, pad_mask=None, clock=None):

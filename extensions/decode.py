@@ -19,7 +19,7 @@ import copy
 import torch
 
 from baselines import H2O, H2OHook, SnapKV, StreamingLLM
-from eviction import Pool, Prefilled, RecentQueries, decode_step, group_attention, keep_slots, prefill, stack_layers
+from eviction import Prefilled, RecentQueries, decode_step, group_attention, keep_slots, prefill, stack_layers
 from lookaheadkv import LookaheadKV, lookahead_pass
 
 # -----------------------------------------------------------------------------
@@ -83,6 +83,15 @@ FORMS = {  # the scorer's class -> (the hook for a window, the scores); a class 
 DECODE_METHODS = ("streaming", "snapkv", "h2o", "lookahead")  # the methods.METHODS names of FORMS' classes
 
 
+def unwrapped(scorer):
+    """The method inside any wrappers (extensions/: a wrapper keeps the method it wraps as .scorer). A wrapper
+    like the span rule watches the prefill for what it smooths with; generated tokens bring none of that, so
+    after the prefill the method it wraps (built unpooled) holds the cache alone."""
+    while hasattr(scorer, "scorer"):
+        scorer = scorer.scorer
+    return scorer
+
+
 def form_of(scorer):
     """(hook maker, scores) of the scorer's own class (not a subclass: PyramidKV and LAQ are SnapKVs that
     have no decode-phase form of their own)."""
@@ -106,11 +115,10 @@ class DecodeEviction:
     (next position, slots before, slots after) per eviction."""
 
     def __init__(self, scorer, every=None, window=32):
+        scorer = unwrapped(scorer)
         self.check(scorer, every, window)
         self.scorer = scorer
         scorer.window = window  # after the prefill, every method keeps the latest `window` slots
-        if not isinstance(scorer.rule, Pool):  # a rule that watches the prefill (the span rule) has nothing to
-            scorer.rule = Pool("none")  # watch for generated tokens: select unpooled
         self.budget, self.every, self.window = scorer.eviction.budget, every, window
         make_hook, self.scores = form_of(scorer)
         self.hook = make_hook(window)  # watches every forward on the cache from now on
@@ -119,6 +127,7 @@ class DecodeEviction:
     @staticmethod
     def check(scorer, every=None, window=32):
         """The checks that need no model: ValueError."""
+        scorer = unwrapped(scorer)
         form_of(scorer)  # raises for a method without a decode-phase form
         if every is not None and every < 1:
             raise ValueError(f"evict every {every} tokens: must be at least 1, e.g. 32")
@@ -140,9 +149,13 @@ class DecodeEviction:
         per layer (B, H_kv, budget), in slot order."""
         n = len(cache)
         scores = self.scores(self.scorer, model, cache, self.hook, next_pos)  # (L, B, H_kv, n)
-        slots = torch.arange(n, device=scores.device).expand(scores.shape[1], n)  # (B, n): a slot's order
-        run = Prefilled(cache, self.hook, None, slots, next_pos, None)
-        kept = self.scorer.evict(scores, run, budget=self.budget if budget is None else budget)
+        # the eviction step reads positions only to protect the sinks (positions < sinks) and the window (the
+        # last slots). Slots stay in position order and the sinks are always kept, so in every (layer, KV
+        # head) the first `sinks` slots hold positions 0 .. sinks-1: the slot order protects what the
+        # positions would (the cache has no padding: valid None)
+        order = torch.arange(n, device=scores.device).expand(scores.shape[1], n)  # (B, n)
+        run = Prefilled(cache, self.hook, None, order, next_pos, None)
+        kept = self.scorer.evict(scores, run, [self.budget if budget is None else budget] * len(scores))
         keep_slots(cache, kept)
         if hasattr(self.hook, "gather"):  # H2O's running sums travel with their slots
             for layer, idx in enumerate(kept):

@@ -29,25 +29,31 @@ model's work per token, several times the rest of the method (RESULTS.md, sectio
   found unpredictable), and over the rest of the shortlist only for the tokens still at or below 2 nats:
   the same bits, a fifth less work at 2K.
 
-    EvictConfig(..., rule=SpanRule(8, 1024))   # or: generate.py --pool span:8:1024
-    EvictConfig(..., rule=SpanRule(8))         # the exact surprisal: --pool span:8
+It wraps any method, as kvpress's wrappers wrap any press: Spanned(scorer, SpanRule(8, 1024)) watches the
+prefill beside the method's own hook and smooths the method's scores before its own eviction step.
+
+    make_scorer(EvictConfig(..., rule=SpanRule(8, 1024)))   # methods.py wraps; or generate.py --pool span:8:1024
+    make_scorer(EvictConfig(..., rule=SpanRule(8)))         # the exact surprisal: --pool span:8
 """
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
+from eviction import Hooks, Pool
 from model import Hook
 
 SURPRISE_NATS = 2.0  # the gate: a token the model gave p < e^-2 (about 0.14) was not predictable
 
 
 class HiddenStates(Hook):
-    """Keeps the final normed hidden states of the first S rows (the prompt) of every prefill chunk,
-    and the LM head that reads them."""
+    """Keeps the final normed hidden states of the first S rows (the prompt ids (B, S)) of every prefill
+    chunk; lm_head, the LM head that reads them, is set by the scorer that scores the prefill."""
 
     every_chunk = True
 
-    def __init__(self, lm_head, S):
-        self.lm_head, self.S, self.rows = lm_head, S, []
+    def __init__(self, ids, lm_head=None):
+        self.ids, self.S, self.lm_head, self.rows = ids, ids.shape[1], lm_head, []
 
     def hidden(self, h):
         done = sum(r.shape[1] for r in self.rows)
@@ -156,9 +162,10 @@ def candidates(scores, budgets, kernel):
 
 
 class SpanRule:
-    """The selection rule: watch the prefill for its final hidden states, then smooth the scores with
-    span_scores, the surprisal computed on the candidate tokens only, over the whole vocabulary
-    (first=None: exact) or over shortlist(ids, V, first) (the cheap gate; see the module docstring)."""
+    """The selection rule: smooth a method's scores with span_scores, the surprisal computed on the candidate
+    tokens only, over the whole vocabulary (first=None: exact) or over shortlist(ids, V, first) (the cheap
+    gate; see the module docstring), from the final hidden states a HiddenStates hook kept in the prefill.
+    EvictConfig(rule=SpanRule(...)) names it; methods.make_scorer wraps the method in Spanned."""
 
     def __init__(self, kernel=8, first=None):
         if kernel < 1:
@@ -171,25 +178,66 @@ class SpanRule:
     def __repr__(self):
         return f"span:{self.kernel}" + ("" if self.first is None else f":{self.first}")
 
-    def prefill_hook(self, model, S):
-        return HiddenStates(model.lm_head, S) if self.kernel > 1 else None
-
-    def smooth(self, scores, run, window=0, budgets=None):
-        if self.kernel == 1:
+    def smooth(self, scores, states, valid=None, positions=None, window=0, budgets=None):
+        """scores (L, B, H_kv, S) smoothed inside spans; states: the HiddenStates that watched the prefill
+        (None, or a kernel of 1: the scores as they are); valid (B, 1, S) False on padding; positions (B, S)."""
+        if self.kernel == 1 or states is None:
             return scores
         n = scores.shape[-1] - window  # the smoothed prefix
         prefix = scores[..., :n].float()
         where = candidates(prefix, budgets or [n] * scores.shape[0], self.kernel)  # (B, n)
-        ids = run.ids[:, :n]
-        hook = run.rule_hook
-        hidden, V = hook.states()[:, :n], hook.lm_head.weight.shape[0]
-        real = torch.ones_like(ids, dtype=torch.bool) if run.valid is None else run.valid[:, 0, :n]
+        ids, hidden, V = states.ids[:, :n], states.states()[:, :n], states.lm_head.weight.shape[0]
+        real = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid[:, 0, :n]
         # one batch row at a time: the gate's shortlist is of that row's own tokens (not its padding),
         # so a row scores as it would alone
         vocab = [None if self.first is None else shortlist(ids[b][real[b]], V, self.first) for b in range(len(ids))]
-        surprisal = torch.cat([token_surprisal(hook.lm_head, hidden[b:b + 1], ids[b:b + 1], where[b:b + 1], vocab=v,
+        surprisal = torch.cat([token_surprisal(states.lm_head, hidden[b:b + 1], ids[b:b + 1], where[b:b + 1], vocab=v,
                                                enough=SURPRISE_NATS) for b, v in enumerate(vocab)])
-        surprisal = surprisal.masked_fill(run.positions[:, :n] == 0, 0.0)  # each row's first real token
+        if positions is not None:
+            surprisal = surprisal.masked_fill(positions[:, :n] == 0, 0.0)  # each row's first real token
         self.last_share = where.float().mean().item()
         pooled = span_scores(prefix, surprisal, self.kernel).to(scores.dtype)
         return torch.cat([pooled, scores[..., n:]], dim=-1) if window else pooled
+
+
+class SpanHooks(Hooks):
+    """The wrapped method's own hook (inner) and the span rule's HiddenStates (states), on one prefill."""
+
+    def __init__(self, inner, states):
+        super().__init__(inner, states)
+        self.inner, self.states = inner, states
+
+
+class Spanned:
+    """Any method (a Scorer, its rule a Pool("none")) wrapped in the span rule: its prefill is watched for the
+    final hidden states too, its scores are smoothed by the rule before its own eviction step. Everything
+    else (budgets, protected tokens, settings) is the method's: attributes not defined here are its."""
+
+    def __init__(self, scorer, rule):
+        if not (isinstance(scorer.rule, Pool) and scorer.rule.kind == "none"):
+            raise ValueError(f"the span rule replaces the method's pooling: build {scorer.eviction.method} "
+                             f"with rule=Pool('none'), not {scorer.rule!r}")
+        self.scorer, self.rule = scorer, rule  # rule: what it selects by (methods.selection_of says it)
+
+    def __getattr__(self, name):  # only for what this class does not define: the method's own
+        return getattr(self.scorer, name)
+
+    def prefill_hook(self, ids):
+        inner = self.scorer.prefill_hook(ids)
+        return SpanHooks(inner, HiddenStates(ids)) if self.rule.kernel > 1 else inner
+
+    def score(self, model, run):
+        if not isinstance(run.hook, SpanHooks):
+            return self.scorer.score(model, run)
+        run.hook.states.lm_head = model.lm_head  # what reads the hidden states it kept, at eviction
+        return self.scorer.score(model, dataclasses.replace(run, hook=run.hook.inner))
+
+    def evict(self, scores, run, budgets=None):
+        L, S = scores.shape[0], scores.shape[-1]
+        budgets = self.scorer.budgets(L, S) if budgets is None else budgets
+        states = run.hook.states if isinstance(run.hook, SpanHooks) else None
+        if states is None and self.rule.kernel > 1:  # smoothing nothing would select as the method alone, silently
+            raise ValueError(f"the span rule ({self.rule!r}) did not watch this prefill: make the run with this "
+                             "scorer (prefill_and_score)")
+        scores = self.rule.smooth(scores, states, run.valid, run.positions, self.scorer.window, budgets)
+        return self.scorer.evict(scores, run, budgets)

@@ -200,7 +200,7 @@ def shrunk(name, tmp_path):
     4 query heads per KV head, llama3 RoPE scaling (Llama) or q/k norms (Qwen3), untied head."""
     cfg = json.loads((ROOT / "configs" / f"{name}.json").read_text())
     cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-               num_key_value_heads=2, head_dim=128, vocab_size=512)
+               num_key_value_heads=2, head_dim=128, vocab_size=512, eos_token_id=511)  # eos inside the cut vocab
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
     return path
@@ -263,7 +263,7 @@ def test_overhead_prompts_are_text_when_there_is_a_tokenizer():
 
 
 def test_overhead_parts_script_times_every_piece(tiny_config):
-    """examples/overhead_parts.py on a tiny random model: every piece timed, both forms of score + evict."""
+    """examples/overhead_parts.py on a tiny random model: every piece timed, the three forms of score + evict."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("overhead_parts", ROOT / "examples" / "overhead_parts.py")
     parts = importlib.util.module_from_spec(spec)
@@ -271,9 +271,10 @@ def test_overhead_parts_script_times_every_piece(tiny_config):
     model = bench.random_model(tiny_config, "cpu")
     module = bench.untrained(model)
     full, out = parts.parts(model, None, module, 192, calls=2)  # S > C = 128; no tokenizer: random ids
-    assert full > 0 and len(out) == 5 and all(ms > 0 for ms in out.values())
+    assert full > 0 and len(out) == 6 and all(ms > 0 for ms in out.values())
     assert [k for k in out if k.startswith("score + evict")] == [
-        "score + evict, paper's form (none)", f"score + evict, as shipped ({bench.shipped_rule()})"]
+        "score + evict, the paper's form (max:7)", "score + evict, unpooled (none)",
+        f"score + evict, as shipped ({bench.shipped_rule()})"]
 
 
 def test_json_never_replaces_a_file_of_another_kind(tiny_config, tmp_path):

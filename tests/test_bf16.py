@@ -119,7 +119,7 @@ def clear_heads(scorer, r32, r16, C):
     """(L, B, H_kv) bool: where fp32's pooled gap between the C-th and (C+1)-th score (protected tokens
     counted as +inf, as select does) exceeds twice the head's largest bf16 error, so rounding cannot
     swap them. Also asserts that error is < 8% of the head's largest score."""
-    p32, p16 = (scorer.rule.smooth(r.scores.float(), r, scorer.window) for r in (r32, r16))
+    p32, p16 = (scorer.rule.smooth(r.scores.float(), scorer.window) for r in (r32, r16))
     err = (p16 - p32).abs().amax(-1)
     assert (err < 0.08 * p32.amax(-1)).all(), "bf16 scores are further from fp32 than bf16 rounding explains"
     protect = scorer.protect(r32.positions)
@@ -168,12 +168,12 @@ def test_span_rule_in_bf16(models):
     ids = rand_ids(2, 40, seed=8)
     ec = EvictConfig("lookahead", budget=12, chunk_size=16, rule=SpanRule(8))
     r32, r16 = (prefill_and_score(m, ids, make_scorer(ec, module)) for m in (m32, m16))
-    assert r16.rule_hook.states().dtype == BF16
-    s32, s16 = (token_surprisal(m.lm_head, r.rule_hook.states(), ids) for m, r in ((m32, r32), (m16, r16)))
+    assert r16.hook.states.states().dtype == BF16
+    s32, s16 = (token_surprisal(m.lm_head, r.hook.states.states(), ids) for m, r in ((m32, r32), (m16, r16)))
     assert s16.dtype == torch.float32
     assert 0 < (s16 - s32).abs().max() < 0.05 * s32.max()  # bf16 did run
     scores = r16.scores.to(BF16)
-    pooled = SpanRule(8).smooth(scores, r16)
+    pooled = SpanRule(8).smooth(scores, r16.hook.states, r16.valid, r16.positions)
     assert pooled.dtype == BF16 and (pooled >= scores).all() and (pooled > scores).any()
     kept = compress_by(m16, ids, ec, module=module)[3]
     assert all(k.shape == (2, m16.config.num_key_value_heads, 12) for k in kept)

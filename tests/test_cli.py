@@ -25,6 +25,7 @@ import evaluate
 import generate as generate_py
 import model
 import train
+from extensions import chat
 from weights import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -386,7 +387,7 @@ def test_bad_turns_files(tmp_path, text, needle):
     p = tmp_path / "t.json"
     p.write_text(text)
     with pytest.raises(ValueError, match=re.escape(needle)):
-        generate_py.read_turns(p)
+        chat.read_turns(p)
 
 
 def test_missing_turns_file_and_chat_without_a_chat_format(tmp_path, tiny_model, no_loading):

@@ -551,3 +551,26 @@ print("ok")
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_the_rest_runs_without_the_chat(chat_model, tmp_path, monkeypatch):
+    """Deleting extensions/chat.py (and the lines that name it in generate.py) leaves every other feature
+    working: no other file imports it, and generate.py answers a prompt, its cache held to --decode-budget
+    (extensions/decode.py, which the chat builds on), without calling it (the cheap form of the check)."""
+    from pathlib import Path
+
+    import generate
+
+    root = Path(__file__).resolve().parents[1]
+    files = [*root.glob("*.py"), *root.glob("extensions/*.py"), *root.glob("examples/*.py"), *root.glob("weights/*.py")]
+    naming = {p.name for p in files if p.name != "chat.py" and ("extensions.chat" in p.read_text()
+                                                                   or "extensions import chat" in p.read_text())}
+    assert naming == {"generate.py"}, naming
+    for name in ("chat_loop", "turns_of"):
+        monkeypatch.setattr(generate, name, lambda *a, **k: pytest.fail("the chat was called"))
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(words(60, 8))
+    stats = generate.main(["--prompt", str(prompt), "--model", str(chat_model), "--device", "cpu", "--json",
+                           "--method", "snapkv", "--budget", "12", "--decode-budget", "14", "--every", "3",
+                           "--window", str(W), "--max-new-tokens", "10"])
+    assert stats["kept_tokens"] == 12 and stats["decode_evictions"] >= 1

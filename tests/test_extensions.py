@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import methods
-from eviction import EvictConfig, Pool, compress, decode, prefill_and_score, select, uniform_budgets
+from eviction import EvictConfig, Pool, WindowHook, compress, decode, prefill_and_score, select, uniform_budgets
 from extensions.decode import DecodeEviction
 from extensions.layer_budgets import FLOOR, LayerBudgets, layer_weights, measure, spread_budgets
-from extensions.span import SURPRISE_NATS, SpanRule, shortlist, span_scores, token_surprisal
+from extensions.span import SURPRISE_NATS, Spanned, SpanRule, shortlist, span_scores, token_surprisal
 from lookaheadkv import LookaheadModule, answer_attention
 from methods import make_scorer
 from model import Hook, KVCache
@@ -121,7 +121,9 @@ def test_span_rule_hand_values():
     assert select(span_scores(s, surprisal, 3), 4).tolist() == [[[1, 2, 3, 4]]]
     assert select(s, 4).tolist() != [[[1, 2, 3, 4]]]  # unpooled keeps scattered tokens
     assert span_scores(s, surprisal, 1).tolist() == s.tolist()  # width 1: unpooled
-    assert SpanRule(1).smooth(s, None) is s and SpanRule(1).prefill_hook(None, 7) is None  # and watches nothing
+    assert SpanRule(1).smooth(s, None) is s  # and watches nothing: the method's own hook alone
+    snap = make_scorer(EvictConfig("snapkv", budget=8, window=4, rule=Pool("none")))
+    assert type(Spanned(snap, SpanRule(1)).prefill_hook(torch.zeros(1, 7, dtype=torch.long))) is WindowHook
     # a wider kernel carries further, but never out of the run
     assert span_scores(s, surprisal, 8)[0, 0].tolist() == pytest.approx(
         [0.0, 2 * 0.95 ** 2, 2 * 0.95, 2.0, 2 * 0.95, 1.0, 0.0])
@@ -157,7 +159,7 @@ def test_token_surprisal_is_the_models_own_next_token_loss():
     mod.info["rule"] = "span:4"
     ec = EvictConfig("lookahead", budget=12, chunk_size=16)
     run = prefill_and_score(model, ids, make_scorer(ec, mod))
-    assert torch.allclose(run.rule_hook.states(), cap.h, atol=1e-5)
+    assert torch.allclose(run.hook.states.states(), cap.h, atol=1e-5)
     scorer = make_scorer(ec, mod)
     assert isinstance(scorer.rule, SpanRule) and scorer.rule.kernel == 4
     kept = compress(model, ids, scorer)[3]

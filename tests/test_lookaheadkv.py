@@ -298,7 +298,7 @@ def test_two_pass_equals_one_masked_pass(targets):
         assert ha.scores[l].shape == (1, cfg.num_key_value_heads, S)
         assert torch.allclose(ha.scores[l], hb.scores[l], atol=ATOL)
         assert torch.allclose(hc.scores[l], hb.scores[l], atol=ATOL)
-        pa, pb = (Pool("avg", 5).smooth(h.scores[l], None) for h in (ha, hb))
+        pa, pb = (Pool("avg", 5).smooth(h.scores[l]) for h in (ha, hb))
         assert torch.equal(select(pa, C), select(pb, C))
     assert torch.allclose(out_b, out_c, atol=1e-4)  # the whole forward, lookahead rows included
     # the prompt rows never see the LoRA: their logits are the base model's
@@ -964,18 +964,18 @@ def test_pooling_with_a_window_pools_only_the_prefix():
     s = torch.zeros(1, 1, 12)
     s[..., 8:] = 10.0  # a window of 4 with huge scores
     s[..., 2] = 1.0
-    p = Pool("avg", 5).smooth(s, None, window=4)
+    p = Pool("avg", 5).smooth(s, window=4)
     assert torch.equal(p[..., 8:], s[..., 8:])  # the window as it was
     assert p[0, 0, :8].tolist() == pytest.approx([0.2, 0.2, 0.2, 0.2, 0.2, 0, 0, 0])  # no leak into 5..7
-    whole = Pool("avg", 5).smooth(s, None)  # without the window argument everything is pooled
+    whole = Pool("avg", 5).smooth(s)  # without the window argument everything is pooled
     assert whole[0, 0, 7].item() == pytest.approx(4.0)  # (10 + 10) / 5: the window leaks in
     # max pooling ignores the padding at the edges; avg divides by the full width (damped edges)
     e = torch.tensor([[[3.0, 0.0, 0.0, 0.0, 0.0]]])
-    assert Pool("max", 3).smooth(e, None).tolist() == [[[3.0, 3.0, 0.0, 0.0, 0.0]]]
-    assert Pool("avg", 3).smooth(e, None)[0, 0].tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0, 0.0])
-    assert Pool("none").smooth(e, None) is e and Pool("avg", 1).smooth(e, None) is e  # width 1: unpooled
+    assert Pool("max", 3).smooth(e).tolist() == [[[3.0, 3.0, 0.0, 0.0, 0.0]]]
+    assert Pool("avg", 3).smooth(e)[0, 0].tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0, 0.0])
+    assert Pool("none").smooth(e) is e and Pool("avg", 1).smooth(e) is e  # width 1: unpooled
     # broadcast over the layers stacked in front
-    assert torch.equal(Pool("max", 3).smooth(e.expand(2, 1, 3, 5), None)[1, 0, 2], torch.tensor([3.0, 3, 0, 0, 0]))
+    assert torch.equal(Pool("max", 3).smooth(e.expand(2, 1, 3, 5))[1, 0, 2], torch.tensor([3.0, 3, 0, 0, 0]))
 
 
 def test_laq_pools_its_final_rescores(monkeypatch):
@@ -988,7 +988,7 @@ def test_laq_pools_its_final_rescores(monkeypatch):
     monkeypatch.setattr(baselines, "laq_scores", lambda *a: seen.setdefault("s", real(*a)))
     _, _, _, kept = compress_by(model, ids, EvictConfig("laq", budget=C, window=W, laq_tokens=4, rule=Pool("avg", 5)))
     win = (torch.arange(S) >= S - W)[None, None]
-    pooled = select(Pool("avg", 5).smooth(stack_layers(seen["s"]), None, W), C, protect=win)
+    pooled = select(Pool("avg", 5).smooth(stack_layers(seen["s"]), W), C, protect=win)
     unpooled = select(stack_layers(seen["s"]), C, protect=win)
     assert all(torch.equal(k, p) for k, p in zip(kept, pooled))
     assert not all(torch.equal(k, u) for k, u in zip(kept, unpooled))  # pooling changes what is kept

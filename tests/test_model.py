@@ -258,6 +258,26 @@ BAD_CONFIGS = {
     "rope-scaling-not-object": (lambda d: (d.pop("rope_parameters", None), d.update(rope_scaling=[8.0])),
                                 "rope_scaling", "[8.0]"),
     "eos-not-an-id": (lambda d: d.update(eos_token_id="</s>"), "eos_token_id", '"</s>"'),
+    # nothing silent (issue 37): JSON true is no count, NaN and Infinity parse, and what no tensor shape reveals
+    "count-true": (lambda d: d.update(num_hidden_layers=True), "num_hidden_layers", "true"),
+    "kv-heads-true": (lambda d: d.update(num_key_value_heads=True), "num_key_value_heads", "true"),  # 1 divides 4
+    "max-positions-true": (lambda d: d.update(max_position_embeddings=True), "max_position_embeddings", "true"),
+    "intermediate-zero": (lambda d: d.update(intermediate_size=0), "intermediate_size", "0"),
+    "max-positions-zero": (lambda d: d.update(max_position_embeddings=0), "max_position_embeddings", "0"),
+    "eps-zero": (lambda d: d.update(rms_norm_eps=0.0), "rms_norm_eps", "0.0"),
+    "theta-infinite": (lambda d: d["rope_parameters"].update(rope_theta=float("inf")), "rope_parameters.rope_theta",
+                       "Infinity"),
+    "llama3-factor-nan": (lambda d: d["rope_parameters"].update(LLAMA3_ROPE["rope_scaling"], factor=float("nan")),
+                          "rope_parameters.factor", "NaN"),
+    "llama3-old-context-true": (lambda d: d["rope_parameters"].update(LLAMA3_ROPE["rope_scaling"],
+                                                                      original_max_position_embeddings=True),
+                                "rope_parameters.original_max_position_embeddings", "true"),
+    "rope-parameters-false": (lambda d: d.update(rope_parameters=False), "rope_parameters", "false"),
+    "sliding-window-zero": (lambda d: d.update(use_sliding_window=True, sliding_window=0), "sliding_window", "0"),
+    "sliding-flag-not-bool": (lambda d: d.update(use_sliding_window="yes"), "use_sliding_window", '"yes"'),
+    "eos-true": (lambda d: d.update(eos_token_id=True), "eos_token_id", "true"),
+    "eos-outside-vocab": (lambda d: d.update(eos_token_id=[2, 128]), "eos_token_id", "[2, 128]"),
+    "activation-not-silu": (lambda d: d.update(hidden_act="gelu"), "hidden_act", '"gelu"'),
 }
 
 
@@ -289,6 +309,71 @@ def test_config_from_another_model_is_blamed(tiny_hf_model, tmp_path, family, co
         load_model(folder)
     assert says in str(e.value) and str(folder / "config.json") in str(e.value), str(e.value)
     assert "from another model?" in str(e.value) and "re-download" not in str(e.value)
+
+
+def move_in_index(folder, name):
+    """The index puts tensor `name` in the first shard."""
+    p = folder / "model.safetensors.index.json"
+    index = json.loads(p.read_text())
+    index["weight_map"][name] = sorted(folder.glob("model-*.safetensors"))[0].name
+    p.write_text(json.dumps(index))
+
+
+def store_twice(folder):
+    from safetensors.torch import load_file, save_file
+
+    first, second = sorted(folder.glob("model-*.safetensors"))[:2]
+    name, t = next(iter(load_file(first).items()))
+    save_file({**load_file(second), name: t}, second, metadata={"format": "pt"})
+
+
+# one entry per pair of facts config.json, the index and the shards state about one model:
+# (sharded?, edit of the folder, what the message must name: the file(s) and the field or tensor)
+CONTRADICTIONS = {
+    "embed-rows-vs-vocab": (False, lambda f: edit_config(f, lambda d: d.update(vocab_size=100)),
+                            ["model.safetensors", "lm_head.weight", "config.json", "vocab_size 100"]),
+    "shapes-vs-hidden": (False, lambda f: edit_config(f, lambda d: d.update(hidden_size=32)),
+                         ["model.safetensors", "lm_head.weight", "config.json", "hidden_size 32"]),
+    "mlp-vs-intermediate": (False, lambda f: edit_config(f, lambda d: d.update(intermediate_size=96)),
+                            ["model.safetensors", "mlp.down_proj.weight", "config.json", "intermediate_size 96"]),
+    "k-proj-vs-kv-heads": (False, lambda f: edit_config(f, lambda d: d.update(num_key_value_heads=4)),
+                           ["model.safetensors", "self_attn.k_proj.weight", "config.json", "num_key_value_heads 4"]),
+    "tied-but-own-head": (False, lambda f: edit_config(f, lambda d: d.update(tie_word_embeddings=True)),
+                          ["config.json", "tie_word_embeddings", "model.safetensors", "lm_head.weight"]),
+    "untied-without-head": (False, lambda f: rewrite_tensors(f, lambda t: t.pop("lm_head.weight")),
+                            ["config.json", "tie_word_embeddings", "lm_head.weight"]),
+    "index-says-other-shard": (True, lambda f: move_in_index(f, "model.norm.weight"),
+                               ["model.safetensors.index.json", "model.norm.weight", "model-00001-of-"]),
+    "index-lists-no-such-tensor": (True, lambda f: move_in_index(f, "model.layers.0.mlp.extra.weight"),
+                                   ["model.safetensors.index.json", "model.layers.0.mlp.extra.weight"]),
+    "tensor-in-two-shards": (True, store_twice, ["model-00001-of-", "model-00002-of-", "stored twice"]),
+}
+
+
+@pytest.mark.parametrize("case", CONTRADICTIONS)
+def test_files_that_contradict_each_other_are_refused(tiny_hf_model, tmp_path, case):
+    """config.json, the index and the safetensors files state the same facts about one model (vocab, sizes, layer
+    count, tied head, which shard holds what): where two disagree, one ValueError line names the files and the field or
+    tensor, before a model is returned that is part one checkpoint, part another (issue 37)."""
+    sharded, damage, says = CONTRADICTIONS[case]
+    folder = copy_folder(tiny_hf_model("llama", seed=3, tie_word_embeddings=False,
+                                       max_shard_size="20KB" if sharded else None), tmp_path)
+    damage(folder)
+    with pytest.raises(ValueError) as e:
+        load_model(folder)
+    msg = str(e.value)
+    assert all(s in msg for s in says) and "\n" not in msg, msg
+
+
+def test_tied_checkpoint_that_stores_its_head_too_loads_tied(tiny_hf_model, tmp_path):
+    """Valid input stays accepted: a tied checkpoint may hold lm_head.weight as a copy of the embedding."""
+    folder = copy_folder(tiny_hf_model("llama", tie_word_embeddings=True), tmp_path)
+    before = load_model(folder)
+    rewrite_tensors(folder, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    after = load_model(folder)
+    ids = torch.tensor([[1, 2, 3]])
+    assert after.lm_head.weight is after.model.embed_tokens.weight
+    assert torch.equal(before(ids, positions=torch.arange(3)[None]), after(ids, positions=torch.arange(3)[None]))
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf"])
@@ -949,6 +1034,32 @@ def test_a_tensor_of_a_non_floating_dtype_is_refused(ckpt, dtype):
     rewrite_tensors(ckpt, lambda t: t.update({name: t[name].to(dtype)}))
     with pytest.raises(ValueError, match=rf"tensor {re.escape(name)} is stored as torch\.{str(dtype)[6:]}, not a floating"):
         load_model(ckpt)
+
+
+@pytest.mark.parametrize("damage", ["int8", "bool", "unknown-target"])
+def test_adapter_that_cannot_be_what_its_json_says_is_refused(tmp_path, damage):
+    """LookaheadModule.load: an int or bool tensor would be cast into the float32 parameters as garbage; a target
+    the .json names that no projection has is said with the file, not by the constructor without it."""
+    from safetensors.torch import load_file, save_file
+
+    from lookaheadkv import LookaheadModule
+
+    cfg = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, name="tiny")
+    path, name = tmp_path / "a.safetensors", "lora.1.q_proj_B"
+    LookaheadModule(cfg, n_tokens=4, targets=("q_proj", "v_proj")).save(path)
+    LookaheadModule.load(path, cfg)  # as saved: fine
+    if damage == "unknown-target":
+        meta = json.loads(path.with_suffix(".json").read_text())
+        path.with_suffix(".json").write_text(json.dumps(dict(meta, targets=["q_proj", "wq"])))
+        file, field = path.with_suffix(".json"), "'targets' holds [\"wq\"]"
+    else:
+        tensors = load_file(path)
+        save_file({**tensors, name: tensors[name].to(getattr(torch, damage))}, path)
+        file, field = path, f"tensor {name!r} is stored as torch.{damage}"
+    with pytest.raises(ValueError) as e:
+        LookaheadModule.load(path, cfg)
+    assert str(file) in str(e.value) and field in str(e.value) and "retrain" in str(e.value), str(e.value)
 
 
 def test_a_tokenizer_bigger_than_the_vocabulary_is_refused(tmp_path, tiny_hf_model):

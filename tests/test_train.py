@@ -23,6 +23,8 @@ import harness
 import lookaheadkv as lk
 import methods
 import train
+from baselines import full_answer
+from eviction import EvictConfig, prefill_and_score
 from extensions import layer_budgets
 from lookaheadkv import LookaheadHook, LookaheadModule
 from model import ModelConfig, Transformer, load_model
@@ -80,7 +82,7 @@ def hf_folder(tiny_hf_model):
 
 def test_target_equals_explicit_attention(hf_folder):
     """gt[l] (1, H, S) = mean over the answer's rows of the causal softmax over prompt + answer,
-    columns = the prompt; snapkv / h2o extras from the same matrix. Reference: HF eager attention
+    columns = the prompt; SnapKV's and H2O's scores from the same matrix. Reference: HF eager attention
     with output_attentions (an independent implementation of the whole model)."""
     from transformers import AutoModelForCausalLM
 
@@ -92,6 +94,9 @@ def test_target_equals_explicit_attention(hf_folder):
     cache, gt, extra = ground_truth(model, row, window=W)
     with torch.no_grad():
         att = hf(torch.tensor([row["prompt_ids"] + row["response_ids"]]), output_attentions=True).attentions
+    # SnapKV's and H2O's scores from one prefill watched by both (what harness.heldout_metrics runs)
+    snap, heavy = prefill_and_score(model, torch.tensor([row["prompt_ids"]]),
+                                    [methods.make_scorer(EvictConfig(m, W + 1, window=W)) for m in ("snapkv", "h2o")])
     G = cfg.num_attention_heads // cfg.num_key_value_heads
     group = lambda x: x.view(1, cfg.num_key_value_heads, G, S).mean(2)  # noqa: E731
     assert len(cache) == S and len(gt) == cfg.num_hidden_layers
@@ -99,9 +104,9 @@ def test_target_equals_explicit_attention(hf_folder):
         assert gt[l].shape == (1, cfg.num_attention_heads, S)
         assert torch.allclose(gt[l], A[:, :, S:, :S].mean(2), atol=1e-5), l
         assert (gt[l].sum(-1) < 1).all()  # the answer attends to itself too: mass on the prompt < 1
-        assert torch.allclose(extra["snapkv"][l], group(A[:, :, S - W:S, :S].mean(2)), atol=1e-5)
+        assert torch.allclose(snap.scores[l], group(A[:, :, S - W:S, :S].mean(2)), atol=1e-5)
         h2o = group(A[:, :, :S, :S].sum(2)) / (S - torch.arange(S))
-        assert torch.allclose(extra["h2o"][l], h2o, atol=1e-5)
+        assert torch.allclose(heavy.scores[l], h2o, atol=1e-5)
     # the cache is the prompt's KV exactly (train.full_cache, what the data stage prefills, builds the same)
     full, _, _ = train.full_cache(model, torch.tensor([row["prompt_ids"]]), None)
     for l in range(cfg.num_hidden_layers):
@@ -756,6 +761,7 @@ def test_batched_targets_equal_one_forward_over_prompt_and_answer():
     assert len(set(lengths)) > 1 and samples[1]["response_ids"][-1] == stop  # the stop token is kept
     for p, s in zip(prompts, samples):
         assert s["response_ids"] == first[prompts.index(p)][:len(s["response_ids"])]  # batching changes no answer
+        assert s["response_ids"] == full_answer(model, torch.tensor([p]), 6, {stop})[1][0]  # FullKV's answer
         cache, gt, _ = ground_truth(model, dict(prompt_ids=p, response_ids=s["response_ids"]))
         L = len(gt)
         assert s["target"].shape == (L, TINY["num_attention_heads"], len(p))

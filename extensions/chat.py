@@ -1,0 +1,158 @@
+"""
+Beyond the paper: a chat on a bounded cache (generate.py --turns).
+
+Turn 1 is the paper's setting: compress() keeps --budget slots of the prompt. Each later turn (the end
+of the previous answer, the user message and the assistant's header, Tokenizer.next_turn) is prefilled
+on top of the compressed cache, and every slot, old turns and the new one alike, is scored by the
+method's decode-phase form and evicted to --budget before the answer is decoded (add_turn, in
+extensions/decode.py, which this file builds on); --decode-budget holds the answers too. "/reset"
+starts a new conversation.
+
+    python generate.py --turns - --budget 128           # one line a turn on stdin, /reset, Ctrl-D
+    python generate.py --turns turns.json --budget 128  # a JSON list of user turns
+
+It prints each answer and one stats line per turn (--json: one JSON object per turn).
+"""
+import json
+import sys
+import time
+
+import torch
+
+import cli
+from eviction import compress, decode
+from extensions.decode import add_turn
+from model import decode_utf8
+
+# -----------------------------------------------------------------------------
+# The user turns
+
+
+def turns_of(arg):
+    """--turns: a JSON file, read now, or "-": stdin, read a line at a time as the chat goes."""
+    return stdin_turns() if arg == "-" else read_turns(arg)
+
+
+def read_turns(path):
+    """The user turns of --turns: a JSON list of strings ("/reset" starts a new conversation)."""
+    p = cli.input_file("--turns", path)
+    try:
+        turns = json.loads(decode_utf8(p.read_bytes(), f"turns file {path}"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"turns file {path} is not valid JSON ({e.msg}): write a list of strings") from None
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and cli.printable(t)[0].strip()
+                                                          for t in turns):
+        raise ValueError(f"turns file {path}: expected a non-empty JSON list of non-empty strings, "
+                         f'e.g. ["Read this: ...", "And then?"]')
+    return [cli.printable(t)[0] for t in turns]
+
+
+def stdin_turns():
+    """User turns from stdin, one a line, until end of input (Ctrl-D)."""
+    while True:
+        if sys.stdin.isatty():
+            print("> ", end="", flush=True, file=sys.stderr)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        line = cli.printable(line)[0]
+        if line.strip():
+            yield line.rstrip("\n")
+
+
+# -----------------------------------------------------------------------------
+# The conversation
+
+
+class Conversation:
+    """A chat so far: the turn number, the compressed cache (None: nothing said yet), the next position,
+    the last answer token (never fed: it opens the next turn unless it was a stop token), the evictor."""
+
+    def __init__(self):
+        self.n, self.cache, self.pos, self.pending, self.evictor = 0, None, None, [], None
+
+
+@torch.no_grad()
+def chat_loop(args, model, tok, folder, turns, scorer, evictor):
+    """The chat of generate.py's flags (args) over `turns`. scorer() makes the prompt's Scorer, evictor()
+    the DecodeEviction that holds the cache to --budget from turn 2 on (None: FullKV); both are called once
+    per conversation. Returns the turns' stats."""
+    gen = torch.Generator(device=args.device).manual_seed(args.seed)
+    talk, out = Conversation(), []
+    for text in turns:
+        if text.strip() == "/reset":
+            talk = Conversation()
+            print(json.dumps(dict(reset=True)) if args.json else "--- new conversation")
+            continue
+        ids = next_ids(talk, tok, text)
+        if not fits(args, model, talk, ids):
+            continue
+        if talk.n == 1:
+            talk.evictor = evictor()
+        st, printed, last = take_turn(args, model, tok, folder, talk, ids, gen, scorer)
+        out.append(st)
+        report_turn(args, tok, st, printed, last)
+    return out
+
+
+def next_ids(talk, tok, text):
+    """The turn's ids in the chat format, numbering the turn (a turn refused for the context keeps its number)."""
+    if talk.cache is None:  # turn 1: the prompt compressed once, as in the paper
+        talk.n = 1
+        return tok.encode(tok.chat(text))
+    talk.n += 1
+    return talk.pending + tok.encode(tok.next_turn(text))
+
+
+def fits(args, model, talk, ids):
+    """Whether the turn and its answer fit the model's context. When not: an error, or in a chat on stdin an
+    `error:` line and the chat goes on (/reset starts over)."""
+    ctx, end = model.config.max_context, (0 if talk.cache is None else int(talk.pos)) + len(ids) + args.max_new_tokens
+    if end <= ctx:
+        return True
+    message = (f"turn {talk.n} would reach position {end}, beyond the model's context of {ctx}: /reset to start "
+               f"over, or lower --max-new-tokens")
+    if args.turns != "-":
+        raise ValueError(message)
+    print(f"error: {message}", file=sys.stderr)
+    return False
+
+
+def take_turn(args, model, tok, folder, talk, ids, gen, scorer):
+    """Prefill the turn (turn 1: compress the prompt; later: add_turn and evict to --budget), then decode and
+    stream its answer. Returns (the turn's stats, the text printed, the last token)."""
+    t0 = time.perf_counter()
+    ids_t = torch.tensor([ids], device=args.device)
+    before = len(ids) + (len(talk.cache) if talk.n > 1 else 0)  # slots once the turn is prefilled, before eviction
+    if talk.n == 1:
+        talk.cache, logits, talk.pos, _ = compress(model, ids_t, scorer())
+    else:
+        logits, talk.pos = add_turn(model, talk.cache, ids_t, talk.pos, talk.evictor, args.budget)
+    cli.check_logits(logits, folder)
+    kept, log_start = len(talk.cache), len(talk.evictor.log) if talk.evictor else 0
+    answer, printed, steps, last, t_first = cli.stream(tok, decode(  # without --decode-budget it only watches
+        model, talk.cache, logits, talk.pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p, gen,
+        **cli.watch(talk.evictor)), args.json)
+    t_end = time.perf_counter()
+    talk.pos, talk.pending = talk.pos + steps - 1, [] if last in tok.stop_ids else [last]  # steps - 1 tokens fed
+    grown = [b for _, b, _ in talk.evictor.log[log_start:]] if talk.evictor else []  # evictions while decoding
+    st = dict(turn=talk.n, prompt_tokens=len(ids), cache_before=before, kept=kept, answer_tokens=len(answer),
+              decode_evictions=len(grown), peak_slots=max([before, len(talk.cache)] + grown),
+              kv_bytes=talk.cache.nbytes(), text=tok.decode(answer), answer_ids=answer,
+              ttft_ms=round((t_first - t0) * 1e3, 1),
+              decode_tokens_per_s=round((steps - 1) / (t_end - t_first), 2) if steps > 1 else None)
+    return st, printed, last
+
+
+def report_turn(args, tok, st, printed, last):
+    """The rest of the answer and the turn's stats line (--json: the turn's JSON object)."""
+    if not st["text"]:
+        cli.warn(f"turn {st['turn']}: " + cli.why_empty(last, tok, False))
+    if args.json:
+        print(json.dumps(st))
+        return
+    print(st["text"][len(printed):])
+    print(f"--- turn {st['turn']}: prompt +{st['prompt_tokens']} tokens, cache {st['cache_before']} -> kept "
+          f"{st['kept']} slots per (layer, KV head); answer {st['answer_tokens']} tokens, evictions while decoding "
+          f"{st['decode_evictions']}, peak {st['peak_slots']} slots; KV {st['kv_bytes'] / 1e6:.1f} MB; "
+          f"ttft {st['ttft_ms']:.0f} ms, {st['decode_tokens_per_s'] or 0:.1f} tok/s")
