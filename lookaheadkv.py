@@ -265,8 +265,10 @@ def kl_loss(gt, pred, eps=1e-8):
 class LookaheadKV(Scorer):
     """LookaheadKV: M learned embeddings after the prompt, at positions S .. S+M-1, with a LoRA on
     their rows only (LookaheadModule). Their mean attention over the prompt predicts the answer's;
-    the top C per (layer, KV head) are kept, unpooled, C in every layer, as in the paper (an adapter
-    may ship another selection rule or per-layer budgets: methods.make_scorer applies them).
+    the top C per (layer, KV head) are kept, C in every layer. The paper's text pools the scores before
+    the top C ("mean-aggregated and pooled", max-pool 7 in KVCache-Factory, its code's base: --pool max:7);
+    unless told otherwise this class selects unpooled, our variant. An adapter may ship its own selection
+    rule or per-layer budgets (its .json): methods.make_scorer applies them.
     One-pass (default): the rows ride in the prefill's last chunk and their K/V are cut off after
     scoring; two-pass: a second forward of the M rows on top of the prompt cache (the training form).
     Both give the same scores (causal attention, LoRA on the lookahead rows only)."""
