@@ -615,21 +615,54 @@ def heldout_rows(folder, limit=None):
     return rows
 
 
+def check_heldout(args, budgets):
+    """--heldout's rows, and its baselines at the smallest budget (harness.BASELINES: SnapKV, PyramidKV and H2O
+    keep the last --window tokens anyway): a window that leaves them no room failed after the ground truth."""
+    heldout_rows(args.heldout, args.limit)
+    for method in harness.BASELINES:
+        if method != "oracle":  # its scores need the answer; it keeps no window
+            make_scorer(eviction_config(method, min(budgets), args))
+
+
+def check_heldout_fit(rows, path, cfg):
+    """The rows are this model's: made by it (their fingerprint, where they have one), every token id in its
+    vocabulary and every prompt with its answer in its context; said in one line before any forward, rather
+    than an IndexError in the embedding or RoPE positions the model never saw."""
+    fp = cfg.fingerprint()
+    for r in rows:
+        if r.get("fingerprint", fp) != fp:
+            raise ValueError(f"--heldout {path} was made with another model ({r.get('base_model')}): pass that "
+                             f"model with --model, or another --heldout")
+        ids = r["prompt_ids"] + r["response_ids"]
+        if max(ids) >= cfg.vocab_size:
+            raise ValueError(f"--heldout {path}: row {r['id']!r} holds token id {max(ids)}, past {cfg.name}'s "
+                             f"vocabulary of {cfg.vocab_size}: pass the --model its rows were made with")
+        if len(ids) > cfg.max_context:
+            raise ValueError(f"--heldout {path}: row {r['id']!r} is {len(ids)} tokens (prompt and answer), past "
+                             f"{cfg.name}'s context of {cfg.max_context}: pass the --model its rows were made with")
+
+
+def claim_heldout(folder):
+    """Where the ground truth is kept for the next run: FOLDER (its heldout/ subfolder), claimed so that two held-out
+    runs do not write one file at once; None when FOLDER is not writable (then it is computed, not kept). The
+    claim is OUT/heldout's, not OUT's: a train.py run holding OUT may be appending rows while this reads them."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return None
+    cli.claim_folder("--heldout", cli.output_folder("--heldout", folder / "heldout"))
+    return folder
+
+
 def run_heldout(args, budgets, paths):
     """--heldout OUT: harness.compare of the untrained module and each adapter on OUT's held-out rows."""
     rows = heldout_rows(args.heldout, args.limit)
     folder = Path(args.heldout)
+    cache = claim_heldout(folder)
     model, _, _ = cli.load(args.model, args.device, tokenizer=False)
-    fp = model.config.fingerprint()
-    other = next((r for r in rows if r.get("fingerprint", fp) != fp), None)
-    if other is not None:
-        raise ValueError(f"--heldout {folder}/data.jsonl was made with another model ({other.get('base_model')}): "
-                         f"pass that model with --model, or another --heldout")
+    check_heldout_fit(rows, folder / "data.jsonl", model.config)
     paths = paths or [cli.default_adapter_path(model.config)]
     modules = [load_adapter(p, model.config, args.device) for p in paths]
     labels = ["adapter"] if len(paths) == 1 else [str(p) for p in paths]
     adapters = [("untrained", untrained(model, args.seed, modules[0]))] + list(zip(labels, modules))
-    cache = folder if os.access(folder, os.W_OK | os.X_OK) else None  # the ground truth, kept for the next run
     heldout = harness.heldout_ground_truth(model, rows, args.window, cache)
     table = harness.compare(model, adapters, heldout, budgets, args.answer_kl, args.window)
     for label, _, r in table:
@@ -714,18 +747,30 @@ def read_tasks(path, conversation):
                          '{"id", "task", ' + ('"turns"' if conversation else '"prompt"') + ', "answers"}')
     seen = set()
     for line, r in numbered(path, rows):
-        where = f"--tasks {path} line {line}"
-        if isinstance(r["id"], bool) or not isinstance(r["id"], (str, int)):
-            raise ValueError(f"{where}: 'id' must be a string or a whole number, got {json.dumps(r['id'])[:40]}")
-        if not isinstance(r["task"], str):
-            raise ValueError(f"{where}: 'task' must be a string, got {json.dumps(r['task'])[:40]}")
-        turns = r.get("turns")
-        if conversation and not (isinstance(turns, list) and len(turns) == 2 and all(isinstance(t, str) for t in turns)):
-            raise ValueError(f"{where}: 'turns' must be a list of two user messages")
-        if r["id"] in seen:
-            raise ValueError(f"{where}: id {r['id']!r} again: ids must be unique (they key the results for resuming)")
-        seen.add(r["id"])
+        why = task_problem(r, conversation, seen)
+        if why:
+            raise ValueError(f"--tasks {path} line {line}: {why}")
+        seen.add(str(r["id"]))
     return rows
+
+
+def task_problem(r, conversation, seen):
+    """What is wrong with one row of a tasks file, saying what to write instead; None if nothing. seen: the ids
+    (as strings) of the rows above it."""
+    if isinstance(r["id"], bool) or not isinstance(r["id"], (str, int)):
+        return f"'id' must be a string or a whole number, got {json.dumps(r['id'])[:40]}"
+    if not isinstance(r["task"], str):
+        return f"'task' must be a string, got {json.dumps(r['task'])[:40]}"
+    key, texts = ("turns", r.get("turns")) if conversation else ("prompt", [r["prompt"]])
+    if conversation and not (isinstance(texts, list) and len(texts) == 2 and all(isinstance(t, str) for t in texts)):
+        return "'turns' must be a list of two user messages"
+    if not all(t.strip() for t in texts):  # nothing to prefill: an IndexError once the model had loaded
+        return f"'{key}' is empty: write the text the model answers"
+    if not all(data.normalise(a) for a in r["answers"]):  # every output contains "": accuracy 1.0, silently
+        return "'answers' holds an empty answer, which every output contains: write the expected text, or drop it"
+    if str(r["id"]) in seen:  # results.json keys each prompt's digest by str(id): 1 and "1" would share one
+        return f"id {r['id']!r} again: ids must be unique (they key the results for resuming; 1 and \"1\" are one)"
+    return None
 
 
 def read_results(path):
@@ -790,7 +835,7 @@ def check_args(args):
         if given:
             raise ValueError(f"{given[0]} does not apply to --heldout (the adapters select as their .json says; the "
                              f"ground truth is kept in {args.heldout}/heldout): drop it")
-        heldout_rows(args.heldout, args.limit)
+        check_heldout(args, budgets)
         return None, budgets, lengths, None, paths
     if args.answer_kl:
         raise ValueError("--answer-kl applies to --heldout (the task evaluation always measures the answer KL): drop it")

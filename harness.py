@@ -165,7 +165,7 @@ def compare(model, adapters, heldout, budgets, answer_kl=False, window=32):
     rows = {**ROWS, **PAPER_ROWS, **(LAYERED_ROWS if layered else {})}
     table = []
     for i, (label, m) in enumerate(adapters):
-        own = ("lookahead", "lookahead-unpooled") if m.info.get("rule", "none") != "none" else ("lookahead-unpooled",)
+        own = ("lookahead", "lookahead-unpooled") if (m.info.get("rule") or "none") != "none" else ("lookahead-unpooled",)
         own += tuple(PAPER_ROWS) + tuple(r for r in LAYERED_ROWS if r.startswith("lookahead") and r in rows)
         base = tuple(r for r in rows if not r.startswith("lookahead")) if i == 0 else ()
         result = heldout_metrics(model, m, heldout, budgets, rows, (base + own) if answer_kl else (), window)
@@ -195,15 +195,19 @@ def tables(table, budgets, n):
         for row in BASELINES + (("snapkv-layered",) if f"{metric}_snapkv-layered@{budgets[0]}" in first else ()):
             lines.append(f"| {row} | {cells(first, row)} | |")
         for label, m, r in table:
-            if m.info.get("rule", "none") != "none":
-                lines.append(f"| {label}, as shipped ({m.info['rule']}) | {cells(r, 'lookahead')} | {r['kl']:.4f} |")
+            # every row says what it selects by and how many slots each layer gets
+            own = "its per-layer budgets" if m.info.get("layer_weights") else "C in every layer"
+            if (m.info.get("rule") or "none") != "none":  # ("rule": null in a .json: none)
+                lines.append(f"| {label}, as shipped ({m.info['rule']}, {own}) | {cells(r, 'lookahead')} "
+                             f"| {r['kl']:.4f} |")
             if f"{metric}_lookahead-paper@{budgets[0]}" in r:
                 lines.append(f"| {label}, the paper's form (max:7, C in every layer) | {cells(r, 'lookahead-paper')} "
                              f"| {r['kl']:.4f} |")
-            lines.append(f"| {label}, unpooled top C (our variant) | {cells(r, 'lookahead-unpooled')} | {r['kl']:.4f} |")
+            lines.append(f"| {label}, unpooled top C ({own}; our variant) | {cells(r, 'lookahead-unpooled')} "
+                         f"| {r['kl']:.4f} |")
             if f"{metric}_lookahead-uniform@{budgets[0]}" in r:
-                lines.append(f"| {label}, as shipped, C in every layer | {cells(r, 'lookahead-uniform')} "
-                             f"| {r['kl']:.4f} |")
+                lines.append(f"| {label}, {m.info.get('rule') or 'none'}, C in every layer | "
+                             f"{cells(r, 'lookahead-uniform')} | {r['kl']:.4f} |")
     return "\n".join(lines)
 
 

@@ -58,11 +58,7 @@ class LookaheadModule(nn.Module):
         # random init with the scale of real token embeddings: untrained, they already act as
         # generic queries from "somewhere after the prompt", a strong baseline of their own
         self.embeddings = nn.Parameter(torch.randn(n_tokens, cfg.hidden_size) * embed_std)
-        H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        hidden, inter = cfg.hidden_size, cfg.intermediate_size
-        dims = dict(q_proj=(hidden, H * D), k_proj=(hidden, Hkv * D), v_proj=(hidden, Hkv * D),
-                    o_proj=(H * D, hidden), gate_proj=(hidden, inter), up_proj=(hidden, inter),
-                    down_proj=(inter, hidden))
+        dims = self.dims(cfg)
         self.lora = nn.ModuleList()
         for _ in range(cfg.num_hidden_layers):
             p = nn.ParameterDict()
@@ -72,6 +68,14 @@ class LookaheadModule(nn.Module):
                 p[t + "_A"] = nn.Parameter(torch.empty(rank, d_in).uniform_(-1, 1) / math.sqrt(d_in))
                 p[t + "_B"] = nn.Parameter(torch.zeros(d_out, rank))
             self.lora.append(p)
+
+    @staticmethod
+    def dims(cfg):
+        """(in, out) of each LoRA target's projection."""
+        H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        return dict(q_proj=(hidden, H * D), k_proj=(hidden, Hkv * D), v_proj=(hidden, Hkv * D), o_proj=(H * D, hidden),
+                    gate_proj=(hidden, inter), up_proj=(hidden, inter), down_proj=(inter, hidden))
 
     def delta(self, layer, name, x):
         """The LoRA term for rows x (B, M, in) -> (B, M, out), or None if `name` is no target."""
@@ -109,29 +113,14 @@ class LookaheadModule(nn.Module):
             raise FileNotFoundError(f"adapter {path} (a .safetensors file and its .json) not found: "
                                     "train one with python train.py")
         meta = read_json(meta_file, "retrain the adapter")
-        for key, kind in cls.KEYS.items():
-            value = meta.get(key)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise ValueError(f"adapter metadata {meta_file}: {key!r} is missing or not a {getattr(kind, '__name__', 'number')}: "
-                                 "retrain the adapter")
-            if isinstance(value, (int, float)) and not (math.isfinite(value) and value > 0):  # "alpha": NaN parses
-                raise ValueError(f"adapter metadata {meta_file}: {key!r} is {value}, not a finite number > 0: "
-                                 "retrain the adapter")
-        if meta["base_fingerprint"] != cfg.fingerprint():
-            raise ValueError(f"adapter {path.name} was trained for {meta['base_model']!r} "
-                             f"(fingerprint {meta['base_fingerprint']}), not for this model "
-                             f"{cfg.name!r} ({cfg.fingerprint()}): train one for it with python train.py")
-        bad = [t for t in meta["targets"] if t not in cls.TARGETS]
-        if bad:  # named here, with the file; the constructor would name neither
-            raise ValueError(f"adapter metadata {meta_file}: 'targets' holds {json.dumps(bad)[:60]}, not LoRA targets "
-                             f"({', '.join(cls.TARGETS)}): retrain the adapter")
-        m = cls(cfg, meta["n_tokens"], meta["rank"], meta["alpha"], meta["targets"])
-        m.info = {k: v for k, v in meta.items() if k not in m.metadata()}
         try:
             tensors = load_file(str(path))
         except Exception as e:
             raise ValueError(f"adapter {path} is not a readable safetensors file ({str(e).splitlines()[0]}): "
                              "retrain it") from None
+        cls.check_metadata(meta, meta_file, cfg, path.stat().st_size)
+        m = cls(cfg, meta["n_tokens"], meta["rank"], meta["alpha"], meta["targets"])
+        m.info = {k: v for k, v in meta.items() if k not in m.metadata()}
         want = m.state_dict()
         for name, t in want.items():
             if name not in tensors:
@@ -148,7 +137,58 @@ class LookaheadModule(nn.Module):
         if extra:
             raise ValueError(f"adapter {path} has tensor {extra[0]!r} that its .json does not describe: retrain it")
         m.load_state_dict(tensors)
+        too_large = m.scale_problem()
+        if too_large:
+            raise ValueError(f"adapter {path}: {too_large}: the M rows' attention would overflow to NaN and select "
+                             f"at random; retrain it")
         return m.to(device)
+
+    @classmethod
+    def check_metadata(cls, meta, meta_file, cfg, n_bytes):
+        """The .json's keys, before any tensor is made: their types, the base model, and M, rank and targets
+        against the size of the tensors file (n_bytes), so that "rank": 10**12 is one line, not a module
+        allocated (or an overflow) first."""
+        for key, kind in cls.KEYS.items():
+            value = meta.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"adapter metadata {meta_file}: {key!r} is missing or not a "
+                                 f"{getattr(kind, '__name__', 'number')}: retrain the adapter")
+            if isinstance(value, (int, float)) and not (math.isfinite(value) and value > 0):  # "alpha": NaN parses
+                raise ValueError(f"adapter metadata {meta_file}: {key!r} is {value}, not a finite number > 0: "
+                                 "retrain the adapter")
+        if meta["base_fingerprint"] != cfg.fingerprint():
+            raise ValueError(f"adapter {meta_file.with_suffix('.safetensors').name} was trained for "
+                             f"{meta['base_model']!r} (fingerprint {meta['base_fingerprint']}), not for this model "
+                             f"{cfg.name!r} ({cfg.fingerprint()}): train one for it with python train.py")
+        bad = [t for t in meta["targets"] if t not in cls.TARGETS]
+        if bad:  # named here, with the file; the constructor would name neither
+            raise ValueError(f"adapter metadata {meta_file}: 'targets' holds {json.dumps(bad)[:60]}, not LoRA targets "
+                             f"({', '.join(cls.TARGETS)}): retrain the adapter")
+        dims = cls.dims(cfg)
+        numbers = meta["n_tokens"] * cfg.hidden_size + cfg.num_hidden_layers * meta["rank"] * sum(
+            sum(dims[t]) for t in set(meta["targets"]))
+        if numbers > n_bytes:  # safetensors spends at least a byte on each
+            raise ValueError(f"adapter metadata {meta_file}: n_tokens {meta['n_tokens']}, rank {meta['rank']} and its "
+                             f"targets make {numbers} numbers, more than its tensors file of {n_bytes} bytes holds: "
+                             "retrain the adapter")
+
+    def scale_problem(self):
+        """What makes the module's numbers too large to use (None if nothing): finite, but far past any trained
+        adapter's. Bounds, not forwards: the embeddings' largest entry, and per LoRA the largest gain
+        (alpha / rank) |B| |A| (Frobenius norms) it can put on a row."""
+        largest = self.embeddings.detach().abs().max().item()
+        if not largest <= SCALE_LIMIT:
+            return f"its embeddings reach {largest:.3g}, past {SCALE_LIMIT:g} (a trained adapter's stay below 1)"
+        for layer, p in enumerate(self.lora):
+            for t in self.targets:
+                gain = self.alpha / self.rank * (p[t + "_A"].detach().norm() * p[t + "_B"].detach().norm()).item()
+                if not gain <= SCALE_LIMIT:
+                    return (f"its LoRA on layer {layer}'s {t} has gain (alpha / rank) |B| |A| = {gain:.3g}, past "
+                            f"{SCALE_LIMIT:g} (a trained adapter's is about 10; is \"alpha\" {self.alpha} right?)")
+        return None
+
+
+SCALE_LIMIT = 1e6  # LookaheadModule.scale_problem: far past a trained adapter (~10), far below float overflow
 
 
 def untrained_module(model, n_tokens=32, rank=8, alpha=32, targets=LookaheadModule.TARGETS):

@@ -11,6 +11,8 @@ An adapter ships the way it selects: "rule" (e.g. "span:8": extensions/span.py) 
 EvictConfig names its own rule or budgets (EvictConfig(budgets=uniform_budgets): the paper's C in every layer).
 """
 import dataclasses
+import json
+import math
 
 import torch
 
@@ -84,17 +86,26 @@ def load_adapter(path, cfg, device="cpu"):
     if old:  # an adapter saved before 2026-12-02: say so rather than select differently
         raise ValueError(f"adapter {path}: its .json names {', '.join(old)}, keys of an older format: write its rule "
                          f"as \"rule\": \"span:8\" (pool:kernel) and layer_budget as \"layer_weights\"")
-    rule, weights = module.info.get("rule"), module.info.get("layer_weights")
     try:
-        if rule is not None:
-            parse_rule(rule)
-        if weights is not None:
-            if not isinstance(weights, list):
-                raise ValueError(f"layer_weights must be a list of numbers, got {weights!r}")
-            LayerBudgets(weights)(128, cfg.num_hidden_layers, 10**6)
-    except (ValueError, TypeError) as e:
+        check_selection(module.info.get("rule"), module.info.get("layer_weights"), cfg.num_hidden_layers)
+    except ValueError as e:
         raise ValueError(f"adapter {path}: its .json's selection is not usable ({e}): fix or retrain it") from None
     return module
+
+
+def check_selection(rule, weights, n_layers):
+    """An adapter's "rule" and "layer_weights" (None: not given) as selection will read them, or ValueError.
+    A weight must be a JSON number: LayerBudgets' float() would take "2" or true as 2.0 and 1.0 without a word."""
+    if rule is not None:
+        parse_rule(rule)
+    if weights is not None:
+        if not (isinstance(weights, list) and all(isinstance(w, (int, float)) and not isinstance(w, bool)
+                                                  for w in weights)):
+            raise ValueError(f"layer_weights must be a list of numbers, got {json.dumps(weights)[:60]}")
+        budgets = LayerBudgets(weights)  # each finite and >= 0, not all 0
+        if not math.isfinite(sum(weights)):  # each finite, their sum not (1e308 twice): spread_budgets' NaN
+            raise ValueError(f"layer_weights sum to {sum(weights)}: write them with mean 1")
+        budgets(128, n_layers, 10**6)  # one per layer
 
 
 def selecting_like(module, adapter):

@@ -213,12 +213,14 @@ def check_config(cfg):
     Returns what the run reads: (out, dest, model config, rows of OUT/data.jsonl, adapter (--init / the
     measured one) or None, checkpoint or None)."""
     check_choices(cfg)
+    check_given(cfg)
     cfg.device = cfg.device or cli.default_device()
     cli.check_device(cfg.device)
     cli.check_model_dir(cfg.model)
     check_numbers(cfg)
     parse_targets(cfg.targets)
     methods.parse_rule(cfg.rule)
+    check_heldout_budget(cfg)
 
     # the files: OUT, where the adapter goes, what is read from OUT, the adapter to start from or measure
     out, dest = output_paths(cfg)
@@ -227,8 +229,20 @@ def check_config(cfg):
     rows = read_rows(out, model_cfg, trim=cfg.stage in ("data", "all"))
     check_samples(cfg, out, rows)
     adapter = adapter_to_read(cfg, model_cfg)
+    check_fit(cfg, model_cfg, out, rows, adapter)
+    check_disk(cfg, model_cfg, rows)
     ckpt = checkpoint_to_resume(cfg, out, model_cfg, adapter)
     return out, dest, model_cfg, rows, adapter, ckpt
+
+
+def check_given(cfg):
+    """A path or device given as "" is a slip, not the default: --init "" trained from scratch, --adapter-out ""
+    wrote OUT/adapter.safetensors and --out "" the current folder, each without a word."""
+    for flag, value in (("--model", cfg.model), ("--out", cfg.out), ("--adapter-out", cfg.adapter_out),
+                        ("--init", cfg.init), ("--device", cfg.device)):
+        if value is not None and not value.strip():
+            raise ValueError(f"{flag} {value!r} is empty: give a value, or leave it out (in a --config file: drop "
+                             f"the key) for the default")
 
 
 def check_choices(cfg):
@@ -250,8 +264,9 @@ def check_numbers(cfg):
                             ("--eval-every", cfg.eval_every, 1), ("--save-every", cfg.save_every, 1),
                             ("weight_decay", cfg.weight_decay, 0)]:
         cli.at_least(flag, value, lo)
+    minutes = [("--max-minutes", cfg.max_minutes)] if cfg.max_minutes is not None else []
     for flag, value in [("--lr", cfg.lr), ("alpha", cfg.alpha), ("--epochs", cfg.epochs), ("clip", cfg.clip),
-                        ("store_gb", cfg.store_gb)] + ([("--max-minutes", cfg.max_minutes)] if cfg.max_minutes is not None else []):
+                        ("store_gb", cfg.store_gb)] + minutes:
         cli.positive(flag, value)
     for flag, value in [("warmup", cfg.warmup), ("long_frac", cfg.long_frac), ("first_frac", cfg.first_frac)] + \
             ([("copy_frac", cfg.copy_frac)] if cfg.copy_frac is not None else []):
@@ -259,6 +274,69 @@ def check_numbers(cfg):
     if not cfg.min_tokens <= cfg.max_tokens <= cfg.long_max:
         raise ValueError(f"min_tokens {cfg.min_tokens}, --max-tokens {cfg.max_tokens}, long_max {cfg.long_max}: "
                          "need min <= max <= long_max")
+    # a step is batch // micro_batch micro-batches, at least one: --batch 4 with the default micro-batch of 8 trained
+    # on 8 samples a step, and --batch 10 on 8; the first is one micro-batch of 4, the second is refused
+    cfg.micro_batch = min(cfg.micro_batch, cfg.batch)
+    if cfg.batch % cfg.micro_batch:
+        step = cfg.micro_batch * max(1, cfg.batch // cfg.micro_batch)
+        raise ValueError(f"--batch {cfg.batch} is not a whole number of micro-batches of {cfg.micro_batch} "
+                         f"(--micro-batch): each step would train on {step} samples; use --batch {step}, or a "
+                         f"--micro-batch that divides {cfg.batch}")
+    if not -2**63 <= cfg.seed < 2**63:  # torch.manual_seed's range; past it, an OverflowError that named no flag
+        raise ValueError(f"--seed {cfg.seed}: must be a whole number from -2**63 to 2**63 - 1")
+
+
+def check_heldout_budget(cfg):
+    """The held-out check's baselines (harness.BASELINES: SnapKV, PyramidKV and H2O keep the last `window` tokens
+    anyway) at C = budget: a window that leaves them no room failed at the first check, after the data stage."""
+    if cfg.stage not in ("train", "all"):
+        return
+    for method in harness.BASELINES:
+        if method != "oracle":  # its scores need the answer; it keeps no window
+            try:
+                methods.make_scorer(EvictConfig(method, cfg.budget, window=cfg.window))
+            except ValueError as e:
+                raise ValueError(f"budget {cfg.budget}, window {cfg.window} (the held-out check's): {e}") from None
+
+
+CHAT_ROOM = 64  # tokens a chat template adds around a prompt (SmolLM2's, with its system message: 30)
+
+
+def check_fit(cfg, model_cfg, out, rows, adapter):
+    """The module and the prompts fit the model, said before the data stage rather than after it (rank 10**6
+    filled the memory when training began) or never (a prompt past the context runs on RoPE positions the model
+    never saw): a LoRA rank at most its hidden size (a higher one adds nothing), every prompt with its answer
+    and the M lookahead rows after it within its context. The recipe's longest prompt counts when this run
+    makes prompts; the longest OUT/data.jsonl holds always. M and rank are --init's adapter's when there is one."""
+    ctx, name = model_cfg.max_context, model_cfg.name
+    M = adapter.n_tokens if adapter is not None else cfg.n_tokens
+    if adapter is None and cfg.rank > model_cfg.hidden_size:
+        raise ValueError(f"rank {cfg.rank}: at most {name}'s hidden size {model_cfg.hidden_size} (a LoRA of higher "
+                         f"rank adds nothing)")
+    have = {split: sum(r.get("split") == split for r in rows) for split in ("train", "heldout")}
+    if cfg.stage in ("data", "all") and (have["train"] < cfg.n_train or have["heldout"] < cfg.n_heldout):
+        key, longest = ("long_max", cfg.long_max) if cfg.long_frac > 0 else ("--max-tokens", cfg.max_tokens)
+        after, room = ("--max-new-tokens", cfg.max_new_tokens) if cfg.max_new_tokens >= M else ("n_tokens", M)
+        if longest + CHAT_ROOM + room > ctx:
+            raise ValueError(f"{key} {longest} + {CHAT_ROOM} (the chat template) + {after} {room} is "
+                             f"{longest + CHAT_ROOM + room} tokens, past {name}'s context of {ctx}: lower {key} or "
+                             f"{after}")
+    longest = max((len(r["prompt_ids"]) for r in rows), default=0)
+    if longest + M > ctx:
+        raise ValueError(f"n_tokens {M}: {out / 'data.jsonl'}'s longest prompt ({longest} tokens) with the M "
+                         f"lookahead rows after it is past {name}'s context of {ctx}: lower n_tokens")
+
+
+def check_disk(cfg, model_cfg, rows):
+    """build_dataset's store_gb check on the least the new training rows can take (each keeps its target, L x H x S
+    floats, with S >= min_tokens): --n-train 10**9 is refused now, not once its prompts have all been made."""
+    if cfg.stage not in ("data", "all"):
+        return
+    new = max(0, cfg.n_train - sum(r.get("split") == "train" for r in rows))
+    least = new * sample_bytes(model_cfg, cfg.min_tokens, None)
+    if least > cfg.store_gb * 2**30:
+        raise ValueError(f"--n-train {cfg.n_train}: the training samples would take at least {least / 2**30:.1f} GiB "
+                         f"on disk, over store_gb {cfg.store_gb}: raise it in the --config file, or use fewer prompts")
 
 
 def output_paths(cfg):

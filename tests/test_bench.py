@@ -65,7 +65,7 @@ def test_overhead_rows(tiny_config, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "overhead %" in printed and "middle half %" in printed and "fastest %" in printed
     # no adapter for a random model: the untrained module of the shipped configuration, selecting by the
-    # shipped adapter's rule; the unpooled row is the paper's form
+    # shipped adapter's rule; the unpooled row is our variant (the paper pools first: lookahead-paper)
     assert "untrained LookaheadModule (M=32, LoRA q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj r=8)" \
         in printed
     assert "lookahead: rule span:8:1024, C every layer, one pass" in printed
@@ -148,7 +148,7 @@ SMOL = ROOT / "weights" / "SmolLM2-135M-Instruct"
 @pytest.mark.skipif(not (SMOL / "config.json").is_file(), reason="the default model is not prepared")
 def test_lookahead_rows_use_the_shipped_adapter():
     """Issue 27: by default the lookahead row is what ships (the adapter's rule and per-layer budgets), the
-    unpooled row the paper's form (top C of the raw scores, C in every layer), both with the same adapter."""
+    unpooled row our variant (top C of the raw scores, C in every layer), both with the same adapter."""
     from eviction import Pool, uniform_budgets
     from extensions.layer_budgets import LayerBudgets
     from extensions.span import SpanRule

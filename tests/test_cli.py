@@ -252,6 +252,24 @@ def test_bad_adapter_stops_before_the_weights_load(prompt, tmp_path, tiny_model,
              "retrain the adapter")
 
 
+def test_adapter_alpha_that_would_overflow_stops_before_the_weights_load(prompt, tmp_path, tiny_model, no_loading):
+    """An adapter .json with "alpha": 1e30 (finite, > 0) gave NaN attention for the M rows and a selection at
+    random, with exit 0: now one line naming the file and the key, before the model's weights load."""
+    from lookaheadkv import LookaheadModule
+
+    module = LookaheadModule(model.ModelConfig.from_hf_config(tiny_model), n_tokens=4, rank=2)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("_B"):
+                p.normal_(0.0, 0.1)  # a trained LoRA: B is not 0
+    module.save(tmp_path / "a.safetensors")
+    meta = json.loads((tmp_path / "a.json").read_text())
+    (tmp_path / "a.json").write_text(json.dumps(dict(meta, alpha=1e30)))
+    one_line(error_of(generate_py.main, "--prompt", prompt, "--model", tiny_model, "--adapter",
+                      tmp_path / "a.safetensors", "--max-new-tokens", "4"),
+             str(tmp_path / "a.safetensors"), "gain (alpha / rank) |B| |A|", '"alpha" 1e+30', "retrain it")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_device_cuda_without_cuda(prompt, tiny_model):
     one_line(error_of(generate_py.main, "--prompt", prompt, "--model", tiny_model, "--device", "cuda"),

@@ -7,14 +7,18 @@ import importlib.util
 import io
 import json
 import math
+import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import cli
 import data
 import evaluate
 import harness
@@ -443,7 +447,8 @@ def run_script(*args):
     return code or 0, lines
 
 
-@pytest.mark.parametrize("case", ["id-list", "results-not-ours", "empty-tasks", "nan-flag", "out-is-a-file"])
+@pytest.mark.parametrize("case", ["id-list", "results-not-ours", "empty-tasks", "nan-flag", "out-is-a-file",
+                                  "blank-prompt", "empty-answer", "id-1-and-'1'"])
 def test_bad_input_is_one_error_line_before_the_model_loads(tiny, tmp_path, case):
     """Issue 28's process contract: exit status 1, ONE line `error: ...` naming the file or flag, within
     seconds (no model is loaded: --model names a folder whose weights would not even load), nothing overwritten."""
@@ -469,6 +474,16 @@ def test_bad_input_is_one_error_line_before_the_model_loads(tiny, tmp_path, case
     elif case == "out-is-a-file":
         out.write_text("mine")
         named = f"--out {out} is a file"
+    elif case == "blank-prompt":  # no token to prefill: an IndexError once the model had loaded, before
+        tasks.write_text('{"id": "a", "task": "x", "prompt": " \\n ", "answers": []}\n')
+        named = f"{tasks} line 1: 'prompt' is empty: write the text"
+    elif case == "empty-answer":  # every output contains "": accuracy 1.0 whatever the model said, before
+        tasks.write_text('{"id": "a", "task": "x", "prompt": "ba", "answers": ["be", " "]}\n')
+        named = f"{tasks} line 1: 'answers' holds an empty answer"
+    elif case == "id-1-and-'1'":  # one key in results.json's prompt digests: made again on every resume, before
+        tasks.write_text('{"id": 1, "task": "x", "prompt": "ba", "answers": []}\n'
+                         '{"id": "1", "task": "x", "prompt": "be", "answers": []}\n')
+        named = f"{tasks} line 2: id '1' again: ids must be unique"
     status, lines = run_script("--model", str(model), "--tasks", str(tasks), "--out", str(out), "--device", "cpu",
                                "--methods", "snapkv", *extra)
     assert status == 1 and len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], lines
@@ -476,6 +491,8 @@ def test_bad_input_is_one_error_line_before_the_model_loads(tiny, tmp_path, case
         assert (out / "results.json").read_text() == "[1, 2, 3]" and "move it away or pass another --out" in lines[0]
     if case == "out-is-a-file":
         assert out.read_text() == "mine"
+    elif case != "results-not-ours":
+        assert not (out / "results.json").exists()
 
 
 def heldout_folder(root, name, rows):
@@ -510,7 +527,8 @@ def test_heldout_compares_adapters_with_the_untrained_module(tiny, capsys):
     assert "answer_kl_lookahead@8" in table[2][2]  # the second adapter's own rule
     printed = capsys.readouterr().out
     assert "| recall@C (3 held-out; gap closed) | C=8 | C=16 |" in printed and "answer KL (3 held-out" in printed
-    assert f"| {tiny / 'second.safetensors'}, as shipped (avg:3) |" in printed
+    assert f"| {tiny / 'second.safetensors'}, as shipped (avg:3, C in every layer) |" in printed
+    assert f"| {tiny / 'second.safetensors'}, the paper's form (max:7, C in every layer) |" in printed
     assert len(list((folder / "heldout").glob("*.pt"))) == 3  # the held-out rows only
     again = evaluate.main(args)  # the ground truth from OUT/heldout; recall only
     assert all(a[2][k] == pytest.approx(b[2][k]) for a, b in zip(table, again) for k in b[2])
@@ -522,6 +540,9 @@ def test_heldout_compares_adapters_with_the_untrained_module(tiny, capsys):
     ("no-heldout-rows", "has no rows with split \"heldout\": add some with python train.py"),
     ("bad-ids", "data.jsonl line 1: 'prompt_ids' must be a"),
     ("with-tasks", "--tasks does not apply to --heldout"),
+    ("id-past-vocab", "data.jsonl: row 'a' holds token id 300, past tiny-llama's vocabulary of 300: pass the --model"),
+    ("past-context", "data.jsonl: row 'a' is 601 tokens \\(prompt and answer\\), past tiny-llama's context of 512"),
+    ("window-fills-budget", "budget 8 is too small for snapkv: it always keeps the last 32 tokens"),
 ])
 def test_heldout_errors(tiny, tmp_path, case, message):
     folder = tmp_path / "held"
@@ -531,11 +552,48 @@ def test_heldout_errors(tiny, tmp_path, case, message):
         data.write_jsonl([dict(row, split="train")], folder / "data.jsonl")
     elif case == "bad-ids":
         data.write_jsonl([dict(row, prompt_ids="5 6 7")], folder / "data.jsonl")
-    elif case == "with-tasks":
+    elif case in ("with-tasks", "window-fills-budget"):  # the second: failed once the ground truth was made
         data.write_jsonl([row], folder / "data.jsonl")
-    extra = ["--tasks", str(tiny / "tasks.jsonl")] if case == "with-tasks" else []
+    elif case == "id-past-vocab":  # an IndexError in the embedding, before
+        data.write_jsonl([dict(row, prompt_ids=[5, 300, 7])], folder / "data.jsonl")
+    elif case == "past-context":  # RoPE positions the model never saw, without a word, before
+        data.write_jsonl([dict(row, prompt_ids=[5] * 600)], folder / "data.jsonl")
+    extra = {"with-tasks": ["--tasks", str(tiny / "tasks.jsonl")],
+             "window-fills-budget": ["--budgets", "8,64", "--window", "32"]}.get(case, [])
     with pytest.raises(SystemExit, match=f"^error: .*{message}"):
         evaluate.main(["--heldout", str(folder), "--model", str(tiny / "tiny-llama"), "--device", "cpu", *extra])
+    assert not list(folder.glob("heldout/*.pt"))  # no ground truth made
+
+
+def test_heldout_ground_truth_has_one_writer(tiny, tmp_path, monkeypatch):
+    """Two --heldout runs on one OUT would write OUT/heldout's files at once: while a live process holds
+    OUT/heldout/.lock, a second run is refused in one line before the model loads, nothing written. The claim
+    is OUT/heldout's, not OUT's: a train.py run holding OUT (its data stage appending rows) does not block it."""
+    folder = heldout_folder(tmp_path, "held", [dict(id="a", split="heldout", prompt_ids=[5, 6, 7], response_ids=[8])])
+    (folder / "heldout").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    reached = []
+
+    def load(*a, **k):  # the claim passed: stop where the model would load
+        reached.append((folder / "heldout" / ".lock").read_text())
+        raise ValueError("the model loads now")
+
+    monkeypatch.setattr(cli, "load", load)
+    args = ["--heldout", str(folder), "--model", str(tiny / "tiny-llama"), "--device", "cpu"]
+    try:
+        (folder / "heldout" / ".lock").write_text(str(holder.pid))
+        status, lines = run_script(*args)
+        assert status == 1 and lines == [f"error: --heldout {folder / 'heldout'}: another run (process {holder.pid}) "
+                                         f"is writing into this folder: wait for it to end, or pass another --heldout"]
+        assert not reached and sorted(p.name for p in (folder / "heldout").iterdir()) == [".lock"]
+        (folder / "heldout" / ".lock").unlink()
+        (folder / ".lock").write_text(str(holder.pid))  # train.py holds OUT
+        assert run_script(*args) == (1, ["error: the model loads now"]) and reached == [str(os.getpid())]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (folder / ".lock").read_text() == str(holder.pid)  # train.py's lock is not ours to take
+    assert not (folder / "heldout" / ".lock").exists()  # ours went when the run ended
 
 # -----------------------------------------------------------------------------
 # beyond the paper: --mode decode (long answers held to C) and --mode conversation (two turns held to C)

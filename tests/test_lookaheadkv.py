@@ -1038,3 +1038,36 @@ def test_adapter_numbers_that_parse_but_cannot_work_are_refused(tmp_path, bad):
     assert f'"alpha": {bad}' in meta.read_text()
     with pytest.raises(ValueError, match=rf"{meta}: 'alpha' is .*, not a finite number > 0"):
         LookaheadModule.load(tmp_path / "a.safetensors", cfg)
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("n_tokens", 10**30, r"n_tokens 10{30}, rank 8 and its targets make \d+ numbers, more than its tensors file"),
+    ("rank", 10**12, r"n_tokens 4, rank 10{12} and its targets make \d+ numbers, more than its tensors file"),
+    ("alpha", 1e30, r"its LoRA on layer 0's q_proj has gain \(alpha / rank\) \|B\| \|A\| = .*e\+29, past 1e\+06"),
+    ("embeddings", 1e12, r"its embeddings reach 1e\+12, past 1e\+06"),
+    ("layer_weights", ["1", "2"], r'layer_weights must be a list of numbers, got \["1", "2"\]'),
+    ("layer_weights", [True, False], r"layer_weights must be a list of numbers, got \[true, false\]"),
+    ("layer_weights", [1e308, 1e308], r"layer_weights sum to inf: write them with mean 1"),
+], ids=["n_tokens-huge", "rank-huge", "alpha-overflows", "embeddings-huge", "weights-strings", "weights-bools",
+        "weights-sum-inf"])
+def test_adapter_values_that_are_finite_but_cannot_work_are_refused(tmp_path, key, value, said):
+    """Values of an adapter's .json (or tensors) that parse and are finite, yet fail late or silently: a rank
+    of 10**12 allocated the module first (an overflow TypeError, or all the memory), an "alpha" of 1e30 made the
+    M rows' attention NaN (a selection at random, exit 0), layer weights "1" or true read as numbers. Each is
+    one ValueError naming the file, at load."""
+    cfg = ModelConfig(**TINY)
+    module = random_module(cfg, 4)
+    if key == "embeddings":
+        with torch.no_grad():
+            module.embeddings.mul_(value / module.embeddings.abs().max())
+    module.save(tmp_path / "a.safetensors")
+    meta = json.loads((tmp_path / "a.json").read_text())
+    if key != "embeddings":
+        meta[key] = value
+    (tmp_path / "a.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=rf"a\.(json|safetensors)\b.*{said}") as e:
+        methods.load_adapter(tmp_path / "a.safetensors", cfg)
+    assert "\n" not in str(e.value) and ("retrain" in str(e.value) or "fix" in str(e.value))
+    if key == "alpha":  # the same adapter with its own alpha loads
+        (tmp_path / "a.json").write_text(json.dumps(dict(meta, alpha=32)))
+        assert methods.load_adapter(tmp_path / "a.safetensors", cfg).alpha == 32

@@ -1,6 +1,9 @@
 """Tests for weights/prepare.py: GGUF -> HF conversion on a tiny GGUF written here, and the
 real prepared SmolLM2 tokenizer/checkpoint (skipped when weights/SmolLM2-135M-Instruct is missing)."""
 import json
+import os
+import subprocess
+import sys
 import zipfile
 
 import numpy as np
@@ -10,6 +13,7 @@ gguf = pytest.importorskip("gguf")
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import cli
 import weights.prepare as prep
 from weights.prepare import DEFAULT_DIR, convert_gguf, permute, unpermute
 
@@ -381,3 +385,35 @@ def test_a_folder_of_another_model_is_not_overwritten(tmp_path, monkeypatch):
     monkeypatch.setattr(prep, "fetch_gguf", lambda log: tmp_path / "x.gguf")
     monkeypatch.setattr(prep, "convert_gguf", lambda g, out: (write_prepared(out), 7)[1])
     assert prep.ensure_default(began, quiet=True) == began and prep.is_ready(began)
+
+
+def test_one_run_writes_into_a_folder(tmp_path, monkeypatch):
+    """Two prepare.py runs on one --out would interleave their files: while a live process holds OUT/.lock, a
+    second run (the real script) is refused in one line and changes nothing; a killed run's lock (a dead process
+    id) is replaced and the folder is prepared."""
+    began = tmp_path / "began"
+    began.mkdir()
+    (began / "config.json").write_text("{")  # a conversion under way
+    (began / prep.MARKER).write_text("building\n")
+    before = {p.name: p.read_bytes() for p in began.iterdir()}
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (began / ".lock").write_text(str(holder.pid))
+        r = subprocess.run([sys.executable, str(prep.WEIGHTS_DIR / "prepare.py"), "--out", str(began)],
+                           capture_output=True, text=True, env={**os.environ, "PIP_NO_INDEX": "1"})
+        assert r.returncode == 1 and r.stdout == "", r.stderr
+        assert r.stderr.strip().splitlines() == [f"error: --out {began}: another run (process {holder.pid}) is "
+                                                 f"writing into this folder: wait for it to end, or pass another --out"]
+        assert {p.name: p.read_bytes() for p in began.iterdir() if p.name != ".lock"} == before
+        assert (began / ".lock").read_text() == str(holder.pid)
+    finally:
+        holder.kill()
+        holder.wait()
+    monkeypatch.setattr(prep, "fetch_gguf", lambda log: tmp_path / "x.gguf")
+    monkeypatch.setattr(prep, "convert_gguf", lambda g, out: (write_prepared(out), 7)[1])
+    try:
+        prep.main(["--out", str(began)])  # the holder is dead: its lock is stale, replaced, and the folder made
+        assert prep.is_ready(began) and (began / ".lock").read_text() == str(os.getpid())
+    finally:
+        cli.release_folders()
+    assert not (began / ".lock").exists()

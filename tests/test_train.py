@@ -252,9 +252,11 @@ def write_data(out, model_dir, n_train=4, n_heldout=1, fingerprint=None, base_mo
 
 
 def argv(model_dir, out, *extra, **recipe):
-    """A tiny run's command line; its recipe (TrainConfig fields that are not flags) in a --config file."""
+    """A tiny run's command line; its recipe (TrainConfig fields that are not flags) in a --config file, with
+    prompt lengths that fit the tiny model's context of 512 (train.check_fit)."""
     path = Path(out).parent / f"recipe-{Path(out).name}.json"
-    path.write_text(json.dumps({**dict(n_tokens=8, warmup=0.25, budget=16, window=4), **recipe}))
+    fit = dict(min_tokens=16, max_tokens=64, long_max=128)
+    path.write_text(json.dumps({**dict(n_tokens=8, warmup=0.25, budget=16, window=4), **fit, **recipe}))
     return ["--config", str(path), "--model", str(model_dir), "--out", str(out), "--n-train", "4", "--n-heldout",
             "1", "--batch", "2", "--epochs", "2", "--lr", "1e-2", "--micro-batch", "1", "--eval-every", "100",
             "--save-every", "100", "--device", "cpu", *extra]
@@ -429,6 +431,51 @@ def test_bad_flags_and_paths_stop_before_the_model_loads(model_dir, tmp_path, mo
             train.main(argv(model_dir, out, **{key: value}))
         assert says in error_line(e), key
     assert weights.read_text() == "precious" and a_file.read_text() == "x"
+
+
+@pytest.mark.parametrize("recipe, flags, says", [
+    (dict(init=""), [], "--init '' is empty: give a value, or leave it out"),  # trained from scratch, before
+    (dict(adapter_out=""), [], "--adapter-out '' is empty"),  # wrote OUT/adapter.safetensors, before
+    (dict(), ["--out", ""], "--out '' is empty"),  # wrote into the current folder, before
+    (dict(seed=2**64), [], "--seed 18446744073709551616: must be a whole number"),  # "Overflow when unpacking"
+    (dict(), ["--batch", "10", "--micro-batch", "8"], "--batch 10 is not a whole number of micro-batches of 8"),
+    (dict(budget=16, window=16), [], "budget 16, window 16 (the held-out check's): budget 16 is too small for snapkv"),
+    (dict(rank=10**6), [], "rank 1000000: at most TinyLlama's hidden size 64"),  # the memory, when training began
+    (dict(long_max=4096), ["--n-train", "5"], "long_max 4096 + 64 (the chat template) + --max-new-tokens 256 is 4416 "
+                                               "tokens, past TinyLlama's context of 512: lower long_max"),
+    (dict(n_tokens=500), [], "data.jsonl's longest prompt (48 tokens) with the M lookahead rows after it is past "
+                             "TinyLlama's context of 512: lower n_tokens"),  # RoPE past the context, without a word
+    (dict(), ["--n-train", str(10**9)], "--n-train 1000000000: the training samples would take at least "),  # once
+    # every prompt had been made (days), before
+], ids=["init-empty", "adapter-out-empty", "out-empty", "seed-too-large", "batch-not-micro-batches",
+        "window-fills-budget", "rank-past-hidden", "prompts-past-context", "lookahead-past-context",
+        "n-train-past-disk"])
+def test_recipe_values_that_failed_late_or_silently_stop_before_the_model_loads(model_dir, tmp_path, monkeypatch,
+                                                                              recipe, flags, says):
+    """Issue 37: recipe values (a --config key, or its flag) that were taken without a word, or failed only after
+    the data stage, are one `error:` line naming the key before the model loads; OUT is left as it was."""
+    out = tmp_path / "o"
+    write_data(out, model_dir)
+    before = {f: f.read_bytes() for f in out.rglob("*") if f.is_file()}
+    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    monkeypatch.chdir(tmp_path)
+    args = argv(model_dir, out, *flags, **recipe)
+    if "--out" in flags:  # the one given last wins
+        args = args[:args.index("--out")] + args[args.index("--out") + 2:]
+    with pytest.raises(SystemExit) as e:
+        train.main(args)
+    assert says in error_line(e)
+    assert {f: f.read_bytes() for f in out.rglob("*") if f.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o", "recipe-o.json"]
+
+
+def test_a_batch_below_the_micro_batch_is_one_micro_batch_of_it():
+    """The docstring's smoke run (--batch 4, micro_batch 8 by default) trained on 8 samples a step: now 4."""
+    cfg = train.TrainConfig(batch=4)
+    train.check_numbers(cfg)
+    assert (cfg.batch, cfg.micro_batch) == (4, 4)
+    train.check_numbers(cfg := train.TrainConfig(batch=32, micro_batch=8))
+    assert (cfg.batch, cfg.micro_batch) == (32, 8)
 
 
 def test_adapter_out_json_is_refused_and_left_untouched(model_dir, tmp_path):

