@@ -71,8 +71,11 @@ def heldout_ground_truth(model, rows, window=32, out=None):
         cache, gt, extra = ground_truth(model, r["prompt_ids"], r["response_ids"], window)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(dict(k=cache.k, v=cache.v, gt=gt, extra=extra), path.with_suffix(".tmp"))
-            os.replace(path.with_suffix(".tmp"), path)
+            # a file named by its content, written whole under a name of this process's own, then moved in at
+            # once: a train.py run and an evaluate.py --heldout run on one folder never mix their halves
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            torch.save(dict(k=cache.k, v=cache.v, gt=gt, extra=extra), tmp)
+            os.replace(tmp, path)
         items.append((cache, gt, extra))
     return items
 

@@ -762,6 +762,7 @@ class Tokenizer:
         fix = redo(path)
         try:
             self.tk = HFTokenizer.from_file(str(path / "tokenizer.json"))
+            self.tk.encode("a probe, 42 \u00e9")  # some damage (an unk token not in the vocab) shows at encode only
         except Exception as e:  # the tokenizers library raises a bare Exception
             raise ValueError(f"{path / 'tokenizer.json'} is not a tokenizer we can read ({short_reason(e)}): "
                              f"{fix}") from None

@@ -982,7 +982,8 @@ def test_real_smollm2_tokenizer_default_system():
 
 
 @pytest.mark.parametrize("damage", ["tokenizer-truncated", "tokenizer-not-a-tokenizer", "config-not-json",
-                                    "config-a-list", "template-not-text", "generation-not-json", "eos-not-an-id"])
+                                    "config-a-list", "template-not-text", "generation-not-json", "eos-not-an-id",
+                                    "unk-not-in-vocab"])
 def test_broken_tokenizer_files_name_the_file(tmp_path, damage):
     """Every file the Tokenizer reads is checked where it is read: one ValueError naming it and the fix."""
     folder = make_tokenizer(tmp_path / "tok", CHATML_SPECIALS, PLAIN_CHATML_TEMPLATE, eos=[7])
@@ -994,7 +995,11 @@ def test_broken_tokenizer_files_name_the_file(tmp_path, damage):
         "template-not-text": ("tokenizer_config.json", '{"chat_template": 5}'),
         "generation-not-json": ("generation_config.json", "\x00\x01"),
         "eos-not-an-id": ("generation_config.json", '{"eos_token_id": ["x"]}'),
+        # it loads; only encoding a word outside the vocabulary fails (the unk token has no id)
+        "unk-not-in-vocab": ("tokenizer.json", (folder / "tokenizer.json").read_text()
+                             .replace('"unk_token": "[UNK]"', '"unk_token": "[GONE]"')),
     }[damage]
+    assert damage != "unk-not-in-vocab" or "[GONE]" in text  # the damage was made
     (folder / name).write_text(text)
     with pytest.raises(ValueError) as e:
         Tokenizer(folder)
