@@ -55,9 +55,11 @@ class StreamingLLM(Unpooled):
     arXiv 2309.17453): keep the first n_sink tokens, which soak up attention whatever they say,
     and the most recent C - n_sink. No attention is looked at."""
 
-    def __init__(self, eviction, module=None, response=None):
-        self.sinks = eviction.n_sink
-        super().__init__(eviction)
+    settings = dict(n_sink=4)  # the first tokens, always kept (attention sinks)
+
+    @property
+    def sinks(self):  # what Scorer.protect keeps
+        return self.own["n_sink"]
 
     def score(self, model, run):
         S, L, Hkv = run.positions.shape[1], len(run.cache.k), run.cache.k[0].shape[1]
@@ -69,9 +71,11 @@ class StreamingLLM(Unpooled):
 class RandomKV(Unpooled):
     """Random scores: the floor any method must beat."""
 
+    settings = dict(seed=0)
+
     def score(self, model, run):
         (B, S), L, Hkv = run.positions.shape, len(run.cache.k), run.cache.k[0].shape[1]
-        g = torch.Generator(device="cpu").manual_seed(self.eviction.seed)
+        g = torch.Generator(device="cpu").manual_seed(self.own["seed"])
         return torch.rand(L, B, Hkv, S, generator=g).to(run.positions.device)
 
 
@@ -101,8 +105,10 @@ class PyramidKV(SnapKV):
     Information Funneling", arXiv 2406.02069): SnapKV's scores, but early layers (broad attention)
     get more slots than late ones (focused attention): budgets fall linearly, mean C."""
 
+    settings = dict(beta=20)  # KVCache-Factory's pyramid: prefix budgets fall from hi to lo = (C - window) // beta
+
     def own_budgets(self, budget, n_layers, S, least):
-        return pyramid_budgets(budget, self.window, n_layers, self.eviction.pyramid_beta, S)
+        return pyramid_budgets(budget, self.window, n_layers, self.own["beta"], S)
 
 
 
@@ -172,22 +178,23 @@ class H2O(Scorer):
 
 class LAQ(SnapKV):
     """LAQ (Lookahead Q-Cache, arXiv 2505.20334): a pseudo future from a real draft. Compress
-    with SnapKV, greedily draft `laq_tokens` tokens on that small cache, then score the FULL
-    prompt cache with the draft's queries plus the last `laq_tokens` prompt queries; pool and
+    with SnapKV, greedily draft `draft_tokens` tokens on that small cache, then score the FULL
+    prompt cache with the draft's queries plus the last `draft_tokens` prompt queries; pool and
     keep the top C (window kept). Decoding starts from the original first-token logits."""
 
     budget_dependent = True  # the draft runs on the SnapKV-compressed cache of size C
+    settings = dict(draft_tokens=8)  # the draft's length, and how many last prompt queries join it
 
     def prefill_hook(self, ids):
-        # SnapKV's scores (for the draft's cache) and the last laq_tokens prompt queries
-        return Hooks(WindowHook(self.window, ids.shape[1]), RecentQueries(self.eviction.laq_tokens))
+        # SnapKV's scores (for the draft's cache) and the last draft_tokens prompt queries
+        return Hooks(WindowHook(self.window, ids.shape[1]), RecentQueries(self.own["draft_tokens"]))
 
     def score(self, model, run):
         window_hook, recent = run.hook.hooks
         # shallow copy: gathering in it leaves the full cache alone
         draft_cache = keep_slots(run.cache.copy(), self.evict(stack_layers(window_hook.scores), run))
         return stack_layers(laq_scores(model, run.cache, draft_cache, run.logits, run.next_pos, recent.q,
-                                       self.eviction.laq_tokens, run.valid))
+                                       self.own["draft_tokens"], run.valid))
 
 
 @torch.no_grad()

@@ -77,7 +77,7 @@ KEPT_MEMORY = False  # keep_freed_memory() took: set when run as a script
 # row name -> EvictConfig fields; any other name in methods.METHODS runs as itself
 VARIANTS = {
     "lookahead": dict(method="lookahead"),  # as shipped: the adapter's rule and per-layer budgets
-    "lookahead-2pass": dict(method="lookahead", one_pass=False),  # a 2nd forward of the M rows
+    "lookahead-2pass": dict(method="lookahead", own=dict(one_pass=False)),  # a 2nd forward of the M rows
     # unpooled top C in every layer, our variant (the paper pools first); the shipped rule's cost is lookahead
     # minus this
     "lookahead-unpooled": dict(method="lookahead", rule=Pool("none"), budgets=uniform_budgets),
@@ -331,7 +331,7 @@ def describe(model, args, module=None, scorers=None, note=None):
         for name, s in (scorers or {}).items():
             if name.startswith("lookahead"):
                 budgets = "per-layer budgets" if type(s.eviction.budgets).__name__ == "LayerBudgets" else "C every layer"
-                print(f"  {name}: rule {s.rule}, {budgets}, {'one pass' if s.eviction.one_pass else 'two passes'}")
+                print(f"  {name}: rule {s.rule}, {budgets}, {'one pass' if s.own['one_pass'] else 'two passes'}")
     if note:
         print(note)
     if torch.device(args.device).type == "cuda":

@@ -24,7 +24,7 @@ The methods themselves: lookaheadkv.py (the paper) and baselines.py; methods.py 
 Library errors are exceptions (ValueError); the scripts turn them into one line.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -42,12 +42,9 @@ class EvictConfig:
     # takes a rule from extensions/ here, and wraps the method in it
     budgets: object = None  # slots per layer: budgets(C, n_layers, S, least) -> list (extensions/);
     # None = the method's own (C in every layer; pyramidkv: its pyramid; lookahead: its adapter's)
-    n_sink: int = 4  # streaming: first tokens always kept (attention sinks)
-    laq_tokens: int = 8  # laq: draft length, and the number of last prompt queries added to it
-    pyramid_beta: int = 20  # pyramidkv: KVCache-Factory's pyramid: prefix budgets fall from hi to lo = (C - w) // beta
-    one_pass: bool = True  # lookahead: append the M rows to the prefill (fast) or a 2nd pass (reference)
     chunk_size: int = 4096  # prefill in chunks of this many tokens (bounded activations at 32K)
-    seed: int = 0  # random
+    own: dict = field(default_factory=dict)  # the method's own settings by name, e.g. {"n_sink": 4}: its
+    # class lists them with their defaults (Scorer.settings) and refuses any other
 
 
 # -----------------------------------------------------------------------------
@@ -248,9 +245,15 @@ class Scorer:
     sinks = 0  # the first `sinks` tokens are always kept (inside the budget)
     budget_dependent = False  # True: the scores themselves depend on C (they cannot serve other budgets)
     default_rule = Pool("avg", 5)  # the smoothing it uses unless EvictConfig.rule says otherwise
+    settings = {}  # the method's own settings and their defaults (EvictConfig.own overrides them by name)
 
     def __init__(self, eviction, module=None, response=None):
         self.eviction = eviction
+        unknown = sorted(set(eviction.own) - set(self.settings))
+        if unknown:
+            raise ValueError(f"method {eviction.method} has no setting {', '.join(unknown)}; its own: "
+                             f"{', '.join(self.settings) or 'none'}")
+        self.own = {**self.settings, **eviction.own}
         self.rule = eviction.rule if eviction.rule is not None else self.default_rule
         if not isinstance(self.rule, Pool):  # a rule from extensions/ wraps the scorer instead
             raise ValueError(f"selection rule {self.rule!r} is not a pooling: build the method with "
@@ -353,7 +356,7 @@ def prefill_and_score(model, ids, scorer, pad_mask=None, clock=None):
     rows = [r for s, e in zip(scorers, evicting) if e and (r := s.extra_rows()) is not None]
     if rows and len(scorers) > 1:
         raise ValueError("a scorer that adds rows after the prompt (one-pass lookahead) prefills alone: "
-                         "use its two-pass form (one_pass=False) beside other scorers")
+                         "use its two-pass form (own=dict(one_pass=False)) beside other scorers")
     x_all, pos_all, mask_all = model.model.embed_tokens(ids), positions, pad_mask  # (B, S, hidden)
     if rows:
         M = rows[0].shape[0]

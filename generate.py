@@ -114,10 +114,10 @@ class Unloaded:
 def eviction_config(args, budget=None):
     """The prompt's eviction (budget: another C, e.g. the decode budget); rule and budgets None = the
     method's own (lookahead: its adapter's)."""
+    flags = dict(one_pass=not args.two_pass, seed=args.seed)  # the flags that set a method's own settings
     return EvictConfig(args.method, args.budget if budget is None else budget, window=args.window,
-                       rule=rule_of(args.pool),
-                       budgets=uniform_budgets if args.uniform_budgets else None,
-                       one_pass=not args.two_pass, seed=args.seed)
+                       rule=rule_of(args.pool), budgets=uniform_budgets if args.uniform_budgets else None,
+                       own={k: v for k, v in flags.items() if k in METHODS[args.method].settings})
 
 
 def rule_of(text):

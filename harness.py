@@ -91,7 +91,7 @@ def row_scorer(row, C, module, window, response=None):
     method, rule, budgets = row
     budgets = {"uniform": uniform_budgets, "adapter": adapter_selection(module)[1], None: None}[budgets]
     eviction = EvictConfig(method, C, window=window, rule=None if rule is None else parse_rule(rule), budgets=budgets,
-                           one_pass=False)
+                           own=dict(one_pass=False) if method == "lookahead" else {})
     return make_scorer(eviction, module=module, response=response)
 
 

@@ -314,6 +314,7 @@ class LookaheadKV(Scorer):
     Both give the same scores (causal attention, LoRA on the lookahead rows only)."""
 
     default_rule = Pool("none")
+    settings = dict(one_pass=True)  # the M rows ride in the prefill (fast); False: a 2nd forward (training's form)
 
     def __init__(self, eviction, module=None, response=None):
         if module is None:
@@ -323,12 +324,12 @@ class LookaheadKV(Scorer):
         super().__init__(eviction)
 
     def prefill_hook(self, ids):
-        return LookaheadHook(self.module, ids.shape[1]) if self.eviction.one_pass else None
+        return LookaheadHook(self.module, ids.shape[1]) if self.own["one_pass"] else None
 
     def extra_rows(self):
-        return self.module.embeddings if self.eviction.one_pass else None
+        return self.module.embeddings if self.own["one_pass"] else None
 
     def score(self, model, run):
-        if self.eviction.one_pass:
+        if self.own["one_pass"]:
             return stack_layers(run.hook.scores)
         return stack_layers(lookahead_pass(model, self.module, run.cache, run.next_pos))

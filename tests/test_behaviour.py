@@ -37,7 +37,7 @@ def configs(C):
     # the adapter's rule then: span:8 with the exact surprisal (it now ships the shortlist gate, span:8:1024)
     exact = parse_rule("span:8")
     out["lookahead"] = EvictConfig("lookahead", C, rule=exact)
-    out["lookahead_twopass"] = EvictConfig("lookahead", C, one_pass=False, rule=exact)
+    out["lookahead_twopass"] = EvictConfig("lookahead", C, rule=exact, own=dict(one_pass=False))
     out["lookahead_uniform"] = EvictConfig("lookahead", C, budgets=uniform_budgets, rule=exact)
     for rule, name in [("none", "none1"), ("avg:5", "avg5"), ("max:7", "max7"), ("span:4", "span4")]:
         out[f"lookahead_{name}"] = EvictConfig("lookahead", C, rule=parse_rule(rule))

@@ -103,12 +103,12 @@ def test_one_pass_equals_two_pass_in_bf16(models):
     ids = rand_ids(1, 48, seed=5)
     run = {}
     for name, model, one_pass in (("fp32", m32, True), ("one", m16, True), ("two", m16, False)):
-        ec = EvictConfig("lookahead", budget=12, one_pass=one_pass, chunk_size=16)
+        ec = EvictConfig("lookahead", budget=12, chunk_size=16, own=dict(one_pass=one_pass))
         run[name] = prefill_and_score(model, ids, make_scorer(ec, module))
     bf16_err = (run["one"].scores - run["fp32"].scores).abs().max()
     assert 0 < bf16_err < 0.08 * run["fp32"].scores.max()  # the model did run in bf16, and not far off
     assert (run["one"].scores - run["two"].scores).abs().max() <= bf16_err
-    one, two = (compress_by(m16, ids, EvictConfig("lookahead", budget=12, one_pass=p, chunk_size=16), module=module)
+    one, two = (compress_by(m16, ids, EvictConfig("lookahead", budget=12, chunk_size=16, own=dict(one_pass=p)), module=module)
                 for p in (True, False))
     assert torch.allclose(one[1].float(), two[1].float(), atol=0.05)  # first-token logits: bf16 rounding apart
     assert_same_kept_where_clear(run["fp32"], run["one"], module, EvictConfig("lookahead", budget=12),

@@ -81,7 +81,7 @@ from extensions.span import SpanRule
 from lookaheadkv import LookaheadModule, lookahead_pass
 from methods import METHODS, make_scorer
 from model import KVCache, ModelConfig, Transformer
-from test_lookaheadkv import compress_by
+from test_lookaheadkv import compress_by, settings
 
 aten = torch.ops.aten
 DEV = torch.device("meta")  # stands for "cuda"
@@ -305,7 +305,7 @@ def test_compress_every_method_then_decode(method, check):
     if method == "oracle":
         kw["response"] = ids_on(2, 5, seed=3)
     for one_pass in (True, False) if method == "lookahead" else (True,):
-        ec = EvictConfig(method, budget=16, window=4, laq_tokens=3, chunk_size=16, one_pass=one_pass)
+        ec = EvictConfig(method, budget=16, window=4, chunk_size=16, own=settings(method, one_pass, 3))
         cache, logits, next_pos = compress_by(model, ids, ec, pad_mask=mask, **kw)[:3]
         on_device(logits, next_pos)
         assert_cache_on_device(cache)
@@ -496,7 +496,7 @@ PLANTS = {  # the function whose torch.arange loses its device -> a path that ru
     "group_attention": (lambda: ev.group_attention, _compress("snapkv")),  # the window queries' causal mask
     "protect": (lambda: ev.Scorer.protect, _compress("snapkv")),  # the protected window
     "score": (lambda: type(make_scorer(EvictConfig("streaming", 12))).score, _compress("streaming")),  # recency
-    "lookahead_pass": (lambda: lk.lookahead_pass, _compress("lookahead", one_pass=False)),  # two-pass positions
+    "lookahead_pass": (lambda: lk.lookahead_pass, _compress("lookahead", own=dict(one_pass=False))),  # two-pass positions
     "evict": (lambda: DecodeEviction.evict, _decode_evicting),  # the decode-phase slot order / window
 }
 

@@ -116,6 +116,11 @@ class Capture(Hook):
 # 1. every method through compress: budgets, kept slots, decode
 
 
+def settings(method, one_pass=True, draft_tokens=4):
+    """EvictConfig.own for a test's method: lookahead's pass, LAQ's draft length; the others have none here."""
+    return {"lookahead": dict(one_pass=one_pass), "laq": dict(draft_tokens=draft_tokens)}.get(method, {})
+
+
 def method_kwargs(method, cfg, seed=0):
     kw = {}
     if method == "lookahead":
@@ -131,7 +136,7 @@ def test_every_method_keeps_min_S_C_per_head_and_decodes(method):
     cfg = model.config
     S, C, W = 48, 24, 8
     ids = rand_ids(1, S)
-    ec = EvictConfig(method, budget=C, window=W, laq_tokens=4)
+    ec = EvictConfig(method, budget=C, window=W, own=dict(draft_tokens=4) if method == "laq" else {})
     full, full_logits, full_pos, _ = compress_by(model, ids, EvictConfig("full"))
     torch.manual_seed(0)
     cache, logits, next_pos, kept = compress_by(model, ids, ec, **method_kwargs(method, cfg))
@@ -141,7 +146,7 @@ def test_every_method_keeps_min_S_C_per_head_and_decodes(method):
         budgets = [S] * 3
         assert kept is None
     elif method == "pyramidkv":
-        budgets = baselines.pyramid_budgets(C, W, 3, ec.pyramid_beta)
+        budgets = baselines.pyramid_budgets(C, W, 3, baselines.PyramidKV.settings["beta"])
         assert budgets == [40, 24, 8] and sum(budgets) / 3 == C  # falling with depth, mean C
     else:
         budgets = [C] * 3
@@ -223,16 +228,28 @@ def test_select_never_prefers_padding():
     ("pyramidkv", dict(budget=4, window=8), "too small for pyramidkv"),
     ("h2o", dict(budget=8, window=8), "too small for h2o"),
     ("laq", dict(budget=8, window=8), "too small for laq"),
-    ("streaming", dict(budget=4, n_sink=4), "too small for streaming"),
+    ("streaming", dict(budget=4, own=dict(n_sink=4)), "too small for streaming"),
 ])
 def test_budget_below_protected_tokens_is_refused(method, kw, msg):
     model = tiny_model()
     with pytest.raises(ValueError, match=msg):
         compress_by(model, rand_ids(1, 40), EvictConfig(method, **kw))
     # one slot more than the protected tokens is fine
-    b = kw.get("window", kw.get("n_sink")) + 1
+    b = kw.get("window", kw.get("own", {}).get("n_sink")) + 1
     cache, *_ = compress_by(model, rand_ids(1, 40), EvictConfig(method, **{**kw, "budget": b}))
     assert cache.k[-1].shape[2] <= b
+
+
+def test_each_method_takes_its_own_settings_only():
+    """A method's own settings live with its class (Scorer.settings, with their defaults); EvictConfig.own
+    sets them by name, and a setting the method does not have is refused, not silently ignored."""
+    assert methods.METHODS["streaming"].settings == dict(n_sink=4) and methods.METHODS["snapkv"].settings == {}
+    assert methods.make_scorer(EvictConfig("streaming", 16, own=dict(n_sink=2))).sinks == 2
+    assert methods.make_scorer(EvictConfig("laq", 40)).own == dict(draft_tokens=8)  # the default
+    with pytest.raises(ValueError, match="method snapkv has no setting n_sink; its own: none"):
+        methods.make_scorer(EvictConfig("snapkv", 64, own=dict(n_sink=4)))
+    with pytest.raises(ValueError, match="method pyramidkv has no setting one_pass; its own: beta"):
+        methods.make_scorer(EvictConfig("pyramidkv", 64, own=dict(one_pass=False)))
 
 
 def test_missing_inputs_are_refused():
@@ -310,7 +327,7 @@ def test_two_pass_equals_one_masked_pass(targets):
     # the same through compress: one_pass=True vs the two-pass reference
     res = {}
     for one_pass in (True, False):
-        res[one_pass] = compress_by(model, ids, EvictConfig("lookahead", budget=C, one_pass=one_pass), module=mod)
+        res[one_pass] = compress_by(model, ids, EvictConfig("lookahead", budget=C, own=dict(one_pass=one_pass)), module=mod)
     (c1, l1, p1, k1), (c2, l2, p2, k2) = res[True], res[False]
     assert torch.allclose(l1, l2, atol=ATOL) and torch.equal(p1, p2)
     assert all(torch.equal(a, b) for a, b in zip(k1, k2))
@@ -705,7 +722,7 @@ def test_chunked_prefill_changes_nothing(method, extra):
         kw["module"] = random_module(model.config, 8)
     if method == "oracle":
         kw["response"] = rand_ids(1, 5, seed=14)
-    base = dict(budget=20, window=8, laq_tokens=4, **extra)
+    base = dict(budget=20, window=8, own=dict(draft_tokens=4) if method == "laq" else extra)
     _same_compress_by(model, ids, EvictConfig(method, **base), EvictConfig(method, chunk_size=16, **base), **kw)
 
 
@@ -906,7 +923,7 @@ def test_inference_never_builds_an_S_by_S_tensor(method, monkeypatch):
     if method == "lookahead":
         kw["module"] = random_module(model.config, 8)
     for one_pass in ((True, False) if method == "lookahead" else (True,)):
-        ec = EvictConfig(method, budget=32, window=8, laq_tokens=4, chunk_size=chunk, one_pass=one_pass)
+        ec = EvictConfig(method, budget=32, window=8, chunk_size=chunk, own=settings(method, one_pass, 4))
         with Shapes() as rec:
             cache, logits, next_pos, _ = compress_by(model, ids, ec, **kw)
             for _ in decode(model, cache, logits, next_pos, 3):
@@ -986,7 +1003,7 @@ def test_laq_pools_its_final_rescores(monkeypatch):
     seen = {}
     real = baselines.laq_scores
     monkeypatch.setattr(baselines, "laq_scores", lambda *a: seen.setdefault("s", real(*a)))
-    _, _, _, kept = compress_by(model, ids, EvictConfig("laq", budget=C, window=W, laq_tokens=4, rule=Pool("avg", 5)))
+    _, _, _, kept = compress_by(model, ids, EvictConfig("laq", budget=C, window=W, rule=Pool("avg", 5), own=dict(draft_tokens=4)))
     win = (torch.arange(S) >= S - W)[None, None]
     pooled = select(Pool("avg", 5).smooth(stack_layers(seen["s"]), W), C, protect=win)
     unpooled = select(stack_layers(seen["s"]), C, protect=win)
