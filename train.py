@@ -328,15 +328,19 @@ def check_fit(cfg, model_cfg, out, rows, adapter):
 
 
 def check_disk(cfg, model_cfg, rows):
-    """build_dataset's store_gb check on the least the new training rows can take (each keeps its target, L x H x S
-    floats, with S >= min_tokens): --n-train 10**9 is refused now, not once its prompts have all been made."""
+    """build_dataset's store_gb check on the least the new rows can take, with S >= min_tokens: a training row keeps
+    its target (L x H x S floats), a held-out row its ground truth in OUT/heldout (the float32 cache too, made by
+    the held-out check): --n-train or --n-heldout 10**9 is refused now, not once their prompts have all been made."""
     if cfg.stage not in ("data", "all"):
         return
-    new = max(0, cfg.n_train - sum(r.get("split") == "train" for r in rows))
-    least = new * sample_bytes(model_cfg, cfg.min_tokens, None)
+    have = {split: sum(r.get("split") == split for r in rows) for split in ("train", "heldout")}
+    new_train, new_held = max(0, cfg.n_train - have["train"]), max(0, cfg.n_heldout - have["heldout"])
+    least = (new_train * sample_bytes(model_cfg, cfg.min_tokens, None)
+             + new_held * sample_bytes(model_cfg, cfg.min_tokens, torch.float32))
     if least > cfg.store_gb * 2**30:
-        raise ValueError(f"--n-train {cfg.n_train}: the training samples would take at least {least / 2**30:.1f} GiB "
-                         f"on disk, over store_gb {cfg.store_gb}: raise it in the --config file, or use fewer prompts")
+        raise ValueError(f"--n-train {cfg.n_train}, --n-heldout {cfg.n_heldout}: the training samples and the held-out "
+                         f"ground truth would take at least {least / 2**30:.1f} GiB on disk, over store_gb "
+                         f"{cfg.store_gb}: raise it in the --config file, or use fewer prompts")
 
 
 def output_paths(cfg):

@@ -445,11 +445,13 @@ def test_bad_flags_and_paths_stop_before_the_model_loads(model_dir, tmp_path, mo
                                                "tokens, past TinyLlama's context of 512: lower long_max"),
     (dict(n_tokens=500), [], "data.jsonl's longest prompt (48 tokens) with the M lookahead rows after it is past "
                              "TinyLlama's context of 512: lower n_tokens"),  # RoPE past the context, without a word
-    (dict(), ["--n-train", str(10**9)], "--n-train 1000000000: the training samples would take at least "),  # once
-    # every prompt had been made (days), before
+    (dict(), ["--n-train", str(10**9)], "--n-train 1000000000, --n-heldout 1: the training samples and the "
+                                        "held-out ground truth would take at least "),  # once every prompt was made
+    (dict(), ["--n-heldout", str(10**9)], "--n-heldout 1000000000: the training samples and the held-out ground "
+                                          "truth would take at least "),  # (days), before
 ], ids=["init-empty", "adapter-out-empty", "out-empty", "seed-too-large", "batch-not-micro-batches",
         "window-fills-budget", "rank-past-hidden", "prompts-past-context", "lookahead-past-context",
-        "n-train-past-disk"])
+        "n-train-past-disk", "n-heldout-past-disk"])
 def test_recipe_values_that_failed_late_or_silently_stop_before_the_model_loads(model_dir, tmp_path, monkeypatch,
                                                                               recipe, flags, says):
     """Issue 37: recipe values (a --config key, or its flag) that were taken without a word, or failed only after
