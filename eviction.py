@@ -17,6 +17,8 @@ it saw into scores (L, B, H_kv, S), higher = keep. Everything else is shared and
 Two settings say how scores become kept slots: the smoothing before the top C (EvictConfig.rule, a
 Pool: SnapKV's avg- or max-pooling, or none) and the budget policy (EvictConfig.budgets: how many
 slots each layer gets). Defaults are the papers': the method's own pooling and C in every layer.
+A method's own settings (StreamingLLM's sinks, LAQ's draft length, ...) live with its class
+(Scorer.settings, with their defaults); EvictConfig.own sets them by name.
 An idea beyond the papers wraps a Scorer from its own file in extensions/ (as kvpress's wrappers
 wrap any press) and this file never names it.
 
