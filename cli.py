@@ -11,7 +11,6 @@ model loads wherever the check needs none. Ctrl-C (or SIGTERM) says how to resum
 (`| head`) ends quietly.
 """
 import argparse
-import atexit
 import math
 import os
 import signal
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+import lock
 from model import ModelConfig, Tokenizer, load_model
 
 # -----------------------------------------------------------------------------
@@ -126,50 +126,8 @@ def output_folder(flag, path):
     return p
 
 
-def claim_folder(flag, path):
-    """One writer per output folder: PATH/.lock holds this process's id, made atomically. A live process's lock
-    is refused in one line; a dead one's (a run that was killed) is replaced, so nothing stays stuck. The lock
-    goes with release_folders() (run() calls it when the script's work ends) or when this process ends."""
-    lock, me = Path(path) / ".lock", str(os.getpid())
-    for _ in range(3):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            holder = lock.read_text().strip() if lock.exists() else ""
-            if holder == me:
-                return
-            if holder.isdigit() and alive(int(holder)):
-                raise ValueError(f"{flag} {path}: another run (process {holder}) is writing into this folder: "
-                                 f"wait for it to end, or pass another {flag}") from None
-            lock.unlink(missing_ok=True)  # left by a run that was killed
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(me)
-        HELD.append(lock)
-        return
-    raise ValueError(f"{flag} {path}: could not take {lock}: remove it if no run is writing there")
-
-
-HELD = []  # the locks this process holds
-
-
-@atexit.register
-def release_folders():
-    """Remove the locks this process holds (a lock file another process has since taken is left alone)."""
-    while HELD:
-        lock = HELD.pop()
-        if lock.exists() and lock.read_text().strip() == str(os.getpid()):
-            lock.unlink(missing_ok=True)
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)  # signal 0: no signal, only whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, under another user
-        return True
-    return True
+# one writer per output folder (lock.py: weights/prepare.py takes it too, and cli.py imports prepare.py)
+claim_folder, release_folders = lock.claim_folder, lock.release_folders
 
 
 def output_file(flag, path, suffix):

@@ -663,7 +663,7 @@ def run_heldout(args, budgets, paths):
     modules = [load_adapter(p, model.config, args.device) for p in paths]
     labels = ["adapter"] if len(paths) == 1 else [str(p) for p in paths]
     adapters = [("untrained", untrained(model, args.seed, modules[0]))] + list(zip(labels, modules))
-    heldout = harness.heldout_ground_truth(model, rows, args.window, cache)
+    heldout = harness.heldout_ground_truth(model, rows, out=cache)
     table = harness.compare(model, adapters, heldout, budgets, args.answer_kl, args.window)
     for label, _, r in table:
         print(harness.heldout_line(f"{label} ({len(heldout)})", r, budgets[0]))

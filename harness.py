@@ -41,9 +41,8 @@ BASELINES = ("oracle", "snapkv", "pyramidkv", "h2o", "streaming")
 
 
 @torch.no_grad()
-def ground_truth(model, prompt_ids, response_ids, window=32):
-    """One prompt: (cache, target {layer: (1, H, S)}, extra): extra holds the prompt and answer ids (1, S), (1, R).
-    window: kept for the callers' signature (the rows' scorers take theirs in heldout_metrics)."""
+def ground_truth(model, prompt_ids, response_ids):
+    """One prompt: (cache, target {layer: (1, H, S)}, extra): extra holds the prompt and answer ids (1, S), (1, R)."""
     dev = model.lm_head.weight.device
     prompt, response = torch.tensor([prompt_ids], device=dev), torch.tensor([response_ids], device=dev)
     run, _ = full_answer(model, prompt, 0, ())  # FullKV's prefill; the answer is the row's (the data stage's)
@@ -51,7 +50,7 @@ def ground_truth(model, prompt_ids, response_ids, window=32):
     return run.cache, gt, dict(prompt=prompt, response=response)
 
 
-def heldout_ground_truth(model, rows, window=32, out=None):
+def heldout_ground_truth(model, rows, out=None):
     """ground_truth of every row ({"prompt_ids", "response_ids"}), kept in OUT/heldout (one file per row,
     ~50 KB per prompt token) so that later runs on the same rows skip the forwards."""
     items = []
@@ -68,7 +67,7 @@ def heldout_ground_truth(model, rows, window=32, out=None):
                 continue
             except Exception:  # a file cut short by a kill: made again below
                 print(f"{path} is unreadable: computing it again")
-        cache, gt, extra = ground_truth(model, r["prompt_ids"], r["response_ids"], window)
+        cache, gt, extra = ground_truth(model, r["prompt_ids"], r["response_ids"])
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             # a file named by its content, written whole under a name of this process's own, then moved in at
@@ -107,10 +106,14 @@ def scored_runs(model, module, item, rows, C, window):
     todo = [row for row in rows if keys[row] not in runs]
     if todo:
         made = prefill_and_score(model, extra["prompt"], [scorers[row] for row in todo])
-        runs.update({keys[row]: run for row, run in zip(todo, made)})
+        for row, run in zip(todo, made):  # its cache is the ground truth's (the same prefill): one copy is kept
+            run.cache = cache
+            runs[keys[row]] = run
+    fresh = None  # the module's scores, made once: every lookahead row runs the same M rows on the same cache
     for row in rows:
         if rows[row][0] == "lookahead" and row not in todo:
-            runs[keys[row]].scores = scorers[row].score(model, runs[keys[row]])
+            fresh = scorers[row].score(model, runs[keys[row]]) if fresh is None else fresh
+            runs[keys[row]].scores = fresh
     return {row: runs[keys[row]] for row in rows}
 
 

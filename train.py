@@ -1092,7 +1092,7 @@ def train(cfg):
     run = new_training(model, cfg, out, train_rows, adapter, ckpt, rank, world)
     train_start = time.perf_counter()
     # held-out ground truth with the SnapKV / H2O scores of the same forward (rank 0 checks alone)
-    heldout = harness.heldout_ground_truth(model, held_rows if rank == 0 else [], cfg.window, out)
+    heldout = harness.heldout_ground_truth(model, held_rows if rank == 0 else [], out=out)
     training_loop(run, model, heldout, cfg, out, run_start, train_start)
 
     # --- the adapter and its metadata

@@ -48,8 +48,8 @@ def rand_list(n, seed):
     return torch.randint(1, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def ground_truth(model, row, window=32):
-    return harness.ground_truth(model, row["prompt_ids"], row["response_ids"], window)
+def ground_truth(model, row):
+    return harness.ground_truth(model, row["prompt_ids"], row["response_ids"])
 
 
 def write_samples(model, rows, folder):
@@ -91,7 +91,7 @@ def test_target_equals_explicit_attention(hf_folder):
     hf = AutoModelForCausalLM.from_pretrained(hf_folder, attn_implementation="eager").eval()
     S, R, W = 40, 9, 32
     row = dict(prompt_ids=rand_list(S, 1), response_ids=rand_list(R, 2))
-    cache, gt, extra = ground_truth(model, row, window=W)
+    cache, gt, extra = ground_truth(model, row)
     with torch.no_grad():
         att = hf(torch.tensor([row["prompt_ids"] + row["response_ids"]]), output_attentions=True).attentions
     # SnapKV's and H2O's scores from one prefill watched by both (what harness.heldout_metrics runs)

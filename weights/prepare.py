@@ -308,11 +308,11 @@ def prepare(out_dir=DEFAULT_DIR, quiet=False, flag="--out"):
 
 
 def claim(flag, out_dir):
-    """One writer per folder: the repo's cli.claim_folder (a lock holding this process's id; a killed run's
-    lock is replaced), which goes when the script's work or this process ends."""
-    import cli  # the repo's: run as a script, __main__ below puts the repo root on sys.path
+    """One writer per folder: the repo's lock.claim_folder (a lock holding this process's id; a killed run's
+    lock is replaced), which goes when this process ends."""
+    from lock import claim_folder  # the repo's: run as a script, __main__ below puts the repo root on sys.path
 
-    cli.claim_folder(flag, out_dir)
+    claim_folder(flag, out_dir)
 
 
 def ensure_default(out_dir=DEFAULT_DIR, quiet=False):
@@ -343,5 +343,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(WEIGHTS_DIR.parent))  # `python weights/prepare.py`: the repo's cli.py (claim)
+    sys.path.insert(0, str(WEIGHTS_DIR.parent))  # `python weights/prepare.py`: the repo's lock.py
     main()
