@@ -84,6 +84,10 @@ class TrainConfig:
     out: str = "runs/lookahead"  # --out: the run's folder (data.jsonl, samples/, heldout/, ckpt.pt, log.jsonl)
     adapter_out: str | None = None  # --adapter-out: the adapter, .safetensors + .json (None: OUT/adapter.safetensors)
     stage: str = "all"  # --stage: data | train (on the samples OUT holds, read only) | budgets | all (data + train)
+    data: str | None = None  # --data: with --stage train, the folder whose samples it trains on (another run's
+    # data stage: the learning curve's adapters share one); None: OUT's own. OUT keeps the checkpoint and log
+    train_rows: int | None = None  # --train-rows: train on about this many of the training rows (whole groups,
+    # a seeded draw: each smaller draw inside the larger ones; RESULTS.md's learning curve); None: all of them
     # data: the prompts and the base model's answers
     n_train: int = 800  # --n-train: training prompts
     n_heldout: int = 32  # --n-heldout: held-out prompts (other documents) for the periodic check
@@ -148,6 +152,10 @@ def get_args(argv=None):
       "OUT/adapter.safetensors); one there already is kept as NAME.prev.safetensors")
     a("--stage", choices=STAGES, help="data: build OUT's samples; train: train on them (read only); budgets: "
       "measure an adapter's per-layer weights on them into --adapter-out; all (default): data, then train")
+    a("--data", metavar="DIR", help="--stage train: train on the samples of this data-stage folder instead of "
+      "OUT's (it is only read, but for its held-out ground truth cache); OUT keeps checkpoint, log, adapter")
+    a("--train-rows", type=int, metavar="N", help="--stage train: about N of the training rows (whole groups, "
+      "a seeded draw: a smaller N's rows are inside a larger N's); default all")
     a("--n-train", type=int, help=f"training prompts (default {D.n_train})")
     a("--n-heldout", type=int, help=f"held-out prompts for the periodic check (default {D.n_heldout})")
     a("--group", type=int, help=f"training prompts per shared context (default {D.group}: none shared)")
@@ -224,15 +232,35 @@ def check_config(cfg):
 
     # the files: OUT, where the adapter goes, what is read from OUT, the adapter to start from or measure
     out, dest = output_paths(cfg)
+    src = data_folder(cfg, out)
     folder = cli.resolve_model(cfg.model)
     model_cfg = ModelConfig.from_hf_config(folder)
-    rows = read_rows(out, model_cfg, trim=cfg.stage in ("data", "all"))
-    check_samples(cfg, out, rows)
+    rows = read_rows(src, model_cfg, trim=cfg.stage in ("data", "all"))
+    check_samples(cfg, src, rows)
     adapter = adapter_to_read(cfg, model_cfg)
-    check_fit(cfg, model_cfg, out, rows, adapter)
+    check_fit(cfg, model_cfg, src, rows, adapter)
     check_disk(cfg, model_cfg, rows)
     ckpt = checkpoint_to_resume(cfg, out, model_cfg, adapter)
-    return out, dest, model_cfg, rows, adapter, ckpt
+    return out, src, dest, model_cfg, rows, adapter, ckpt
+
+
+def data_folder(cfg, out):
+    """Where the samples are read: --data (another run's data stage, --stage train only), else OUT. --train-rows
+    draws from them, so it too belongs to training."""
+    if cfg.train_rows is not None:
+        if cfg.stage not in ("train", "all"):
+            raise ValueError(f"--train-rows is read when training: it has no use with --stage {cfg.stage}")
+        cli.at_least("--train-rows", cfg.train_rows, 1)
+    if cfg.data is None:
+        return out
+    if cfg.stage != "train":
+        raise ValueError(f"--data is read by --stage train alone (--stage {cfg.stage} makes or reads OUT's own "
+                         "data): add --stage train, or drop --data")
+    src = Path(cfg.data)
+    if not (src / "data.jsonl").is_file():
+        raise ValueError(f"--data {cfg.data}: no data.jsonl there: pass the --out folder of a data stage "
+                         "(python train.py --stage data --out DIR)")
+    return src
 
 
 def check_given(cfg):
@@ -362,6 +390,9 @@ def check_samples(cfg, out, rows):
     if not have:
         raise ValueError(f"--stage {cfg.stage}: {out} holds no training samples yet: build them first with "
                          f"python train.py --stage data --out {out} (and this run's --config)")
+    if cfg.train_rows is not None and cfg.train_rows > len(have):
+        raise ValueError(f"--train-rows {cfg.train_rows}: {out} holds {len(have)} training samples: ask for at "
+                         "most that many, or make more with its data stage")
     for r in have[:BUDGET_SAMPLES] if cfg.stage == "budgets" else have:
         if not sample_ok(sample_path(out, r["id"])):
             raise unreadable_sample(sample_path(out, r["id"]))
@@ -771,7 +802,8 @@ def new_module(model, cfg):
     return module
 
 
-RESUME_KEYS = ("batch", "lr", "epochs", "warmup", "weight_decay", "clip", "seed")  # what the result depends on
+RESUME_KEYS = ("batch", "lr", "epochs", "warmup", "weight_decay", "clip", "seed", "data", "train_rows")  # what
+# the result depends on (--data as given: the same folder under two spellings is refused, never mixed)
 
 
 def schedule_of(cfg):
@@ -849,6 +881,25 @@ def all_reduce_grads(module, world):
             p.grad /= world
 
 
+def draw_rows(rows, n, seed):
+    """About n of the training rows for --train-rows: whole groups (a group's members share their context, so a
+    split group would hand a small run the same document several times over) drawn in a seeded order until n are
+    in, the draw's rows in data.jsonl's order. The same seed draws the same order, so a smaller n's rows are all
+    inside a larger n's (a learning curve adds data, it does not swap it)."""
+    units = {}
+    for r in rows:
+        units.setdefault(r.get("group", r["id"]), []).append(r)
+    keys = sorted(units)
+    random.Random(seed).shuffle(keys)
+    chosen, count = set(), 0
+    for key in keys:
+        if count >= n:
+            break
+        chosen.add(key)
+        count += len(units[key])
+    return [r for r in rows if r.get("group", r["id"]) in chosen]
+
+
 def describe_rows(train_rows, n_held):
     """The training data as its rows are, not as this command's flags say (with --stage train or --init the
     data stage ran earlier, maybe with other flags): sources, prompt and answer lengths, the copy tasks' share."""
@@ -865,6 +916,8 @@ def adapter_metadata(cfg, train_rows, n_held, step, total, stopped_early, log, i
     info = dict(rule=cfg.rule, train_data=describe_rows(train_rows, n_held), steps=step, planned_steps=total,
                 stopped_early=stopped_early, batch=cfg.batch, lr=cfg.lr, epochs=cfg.epochs,
                 heldout=log[-1] if log else None, untrained=log[0] if log else None)
+    info["train_data"].update(folder=cfg.data or cfg.out,  # the data stage's folder it trained on
+                              **({"drawn": dict(asked=cfg.train_rows, seed=cfg.seed)} if cfg.train_rows else {}))
     if init_info:  # step 0 was the init adapter, not an untrained module: keep the init's own reference
         info.update(untrained=init_info.get("untrained"),
                     init=dict(path=init_info["path"], steps=init_info.get("steps"), heldout=log[0] if log else None))
@@ -960,7 +1013,7 @@ def loaded_batch(model, rows, indices, load):
     return cache, gt, lengths
 
 
-def training_step(run, model, reader, cfg, out):
+def training_step(run, model, reader, cfg, src):
     """One optimiser step on this rank's share of the step's micro-batches: (loss, samples in the step, all
     ranks). The order is a shuffle seeded by the epoch, so every rank and a resumed run take the same."""
     epoch, k = divmod(run.step, run.steps_per_epoch)
@@ -973,15 +1026,16 @@ def training_step(run, model, reader, cfg, out):
     mine = step_batches[run.rank::run.world]
     # the step's micro-batches are read from disk by a second thread while the first ones train
     dtype = model.lm_head.weight.dtype
-    loads = [reader.submit(load_batch, [sample_path(out, run.rows[i]["id"]) for i in idx], cfg.device, dtype)
+    loads = [reader.submit(load_batch, [sample_path(src, run.rows[i]["id"]) for i in idx], cfg.device, dtype)
              for idx in mine]
     micro = (loaded_batch(model, run.rows, idx, load) for idx, load in zip(mine, loads))
     return optimizer_step(run.module, run.opt, model, micro, n_step, cfg.clip, run.world).item(), n_step
 
 
-def training_loop(run, model, heldout, cfg, out, run_start, train_start):
+def training_loop(run, model, heldout, cfg, src, out, run_start, train_start):
     """From run.step to run.total, or until --max-minutes after run_start; samples/s count from train_start.
-    Step 0 checks the untrained module (or the --init adapter), the honest reference."""
+    The samples are read from src, the checkpoint and log written to out. Step 0 checks the untrained module
+    (or the --init adapter), the honest reference."""
     reader = ThreadPoolExecutor(max_workers=1)
     if run.step == 0:
         heldout_check(run, model, heldout, cfg, out)
@@ -994,7 +1048,7 @@ def training_loop(run, model, heldout, cfg, out, run_start, train_start):
                    "saving what we have")
             heldout_check(run, model, heldout, cfg, out)
             break
-        step_loss, n_step = training_step(run, model, reader, cfg, out)
+        step_loss, n_step = training_step(run, model, reader, cfg, src)
         run.step += 1
         n_seen += n_step
         bar.set_postfix(loss=f"{step_loss:.4f}", samples_s=f"{n_seen / (time.perf_counter() - train_start):.1f}")
@@ -1064,10 +1118,12 @@ def main(argv=None):
 def train(cfg):
     """The run, stage by stage: checks, the base model, then budgets, or data and/or train."""
     run_start = time.perf_counter()  # --max-minutes counts from here (data generation included)
-    out, dest, _, rows, adapter, ckpt = check_config(cfg)  # everything checked before the model loads
+    out, src, dest, _, rows, adapter, ckpt = check_config(cfg)  # everything checked before the model loads
     rank, world = setup_ddp(cfg)
     if rank == 0:  # two runs on one --out would interleave their rows and checkpoints
         cli.claim_folder("--out", out)
+        if src != out:  # a data stage still appending to --data's rows would change them under this run
+            cli.claim_folder("--data", src)
     torch.manual_seed(cfg.seed)
 
     # --- the frozen base model
@@ -1082,7 +1138,9 @@ def train(cfg):
     # --- stage data: the samples
     if cfg.stage in ("data", "all"):
         rows = build_dataset(model, tok, cfg, out, rows, rank)
-    train_rows = [r for r in rows if r["split"] == "train" and sample_path(out, r["id"]).exists()]
+    train_rows = [r for r in rows if r["split"] == "train" and sample_path(src, r["id"]).exists()]
+    if cfg.train_rows is not None:
+        train_rows = draw_rows(train_rows, cfg.train_rows, cfg.seed)
     held_rows = [r for r in rows if r["split"] == "heldout"]
     if cfg.stage == "data":
         print0(rank, f"data ready: {len(train_rows)} train, {len(held_rows)} held-out rows in {out / 'data.jsonl'}")
@@ -1091,9 +1149,10 @@ def train(cfg):
     # --- stage train: the module (untrained, or --init), the optimiser, the schedule, a checkpoint to resume
     run = new_training(model, cfg, out, train_rows, adapter, ckpt, rank, world)
     train_start = time.perf_counter()
-    # held-out ground truth with the SnapKV / H2O scores of the same forward (rank 0 checks alone)
-    heldout = harness.heldout_ground_truth(model, held_rows if rank == 0 else [], out=out)
-    training_loop(run, model, heldout, cfg, out, run_start, train_start)
+    # held-out ground truth with the SnapKV / H2O scores of the same forward (rank 0 checks alone), kept beside
+    # the rows it is made of
+    heldout = harness.heldout_ground_truth(model, held_rows if rank == 0 else [], out=src)
+    training_loop(run, model, heldout, cfg, src, out, run_start, train_start)
 
     # --- the adapter and its metadata
     if rank == 0:

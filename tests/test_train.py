@@ -9,6 +9,7 @@ stub that yields the same ids, so no document is read and no answer is generated
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import cli
 import data
 import harness
 import lookaheadkv as lk
@@ -952,3 +954,63 @@ def test_a_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(model_
     ck = torch.load(out / "ckpt.pt", weights_only=False)
     assert ck["step"] == 2 and all(torch.isfinite(t).all() for t in ck["module"].values())
     assert not (out / "adapter.safetensors").exists()
+
+
+def test_draw_rows_takes_whole_groups_and_nests_the_smaller_draws():
+    rows = [dict(id=f"g{g}-{i}", group=f"g{g}") for g in range(10) for i in range(3)] + \
+           [dict(id=f"single-{i}") for i in range(5)]
+    small, large = train.draw_rows(rows, 7, seed=0), train.draw_rows(rows, 20, seed=0)
+    for drawn in (small, large):
+        groups = {r.get("group", r["id"]) for r in drawn}
+        # every drawn group whole: all its members, in data.jsonl's order
+        assert drawn == [r for r in rows if r.get("group", r["id"]) in groups]
+    assert 7 <= len(small) < 7 + 3 and 20 <= len(large) < 20 + 3
+    assert {r["id"] for r in small} <= {r["id"] for r in large}  # a learning curve adds data, never swaps it
+    assert train.draw_rows(rows, 7, seed=1) != small  # the seed draws (the same seed: the same rows)
+    assert train.draw_rows(rows, 7, seed=0) == small and train.draw_rows(rows, 10**6, seed=0) == rows
+
+
+def test_data_trains_on_another_runs_samples_and_writes_only_out(model_dir, tmp_path, stub_prompts, capsys):
+    """--data: one data stage, several training runs (the learning curve). The data folder is read, never changed
+    (but for its held-out ground truth cache); OUT gets the checkpoint, log and adapter; --train-rows draws."""
+    src, out = tmp_path / "data", tmp_path / "curve"
+    write_data(src, model_dir)
+    train.main(argv(model_dir, src, "--stage", "data"))
+    before = {f: f.read_bytes() for f in src.rglob("*") if f.is_file() and "heldout" not in f.parts}
+    train.main(argv(model_dir, out, "--stage", "train", "--data", str(src), "--train-rows", "2"))
+    after = {f: f.read_bytes() for f in src.rglob("*") if f.is_file() and "heldout" not in f.parts}
+    assert after == before
+    assert not (out / "data.jsonl").exists() and not (out / "samples").exists()
+    assert (out / "ckpt.pt").exists() and (out / "log.jsonl").exists()
+    meta = json.loads((out / "adapter.json").read_text())
+    assert meta["train_data"]["n_train"] == 2 and meta["steps"] == 2  # 2 samples, batch 2, 2 epochs
+    assert meta["train_data"]["folder"] == str(src) and meta["train_data"]["drawn"] == dict(asked=2, seed=0)
+    # what the result depends on is a resume key: another draw or another data folder is not resumed into this one
+    assert {"data", "train_rows"} <= set(train.RESUME_KEYS)
+    with pytest.raises(SystemExit, match="other settings: train_rows 2 \\(this run: 3\\)"):
+        train.main(argv(model_dir, out, "--stage", "train", "--data", str(src), "--train-rows", "3", "--resume"))
+
+
+@pytest.mark.parametrize("extra, said", [
+    (["--stage", "data", "--data", "DATA"], "--data is read by --stage train alone"),
+    (["--stage", "train", "--data", "NOWHERE"], "--data NOWHERE: no data.jsonl there"),
+    (["--stage", "train", "--data", "DATA", "--train-rows", "99"], "--train-rows 99: .* holds 4 training samples"),
+    (["--stage", "train", "--data", "DATA", "--train-rows", "0"], "--train-rows"),
+    (["--stage", "data", "--train-rows", "2"], "--train-rows is read when training"),
+])
+def test_data_and_train_rows_mistakes_stop_before_the_model_loads(model_dir, tmp_path, monkeypatch, extra, said):
+    src, out = tmp_path / "data", tmp_path / "curve"
+    write_data(src, model_dir)
+    for r in data.read_jsonl(src / "data.jsonl", required=("id",)):  # samples for the four training rows (no model needed: any file)
+        if r["split"] == "train":
+            data.sample_path(src, r["id"]).parent.mkdir(parents=True, exist_ok=True)
+            data.sample_path(src, r["id"]).write_bytes(b"x")
+    monkeypatch.setattr(train, "sample_ok", lambda path: True)
+    monkeypatch.setattr(cli, "load", no_model)
+    before = {f: f.read_bytes() for f in src.rglob("*") if f.is_file()}
+    extra = [str(src) if e == "DATA" else str(tmp_path / e) if e == "NOWHERE" else e for e in extra]
+    said = said.replace("NOWHERE", str(tmp_path / "NOWHERE"))
+    with pytest.raises(SystemExit) as e:
+        train.main(argv(model_dir, out, *extra))
+    assert re.search(said, error_line(e)), error_line(e)
+    assert {f: f.read_bytes() for f in src.rglob("*") if f.is_file()} == before
