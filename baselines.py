@@ -44,10 +44,18 @@ def full_answer(model, ids, max_new_tokens, stop_ids, pad_mask=None, clock=None)
     """FullKV's greedy answer to the prompt ids (B, S): the reference every method is judged by, and the future
     whose attention LookaheadKV learns. Returns (run, answers): run is FullKV's prefill (its cache holds the
     prompt alone: the answer is decoded on a copy), answers one id list per row, each ending at its stop token.
-    generate.py's oracle and evaluate.py call it; train.py's data stage decodes this same answer while it sums
+    generate.py's oracle calls it, evaluate.py its two steps (its prefill watched by every method: answer_from);
+    train.py's data stage decodes this same answer while it sums
     the target (tests/test_train.py holds the two equal), and the held-out harness reads that answer back."""
     run = prefill_and_score(model, ids, FullKV(EvictConfig("full")), pad_mask, clock)
-    return run, greedy(model, run.cache.copy(), run.logits, run.next_pos, max_new_tokens, stop_ids)
+    return run, answer_from(model, run, max_new_tokens, stop_ids)
+
+
+def answer_from(model, run, max_new_tokens, stop_ids):
+    """FullKV's greedy answer from its prefill `run` (the whole prompt cache and the first-token logits), decoded
+    on a copy of the cache so that run.cache stays the prompt's: full_answer's second step, and evaluate.py's,
+    which makes the prefill with every other method watching it (one prefill per prompt)."""
+    return greedy(model, run.cache.copy(), run.logits, run.next_pos, max_new_tokens, stop_ids)
 
 
 class StreamingLLM(Unpooled):

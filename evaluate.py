@@ -55,11 +55,13 @@ kept). ref is the "full" row and the reference of every metric:
 fresh init (seeded), selecting as the adapter does (its rule and per-layer budgets): the trained
 adapter's gain over it is what training bought.
 
-Cost: scores do not depend on C, so each method prefills and scores once per prompt and every
-budget is a top C of the same scores (eviction.prefill_and_score, then Scorer.evict). LAQ's
-scores do depend on C (its draft runs on the C-slot cache): it re-scores per budget, on the same
-prefill. Methods whose prefill nothing watches (streaming, random, oracle) would prefill exactly
-as FullKV does: they reuse its prefill. A greedy answer starts decoding where the teacher-forced
+Cost: ONE prefill per prompt. FullKV's prefill is watched by every method's scorer at once
+(eviction.prefill_and_score with a list of scorers; LookaheadKV in its two-pass form there, its M
+rows run on the prompt cache after the prefill: the same scores); scores do not depend on C, so every
+budget is a top C of the same scores (Scorer.evict). LAQ's scores do depend on C (its draft runs on
+the C-slot cache): it re-scores per budget, on the same prefill. The oracle scores on a copy of
+FullKV's run once the answer it needs exists. (--mode decode and conversation: each method its own
+prefill, shared by its budgets.) A greedy answer starts decoding where the teacher-forced
 argmax first leaves ref (up to there greedy reproduces ref), so a method that keeps the answer
 costs one forward, not R. A budget C >= S evicts nothing: that row is FullKV's own.
 
@@ -119,7 +121,7 @@ import cli
 import data
 import harness
 import ruler
-from baselines import Unpooled, full_answer
+from baselines import FullKV, Unpooled, answer_from, full_answer
 from eviction import EvictConfig, Prefilled, decode, greedy, keep_slots, prefill_and_score, uniform_budgets
 from extensions.decode import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
 from harness import mean_of, results_table
@@ -135,12 +137,12 @@ METRICS = {  # name -> (title, format)
     "fidelity": ("fidelity: share of FullKV's greedy tokens reproduced before the first divergence", "{:.3f}"),
     "exact": ("exact: rate of answers identical to FullKV's", "{:.3f}"),
     "recall": ("recall: attention recall@C against the true future attention", "{:.3f}"),
-    # hook-based scorers (snapkv, h2o, laq, one-pass lookahead) do part of their work inside the
-    # prefill, so compare prefill_ms + score_ms with full's prefill (bench.py measures this properly)
-    "prefill_ms": ("prefill_ms: the prefill, with whatever scoring runs inside it, ms (once per method, all budgets)",
-                   "{:.0f}"),
-    "score_ms": ("score_ms: scoring + eviction after the prefill, ms (oracle: + the full-cache answer it needs)",
-                 "{:.1f}"),
+    # --mode prefill: one prefill per prompt, every method's hooks watching it, so its time is the same in every
+    # row (hooks included); each method's own prefill cost is bench.py's to measure
+    "prefill_ms": ("prefill_ms: the prompt's one prefill, every method's hooks watching it, ms (the same for all "
+                   "methods; --mode decode/conversation: each method's own)", "{:.0f}"),
+    "score_ms": ("score_ms: the method's scoring + eviction after the prefill, ms (oracle: + the full-cache answer "
+                 "it needs)", "{:.1f}"),
     # --mode decode and conversation (beyond the paper: the cache held to C while the answers grow)
     "head_fidelity": ("head_fidelity: share of FullKV's first --fidelity-tokens greedy tokens reproduced before the "
                       "first divergence", "{:.3f}"),
@@ -265,30 +267,70 @@ class Reference:
     true: dict  # layer -> (1, H_kv, S): the answer's mean attention over the prompt, recall's truth
     prefill_ms: float
     answer_ms: float  # prefill + greedy answer: what the oracle needs before it can score
+    scored: dict  # method -> (its run of the same prefill, with its scores; its scoring ms): the watchers'
 
 
-def reference(model, ids, max_new_tokens, stop_ids):
-    """FullKV on the prompt ids (1, S): prefill, greedy answer, its true attention and its log-probs."""
+class Timed:
+    """A scorer whose scoring is timed (.ms): on a shared prefill every method scores in one call
+    (prefill_and_score), and each row still reports its own scoring time."""
+
+    def __init__(self, scorer):
+        self.scorer, self.ms = scorer, 0.0
+
+    def __getattr__(self, name):  # everything but score: the scorer's own
+        return getattr(self.scorer, name)
+
+    def score(self, model, run):
+        clock = Stopwatch(run.positions.device)
+        clock.mark()
+        scores = self.scorer.score(model, run)
+        clock.mark()
+        self.ms = clock.ms(0, 1)
+        return scores
+
+
+def reference(model, ids, max_new_tokens, stop_ids, watchers=None):
+    """FullKV on the prompt ids (1, S): prefill, greedy answer, its true attention and its log-probs.
+    watchers ({method: scorer}) watch the same prefill and score on it (--mode prefill: every method from
+    ONE prefill per prompt); their runs and scoring times are Reference.scored. FullKV's answer is
+    baselines.full_answer's, in its two steps (the prefill, then answer_from)."""
+    timed = {m: Timed(s) for m, s in (watchers or {}).items()}
     t0 = time.perf_counter()
     clock = Stopwatch(ids.device)
     clock.mark()
-    run, answers = full_answer(model, ids, max_new_tokens, stop_ids, clock=clock)  # run.cache: the prompt's alone
-    ref = answers[0]
-    answer_ms = (time.perf_counter() - t0) * 1e3
+    runs = prefill_and_score(model, ids, [FullKV(EvictConfig("full")), *timed.values()], clock=clock)
+    run = runs[0]  # run.cache: the prompt's alone (the answer is decoded on a copy)
+    ref = answer_from(model, run, max_new_tokens, stop_ids)[0]
+    scoring_ms = sum(t.ms for t in timed.values())  # the others' scoring is not the oracle's cost
+    answer_ms = (time.perf_counter() - t0) * 1e3 - scoring_ms
     response = torch.tensor([ref], device=ids.device)
     true = answer_attention(model, run.cache, response, run.next_pos)
     logp = forced_logprobs(model, run.cache, response, run.next_pos)
-    return Reference(run, ref, response, logp, true, clock.ms(0, 1), answer_ms)
+    scored = {m: (r, t.ms) for (m, t), r in zip(timed.items(), runs[1:])}
+    return Reference(run, ref, response, logp, true, clock.ms(0, 1), answer_ms, scored)
 
 
-def eviction_config(method, budget, args):
+def eviction_config(method, budget, args, shared=False):
     """The EvictConfig of a row: lookahead-untrained runs as lookahead. --pool (a selection rule) applies to
     the methods that smooth their scores, not to those that select by their own scores alone (streaming,
-    random, oracle); None = the method's own (avg:5 for attention scores, the adapter's for lookahead)."""
+    random, oracle); None = the method's own (avg:5 for attention scores, the adapter's for lookahead).
+    shared: the prefill is FullKV's, watched by every method: LookaheadKV then runs its M rows in a second
+    pass on the prompt cache (its two-pass form, the same scores) instead of inside the prefill, where the
+    other methods' hooks would take them for the prompt's last queries."""
     name = "lookahead" if method == UNTRAINED else method
     rule = parse_rule(args.pool) if args.pool and not issubclass(METHODS[name], Unpooled) else None
     return EvictConfig(name, budget, window=args.window, rule=rule,
-                       budgets=uniform_budgets if args.uniform_budgets else None)
+                       budgets=uniform_budgets if args.uniform_budgets else None,
+                       own=dict(one_pass=False) if shared and name == "lookahead" else {})
+
+
+def watchers(methods_budgets, S, modules, args):
+    """{method: scorer} to watch FullKV's prefill of a prompt of S tokens: every method that evicts there (a
+    budget below S), each at its smallest such budget. The oracle is left out: its scorer needs FullKV's
+    answer, and it watches nothing (it scores on a copy of FullKV's run, prefill_once)."""
+    return {m: make_scorer(eviction_config(m, min(b for b in budgets if b < S), args, shared=True), modules.get(m))
+            for m, budgets in methods_budgets.items()
+            if m not in ("full", "oracle") and any(b < S for b in budgets)}
 
 
 def selections(args, methods, budgets, modules):
@@ -321,9 +363,13 @@ def compact_caches(model, ids, method, budgets, full, modules, args):
     the method's prefill (first-token logits, positions), kept the slots kept per layer (B, H_kv, C_l),
     score_ms scoring + this budget's eviction, as compress() reports it."""
     module = modules.get(method)  # lookahead, trained or not
-    eviction = eviction_config(method, min(budgets), args)  # the smallest: it evicts if any budget does
+    shared = method in full.scored  # it watched FullKV's prefill (--mode prefill)
+    eviction = eviction_config(method, min(budgets), args, shared)  # the smallest: it evicts if any budget does
     scorer = make_scorer(eviction, module, full.response)
-    run, prefill_ms, score_ms = prefill_once(model, ids, scorer, full)
+    if shared:
+        (run, score_ms), prefill_ms = full.scored[method], full.prefill_ms
+    else:
+        run, prefill_ms, score_ms = prefill_once(model, ids, scorer, full)
     for C in budgets:
         clock = Stopwatch(ids.device)
         clock.mark()
@@ -343,7 +389,9 @@ def run_sample(model, tok, row, ids, todo, modules, args, progress=None):
     progress(n) is called as each method's n rows are done."""
     ids = torch.tensor([ids], device=model.lm_head.weight.device)  # (1, S)
     max_new_tokens = answer_length(args, row)
-    full = reference(model, ids, max_new_tokens, tok.stop_ids)
+    methods_budgets = {m: [b for mm, b in todo if mm == m] for m in dict.fromkeys(m for m, _ in todo)}
+    # one prefill for the prompt: FullKV's, every method's scorer watching it
+    full = reference(model, ids, max_new_tokens, tok.stop_ids, watchers(methods_budgets, ids.shape[1], modules, args))
 
     def result(method, budget, out, kl, recall, score_ms, prefill_ms):
         prefix, exact = fidelity(out, full.ref)

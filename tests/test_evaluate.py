@@ -325,18 +325,25 @@ def test_budget_holding_the_whole_prompt_is_fullkv(tiny):
             assert r["recall"] < 1.0 and r["answer_kl"] > 0.0, r
 
 
-def test_shared_prefill_equals_compress_per_budget(tiny):
+@pytest.mark.parametrize("one_prefill", [False, True])
+def test_shared_prefill_equals_compress_per_budget(tiny, one_prefill):
     """One prefill (and one scoring) for all budgets keeps the very slots compress() keeps at each
     budget, and gives the same greedy answer; LAQ re-scores per budget on its shared prefill, and
-    streaming / random / oracle reuse FullKV's prefill."""
+    streaming / random / oracle reuse FullKV's prefill. one_prefill: --mode prefill's way, every method
+    watching FullKV's own prefill (evaluate.watchers; LookaheadKV in its two-pass form there)."""
     model = load_model(tiny / "tiny-llama")
     modules = {"lookahead": load_adapter(tiny / "adapter.safetensors", model.config)}
     args = evaluate.get_args(["--window", "4", "--max-new-tokens", "10"])
     torch.manual_seed(0)
     ids = torch.randint(10, 300, (1, 70))
     budgets, diverged = [8, 16, 32], 0
+    all_methods = ["full", "snapkv", "pyramidkv", "h2o", "laq", "lookahead", "streaming", "random", "oracle"]
     with torch.no_grad():
-        full = evaluate.reference(model, ids, args.max_new_tokens, stop_ids=[2])
+        watching = evaluate.watchers({m: budgets for m in all_methods}, ids.shape[1], modules, args) \
+            if one_prefill else None
+        full = evaluate.reference(model, ids, args.max_new_tokens, stop_ids=[2], watchers=watching)
+        # every method that evicts watched the one prefill, but the oracle (it needs the answer first)
+        assert set(full.scored) == (set(all_methods) - {"full", "oracle"} if one_prefill else set())
         assert full.logp.shape == (len(full.ref) - 1, model.config.vocab_size)  # answer tokens 2..R
         assert evaluate.answer(model, full.run.cache, full.run.logits, full.logp, full.ref, full.run.next_pos, 10,
                                [2]) == full.ref
@@ -738,8 +745,8 @@ def test_ruler_suite_end_to_end_and_resume(tiny, monkeypatch, capsys):
     monkeypatch.setattr(evaluate.ruler, "make_suite", ruler_samples)
     refs, caps, scored = [], [], []
     real_reference, real_answer, real_score = evaluate.reference, evaluate.answer, evaluate.ruler.score
-    monkeypatch.setattr(evaluate, "reference", lambda model, ids, n, stop: (
-        refs.append((ids[0].tolist(), n)), real_reference(model, ids, n, stop))[1])
+    monkeypatch.setattr(evaluate, "reference", lambda model, ids, n, stop, watchers=None: (
+        refs.append((ids[0].tolist(), n)), real_reference(model, ids, n, stop, watchers))[1])
     monkeypatch.setattr(evaluate, "answer", lambda *a: (caps.append(a[6]), real_answer(*a))[1])
     monkeypatch.setattr(evaluate.ruler, "score", lambda metric, text, answers: (
         scored.append(metric), real_score(metric, text, answers))[1])
