@@ -130,6 +130,7 @@ from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selec
 from metrics import Stopwatch, answer_kl, forced_logprobs, gap_closed, recall_of_kept
 
 UNTRAINED = "lookahead-untrained"
+ADAPTER_ROW = "lookahead@"  # --adapters A,B (--mode prefill): one row per adapter, lookahead@<file stem>
 METRICS = {  # name -> (title, format)
     "accuracy": ("accuracy: share of the expected answers found in the output (RULER string match)", "{:.3f}"),
     "answer_kl": ("answer_kl: mean KL(FullKV || method) of the next-token distributions along FullKV's answer, "
@@ -317,7 +318,7 @@ def eviction_config(method, budget, args, shared=False):
     shared: the prefill is FullKV's, watched by every method: LookaheadKV then runs its M rows in a second
     pass on the prompt cache (its two-pass form, the same scores) instead of inside the prefill, where the
     other methods' hooks would take them for the prompt's last queries."""
-    name = "lookahead" if method == UNTRAINED else method
+    name = "lookahead" if method == UNTRAINED or method.startswith(ADAPTER_ROW) else method
     rule = parse_rule(args.pool) if args.pool and not issubclass(METHODS[name], Unpooled) else None
     return EvictConfig(name, budget, window=args.window, rule=rule,
                        budgets=uniform_budgets if args.uniform_budgets else None,
@@ -751,8 +752,9 @@ def get_args(argv=None):
     a("--plot", default=None, help="save recall, answer KL and accuracy against budget to this image, e.g. "
       "plot.png (--suite ruler: the score against the share of the prompt kept; needs matplotlib)")
     a("--adapter", "--adapters", dest="adapter", default=None,
-      help="lookahead adapter .safetensors (default: the one shipped for the model); --heldout: several, "
-      "comma-separated")
+      help="lookahead adapter .safetensors (default: the one shipped for the model); --heldout and --mode prefill: "
+      "several, comma-separated (prefill: lookahead becomes one row per adapter, lookahead@<file stem>, all on "
+      "the same prefill and FullKV answer)")
     a("--untrained", action="store_true", help=f"add {UNTRAINED}: the adapter's M/rank/targets, fresh seeded init, "
       "LoRA B = 0, selecting as the adapter does")
     a("--window", type=int, default=32, help="snapkv/pyramidkv/h2o/laq: last prompt tokens always kept; decode, "
@@ -887,8 +889,12 @@ def check_args(args):
         return None, budgets, lengths, None, paths
     if args.answer_kl:
         raise ValueError("--answer-kl applies to --heldout (the task evaluation always measures the answer KL): drop it")
-    if len(paths) > 1:
-        raise ValueError(f"--adapter {args.adapter}: one adapter (several only with --heldout)")
+    if len(paths) > 1 and args.mode != "prefill":
+        raise ValueError(f"--adapter {args.adapter}: one adapter (several only with --heldout or --mode prefill)")
+    stems = [p.stem for p in paths]
+    if len(set(stems)) < len(stems):
+        raise ValueError(f"--adapter {args.adapter}: two adapters with one file name: each row is named by its file "
+                         "(lookahead@<name>): copy one under another name")
 
     prefill_mode = args.mode == "prefill"
     if args.mode == "conversation" and args.chat is False:
@@ -899,8 +905,11 @@ def check_args(args):
     if bad:
         raise ValueError(f"unknown method(s) {', '.join(bad)} for --mode {args.mode}; choose from {', '.join(known)}")
     methods = list(dict.fromkeys(["full"] + methods + ([UNTRAINED] if args.untrained else [])))  # full first
+    if len(paths) > 1:  # lookahead: one row per adapter
+        methods = [x for m in methods for x in ([ADAPTER_ROW + s for s in stems] if m == "lookahead" else [m])]
     for m in methods:  # each method's own checks (budget vs its protected tokens, the rule), before any work
-        if m not in ("lookahead", UNTRAINED, "oracle"):  # those need their adapter / answer: checked when they run
+        if eviction_config(m, 1, args).method not in ("lookahead", "oracle"):  # those need their adapter / answer:
+            # checked when they run
             scorer = make_scorer(eviction_config(m, min(budgets), args))
             if not prefill_mode and m != "full":  # the decode-phase form's own: window, --every
                 DecodeEviction.check(scorer, args.every, args.window)
@@ -931,8 +940,14 @@ def check_suite(args):
 
 
 def load_modules(args, model, methods, paths):
-    """{method: LookaheadModule} for lookahead (the adapter) and lookahead-untrained (like the adapter)."""
+    """{method: LookaheadModule} for lookahead (the adapter) and lookahead-untrained (like the adapter); with
+    several adapters, lookahead@<stem> for each (the untrained row like the first)."""
     cfg, dev, dtype = model.config, args.device, model.lm_head.weight.dtype
+    if len(paths) > 1:
+        modules = {ADAPTER_ROW + p.stem: load_adapter(p, cfg, dev) for p in paths}
+        if UNTRAINED in methods:
+            modules[UNTRAINED] = untrained(model, args.seed, modules[ADAPTER_ROW + paths[0].stem])
+        return {m: mod.to(dev).to(dtype).eval() for m, mod in modules.items() if m in methods}, paths[0]
     path = paths[0] if paths else cli.default_adapter_path(cfg)
     modules = {}
     if "lookahead" in methods or (UNTRAINED in methods and path.exists()):
@@ -980,7 +995,7 @@ def prompt_ids(args, model, tok, rows, chat):
     return prompts
 
 
-def run_settings(args, model, modules, adapter_path, chat):
+def run_settings(args, model, modules, adapter_path, chat, paths=()):
     """What results.json's entries were made with: a rerun into the same --out must match them."""
     settings = dict(model=model.config.name, fingerprint=model.config.fingerprint(), max_new_tokens=args.max_new_tokens,
                     window=args.window, rule=args.pool, uniform_budgets=args.uniform_budgets, chat=chat, seed=args.seed)
@@ -989,15 +1004,24 @@ def run_settings(args, model, modules, adapter_path, chat):
                         first_answer_tokens=args.first_answer_tokens)
     elif not args.tasks:  # RULER's rows (their answer lengths: max_new_tokens None) or the built-in suite's
         settings["suite"] = args.suite
-    if modules:  # the adapter (the untrained row has its shape and selects as it does): a retrained one needs a new --out
+    for p in paths if len(paths) > 1 else ():  # several adapters: each row's file and selection, keys of its own
+        # (another adapter is a new row; a retrained one under the same name needs a new --out)
+        if ADAPTER_ROW + p.stem in modules:
+            settings[f"adapter@{p.stem}"] = hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+            settings[f"adapter_rule@{p.stem}"] = rule_key(modules[ADAPTER_ROW + p.stem].info)
+    if modules and not any(m.startswith(ADAPTER_ROW) for m in modules):  # the adapter (the untrained row has its
+        # shape and selects as it does): a retrained one needs a new --out
         like = modules.get("lookahead")
         if like is not None:
             settings["adapter"] = hashlib.sha256(adapter_path.read_bytes()).hexdigest()[:16]
-        info = (like or modules[UNTRAINED]).info  # and so does another selection in its .json
-        settings["adapter_rule"] = f"{info.get('rule', 'none')}" + (
-            "" if info.get("layer_weights") is None else
-            ":" + hashlib.sha256(str(info["layer_weights"]).encode()).hexdigest()[:8])
+        settings["adapter_rule"] = rule_key((like or modules[UNTRAINED]).info)  # and another selection in its .json
     return settings
+
+
+def rule_key(info):
+    """An adapter's selection as its .json states it: its rule, and a hash of its per-layer weights."""
+    return f"{info.get('rule', 'none')}" + ("" if info.get("layer_weights") is None else
+                                            ":" + hashlib.sha256(str(info["layer_weights"]).encode()).hexdigest()[:8])
 
 
 def write_reports(args, out, results, methods, budgets, selected=None):
@@ -1048,7 +1072,7 @@ def evaluate(args):
     prompts = prompt_ids(args, model, tok, rows, chat)
 
     # resume: entries already in results.json are kept, if they were made with the same settings
-    settings = run_settings(args, model, modules, adapter_path, chat)
+    settings = run_settings(args, model, modules, adapter_path, chat, paths)
     clash = [k for k in settings if k in saved["settings"] and saved["settings"][k] != settings[k]]
     if clash:
         was = ", ".join(f"{k} {saved['settings'][k]} (now {settings[k]})" for k in clash)

@@ -276,6 +276,42 @@ def test_end_to_end_and_resume(tiny, capsys):
     assert json.loads(path.read_text())["results"] == saved2  # refused runs leave the file as it was
 
 
+def test_several_adapters_are_rows_of_one_run(tiny):
+    """--adapters A,B in --mode prefill: lookahead becomes lookahead@A and lookahead@B, on the same prefill and
+    FullKV answer; each row is its adapter's own (the same results as a run of that adapter alone); a third
+    adapter added later runs only its rows; a retrained adapter under the same name is refused."""
+    other = tiny / "other.safetensors"  # a second adapter: other weights, the same .json
+    module = LookaheadModule.load(tiny / "adapter.safetensors", load_model(tiny / "tiny-llama").config)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p), alpha=0.3)
+    module.save(other)
+    base = ["--model", str(tiny / "tiny-llama"), "--tasks", str(tiny / "tasks.jsonl"), "--budgets", "8,16",
+            "--window", "4", "--max-new-tokens", "6", "--methods", "snapkv,lookahead", "--device", "cpu"]
+    both = evaluate.main(base + ["--adapters", f"{tiny / 'adapter.safetensors'},{other}", "--out", str(tiny / "two")])
+    alone = evaluate.main(base + ["--adapter", str(other), "--out", str(tiny / "one")])
+    rows = lambda results, m: [{k: v for k, v in r.items() if not k.endswith("_ms") and k != "method"}
+                               for r in results if r["method"] == m]
+    assert {r["method"] for r in both} == {"full", "snapkv", "lookahead@adapter", "lookahead@other"}
+    assert rows(both, "lookahead@other") == rows(alone, "lookahead") != rows(both, "lookahead@adapter")
+    assert rows(both, "snapkv") == rows(alone, "snapkv")
+    third = tiny / "third.safetensors"
+    third.write_bytes(other.read_bytes())
+    (tiny / "third.json").write_text((tiny / "other.json").read_text())
+    more = evaluate.main(base + ["--adapters", f"{tiny / 'adapter.safetensors'},{other},{third}", "--out",
+                                 str(tiny / "two"), "--limit", "1"])
+    assert rows(more, "lookahead@third") == rows(more, "lookahead@other")
+    retrained = tiny / "retrained" / "other.safetensors"  # other weights under the name "other"
+    retrained.parent.mkdir()
+    retrained.write_bytes((tiny / "adapter.safetensors").read_bytes())
+    retrained.with_suffix(".json").write_text((tiny / "adapter.json").read_text())
+    with pytest.raises(SystemExit, match="other settings: adapter@other"):
+        evaluate.main(base + ["--adapters", f"{tiny / 'adapter.safetensors'},{retrained}", "--out", str(tiny / "two")])
+    with pytest.raises(SystemExit, match="two adapters with one file name"):
+        evaluate.main(base + ["--adapters", f"{other},{retrained}", "--out", str(tiny / "three")])
+
+
 def test_interrupted_run_says_the_command_that_resumes(tiny, monkeypatch):
     """Ctrl-C (or SIGTERM, which cli.run turns into the same) mid-run: one line with the very command."""
     def stop(*a, **k):
