@@ -25,18 +25,16 @@ the answer), encoded as is; every answer is as long as RULER's tokens_to_generat
 expected answers found). The tables give the mean over prompts and, printed too, the accuracy per task;
 --plot draws the mean score against the share of the prompt kept (C / prompt tokens), one line per
 method, as kvpress's leaderboard plot does. RULER-4K, 55 prompts (RULER-8K: --lengths 8192 --out
-runs/ruler8k); "lookahead" is the shipped adapter as it selects (its rule and per-layer budgets):
+runs/ruler8k); "lookahead" is the shipped adapter as it selects (its rule and per-layer budgets),
+"lookahead-paper" the same adapter in the paper's form (its mean scores max-pooled, width 7, as
+KVCache-Factory pools (the paper states no kernel), then the top C in every layer):
 
-    python evaluate.py --suite ruler --lengths 4096 --per-task 5 --budgets 64,128,256,512 \
-        --methods full,streaming,snapkv,pyramidkv,h2o,laq,oracle,lookahead --out runs/ruler4k \
-        --plot runs/ruler4k/plot.png
+    python evaluate.py --suite ruler --lengths 4096 --per-task 5 --budgets 64,128,256,512 --threads 2 \
+        --methods full,streaming,snapkv,pyramidkv,h2o,laq,oracle,lookahead,lookahead-paper \
+        --out runs/ruler4k --plot runs/ruler4k/plot.png
 
-The paper's form of LookaheadKV (the mean scores pooled, then the top C in every layer; the paper states no
-kernel: KVCache-Factory's max-pool of 7) is a run of its own, since --pool applies to every method in a
-run that smooths its scores:
-
-    python evaluate.py --suite ruler --lengths 4096 --per-task 5 --budgets 64,128,256,512 \
-        --methods lookahead --pool max:7 --uniform-budgets --out runs/ruler4k-paper
+Several adapters side by side (the learning curve): --adapters A,B,... makes one row per adapter,
+lookahead@<file stem>, all on each prompt's one prefill and FullKV answer.
 
 Per prompt, FullKV runs once: a prefill and a greedy answer `ref` (R tokens, the stop token
 kept). ref is the "full" row and the reference of every metric:
@@ -130,6 +128,8 @@ from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selec
 from metrics import Stopwatch, answer_kl, forced_logprobs, gap_closed, recall_of_kept
 
 UNTRAINED = "lookahead-untrained"
+PAPER_FORM = "lookahead-paper"  # the adapter selecting as the paper states it (harness.PAPER_ROWS: max:7, C in
+# every layer), whatever --pool and --uniform-budgets say for the other methods
 ADAPTER_ROW = "lookahead@"  # --adapters A,B (--mode prefill): one row per adapter, lookahead@<file stem>
 METRICS = {  # name -> (title, format)
     "accuracy": ("accuracy: share of the expected answers found in the output (RULER string match)", "{:.3f}"),
@@ -318,6 +318,10 @@ def eviction_config(method, budget, args, shared=False):
     shared: the prefill is FullKV's, watched by every method: LookaheadKV then runs its M rows in a second
     pass on the prompt cache (its two-pass form, the same scores) instead of inside the prefill, where the
     other methods' hooks would take them for the prompt's last queries."""
+    if method == PAPER_FORM:
+        _, rule, _ = harness.PAPER_ROWS[PAPER_FORM]
+        return EvictConfig("lookahead", budget, window=args.window, rule=parse_rule(rule), budgets=uniform_budgets,
+                           own=dict(one_pass=False) if shared else {})
     name = "lookahead" if method == UNTRAINED or method.startswith(ADAPTER_ROW) else method
     rule = parse_rule(args.pool) if args.pool and not issubclass(METHODS[name], Unpooled) else None
     return EvictConfig(name, budget, window=args.window, rule=rule,
@@ -899,12 +903,14 @@ def check_args(args):
     prefill_mode = args.mode == "prefill"
     if args.mode == "conversation" and args.chat is False:
         raise ValueError("--mode conversation needs the chat format (ChatML or Llama-3): drop --no-chat")
-    known = (tuple(METHODS) if prefill_mode else ("full",) + DECODE_METHODS) + (UNTRAINED,)
-    methods = parse_list(args.methods or ",".join(known[:-1]))
+    known = (tuple(METHODS) + (PAPER_FORM,) if prefill_mode else ("full",) + DECODE_METHODS) + (UNTRAINED,)
+    methods = parse_list(args.methods or ",".join(m for m in known if m not in (UNTRAINED, PAPER_FORM)))
     bad = [m for m in methods if m not in known]
     if bad:
         raise ValueError(f"unknown method(s) {', '.join(bad)} for --mode {args.mode}; choose from {', '.join(known)}")
     methods = list(dict.fromkeys(["full"] + methods + ([UNTRAINED] if args.untrained else [])))  # full first
+    if len(paths) > 1 and PAPER_FORM in methods:
+        raise ValueError(f"--methods {PAPER_FORM} reads one adapter: run it with one --adapter")
     if len(paths) > 1:  # lookahead: one row per adapter
         methods = [x for m in methods for x in ([ADAPTER_ROW + s for s in stems] if m == "lookahead" else [m])]
     for m in methods:  # each method's own checks (budget vs its protected tokens, the rule), before any work
@@ -950,16 +956,18 @@ def load_modules(args, model, methods, paths):
         return {m: mod.to(dev).to(dtype).eval() for m, mod in modules.items() if m in methods}, paths[0]
     path = paths[0] if paths else cli.default_adapter_path(cfg)
     modules = {}
-    if "lookahead" in methods or (UNTRAINED in methods and path.exists()):
+    if "lookahead" in methods or PAPER_FORM in methods or (UNTRAINED in methods and path.exists()):
         if not path.exists():
             raise ValueError(f"no lookahead adapter at {path}: train one with python train.py --model {args.model} "
                              f"--adapter-out {path}, pass --adapter, or drop lookahead from --methods")
         modules["lookahead"] = load_adapter(path, cfg, dev)
+        if PAPER_FORM in methods:  # the same adapter, selecting as the paper states
+            modules[PAPER_FORM] = modules["lookahead"]
     if UNTRAINED in methods:
         like = modules.get("lookahead")  # the untrained row alone, without any adapter: the default shape
         modules[UNTRAINED] = untrained(model, args.seed, like)
-        if "lookahead" not in methods:
-            del modules["lookahead"]
+    if "lookahead" not in methods:
+        modules.pop("lookahead", None)
     return {m: mod.to(dev).to(dtype).eval() for m, mod in modules.items()}, path
 
 
@@ -1011,7 +1019,7 @@ def run_settings(args, model, modules, adapter_path, chat, paths=()):
             settings[f"adapter_rule@{p.stem}"] = rule_key(modules[ADAPTER_ROW + p.stem].info)
     if modules and not any(m.startswith(ADAPTER_ROW) for m in modules):  # the adapter (the untrained row has its
         # shape and selects as it does): a retrained one needs a new --out
-        like = modules.get("lookahead")
+        like = modules.get("lookahead", modules.get(PAPER_FORM))
         if like is not None:
             settings["adapter"] = hashlib.sha256(adapter_path.read_bytes()).hexdigest()[:16]
         settings["adapter_rule"] = rule_key((like or modules[UNTRAINED]).info)  # and another selection in its .json

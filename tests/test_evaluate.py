@@ -312,6 +312,20 @@ def test_several_adapters_are_rows_of_one_run(tiny):
         evaluate.main(base + ["--adapters", f"{other},{retrained}", "--out", str(tiny / "three")])
 
 
+def test_the_papers_form_is_a_row_of_its_own(tiny, capsys):
+    """lookahead-paper: the adapter selecting as the paper states (max-pool 7, C in every layer) beside the
+    methods' own selections in one run: the same rows as a run of lookahead with --pool max:7 --uniform-budgets."""
+    base = ["--model", str(tiny / "tiny-llama"), "--tasks", str(tiny / "tasks.jsonl"), "--budgets", "8,16",
+            "--window", "4", "--max-new-tokens", "6", "--device", "cpu", "--adapter", str(tiny / "adapter.safetensors")]
+    one = evaluate.main(base + ["--methods", "snapkv,lookahead,lookahead-paper", "--out", str(tiny / "paper1")])
+    assert "lookahead-paper (max:7, C in every layer)" in capsys.readouterr().out
+    apart = evaluate.main(base + ["--methods", "lookahead", "--pool", "max:7", "--uniform-budgets", "--out",
+                                  str(tiny / "paper2")])
+    rows = lambda results, m: [{k: v for k, v in r.items() if not k.endswith("_ms") and k != "method"}
+                               for r in results if r["method"] == m]
+    assert rows(one, "lookahead-paper") == rows(apart, "lookahead") != rows(one, "lookahead")
+
+
 def test_interrupted_run_says_the_command_that_resumes(tiny, monkeypatch):
     """Ctrl-C (or SIGTERM, which cli.run turns into the same) mid-run: one line with the very command."""
     def stop(*a, **k):
