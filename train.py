@@ -84,8 +84,8 @@ class TrainConfig:
     out: str = "runs/lookahead"  # --out: the run's folder (data.jsonl, samples/, heldout/, ckpt.pt, log.jsonl)
     adapter_out: str | None = None  # --adapter-out: the adapter, .safetensors + .json (None: OUT/adapter.safetensors)
     stage: str = "all"  # --stage: data | train (on the samples OUT holds, read only) | budgets | all (data + train)
-    data: str | None = None  # --data: with --stage train, the folder whose samples it trains on (another run's
-    # data stage: the learning curve's adapters share one); None: OUT's own. OUT keeps the checkpoint and log
+    data: str | None = None  # --data: with --stage train (or budgets), the folder whose samples it reads (another
+    # run's data stage: the learning curve's adapters share one); None: OUT's own. OUT keeps checkpoint, log, table
     train_rows: int | None = None  # --train-rows: train on about this many of the training rows (whole groups,
     # a seeded draw: each smaller draw inside the larger ones; RESULTS.md's learning curve); None: all of them
     # data: the prompts and the base model's answers
@@ -152,8 +152,8 @@ def get_args(argv=None):
       "OUT/adapter.safetensors); one there already is kept as NAME.prev.safetensors")
     a("--stage", choices=STAGES, help="data: build OUT's samples; train: train on them (read only); budgets: "
       "measure an adapter's per-layer weights on them into --adapter-out; all (default): data, then train")
-    a("--data", metavar="DIR", help="--stage train: train on the samples of this data-stage folder instead of "
-      "OUT's (it is only read, but for its held-out ground truth cache); OUT keeps checkpoint, log, adapter")
+    a("--data", metavar="DIR", help="--stage train or budgets: read the samples of this data-stage folder instead "
+      "of OUT's (it is only read, but for its held-out ground truth cache); OUT keeps checkpoint, log, adapter")
     a("--train-rows", type=int, metavar="N", help="--stage train: about N of the training rows (whole groups, "
       "a seeded draw: a smaller N's rows are inside a larger N's); default all")
     a("--n-train", type=int, help=f"training prompts (default {D.n_train})")
@@ -253,9 +253,9 @@ def data_folder(cfg, out):
         cli.at_least("--train-rows", cfg.train_rows, 1)
     if cfg.data is None:
         return out
-    if cfg.stage != "train":
-        raise ValueError(f"--data is read by --stage train alone (--stage {cfg.stage} makes or reads OUT's own "
-                         "data): add --stage train, or drop --data")
+    if cfg.stage not in ("train", "budgets"):
+        raise ValueError(f"--data is read by --stage train and budgets (--stage {cfg.stage} makes OUT's own data): "
+                         "add --stage train, or drop --data")
     src = Path(cfg.data)
     if not (src / "data.jsonl").is_file():
         raise ValueError(f"--data {cfg.data}: no data.jsonl there: pass the --out folder of a data stage "
@@ -1084,12 +1084,14 @@ def stored_samples(model, out, rows):
         yield cache, gt, torch.tensor([r["response_ids"]], device=dev)
 
 
-def measure_budgets(model, module, cfg, out, rows, dest):
-    rows = [r for r in rows if r["split"] == "train" and sample_path(out, r["id"]).exists()][:BUDGET_SAMPLES]
-    weights, report = layer_budgets.measure(model, module, stored_samples(model, out, rows), budget=cfg.budget,
+def measure_budgets(model, module, cfg, src, out, rows, dest):
+    """The adapter's per-layer weights measured on the first BUDGET_SAMPLES training samples of src (OUT, or --data),
+    written into its .json at dest and, as a table, into OUT/layer_weights.json."""
+    rows = [r for r in rows if r["split"] == "train" and sample_path(src, r["id"]).exists()][:BUDGET_SAMPLES]
+    weights, report = layer_budgets.measure(model, module, stored_samples(model, src, rows), budget=cfg.budget,
                                             progress=lambda it: tqdm(it, total=len(rows), desc="samples"))
     source = module.info.pop("path")
-    print(f"adapter {source}, {len(rows)} training samples of {out}, C = {cfg.budget}: "
+    print(f"adapter {source}, {len(rows)} training samples of {src}, C = {cfg.budget}: "
           f"answer KL {report['answer_kl']:.4f}")
     print("layers  answer-KL gain  weight")
     for (a, b), gain in zip(report["groups"], report["gain"]):
@@ -1132,7 +1134,7 @@ def train(cfg):
     # --- stage budgets: an adapter's per-layer weights (no training)
     if cfg.stage == "budgets":
         if rank == 0:
-            measure_budgets(model, adapter.to(cfg.device), cfg, out, rows, dest)
+            measure_budgets(model, adapter.to(cfg.device), cfg, src, out, rows, dest)
         return
 
     # --- stage data: the samples

@@ -989,10 +989,16 @@ def test_data_trains_on_another_runs_samples_and_writes_only_out(model_dir, tmp_
     assert {"data", "train_rows"} <= set(train.RESUME_KEYS)
     with pytest.raises(SystemExit, match="other settings: train_rows 2 \\(this run: 3\\)"):
         train.main(argv(model_dir, out, "--stage", "train", "--data", str(src), "--train-rows", "3", "--resume"))
+    # --stage budgets reads --data's samples too, and writes its table into OUT
+    table = tmp_path / "table"
+    train.main(argv(model_dir, table, "--stage", "budgets", "--data", str(src), "--init", str(out / "adapter.safetensors"),
+                    "--adapter-out", str(table / "measured.safetensors")))
+    assert (table / "layer_weights.json").exists() and "layer_weights" in json.loads((table / "measured.json").read_text())
+    assert {f: f.read_bytes() for f in src.rglob("*") if f.is_file() and "heldout" not in f.parts} == before
 
 
 @pytest.mark.parametrize("extra, said", [
-    (["--stage", "data", "--data", "DATA"], "--data is read by --stage train alone"),
+    (["--stage", "data", "--data", "DATA"], "--data is read by --stage train and budgets"),
     (["--stage", "train", "--data", "NOWHERE"], "--data NOWHERE: no data.jsonl there"),
     (["--stage", "train", "--data", "DATA", "--train-rows", "99"], "--train-rows 99: .* holds 4 training samples"),
     (["--stage", "train", "--data", "DATA", "--train-rows", "0"], "--train-rows"),
