@@ -62,17 +62,16 @@
 #     prompts    ~70   27.5 ms per prompt here (make_training_groups + the chat template's encode, 600 prompts,
 #                      80% of it in the tokenizer's encode): one process would need ~9 min for 20,160 prompts,
 #                      so the 16 cores make them 8 at a time (seeds 0-7: row ids differ, so the folders merge)
-#     answers  170-200 (with the train.py change below) per worker 2,520 x 128 / 48 = 6,720 decode steps; a step
-#                      is ~3,000 aten ops whatever the batch (counted with TorchDispatchMode on the real model);
-#                      DEVICE.md's HF decode step of this model on the H200 (20-38 ms, launch-bound) puts that at
-#                      25-30 ms; the GPU's own work per step (~2 GB of KV read) is under 1 ms, so 8 workers overlap
-#                      (unmeasured: 8 processes time-sharing one GPU; gpu.csv will say). At 38 ms a step the window
-#                      closes at ~90% of the prompts: the workers' "data stage" lines give the rate for the next try.
-#                      Without the change it does NOT fit: train.SharedPrefixAttention loops over the batch's
-#                      groups in Python, 1,890 aten ops per group per step (and 6 host->device index copies per
-#                      group and layer, each a stream sync on CUDA); a 48-prompt batch holds ~12 groups, so a step
-#                      is ~25,000 ops, 0.2-0.3 s, ~25 min per worker: the window then makes ~3,000 of the prompts
-#                      (RESULTS.md's older estimate, 17 min for 8,000 prompts at 30 ms a step, counted no such loop)
+#     answers  170-200 per worker 2,520 x 128 / 48 = 6,720 decode steps; a step is ~3,000 aten ops whatever the
+#                      batch (counted with TorchDispatchMode on the real model, train.TargetAttention, the form
+#                      answer_and_target takes on a GPU); DEVICE.md's HF decode step of this model on the H200
+#                      (20-38 ms, launch-bound) puts that at 25-30 ms; the GPU's own work per step (~2 GB of KV read)
+#                      is under 1 ms, so 8 workers overlap (unmeasured: 8 processes time-sharing one GPU; gpu.csv
+#                      will say). At 38 ms a step the window closes at ~90% of the prompts: the workers' "data
+#                      stage" lines give the rate for the next try. (The CPU's form, SharedPrefixAttention, loops
+#                      over a batch's groups in Python: ~25,000 ops a step at 48 prompts, 0.2-0.3 s on a GPU, which
+#                      would make only ~3,000 of the prompts in the window; RESULTS.md's older estimate, 17 min for
+#                      8,000 prompts at 30 ms a step, counted no such loop)
 #   merge         ~5   the workers' rows and sample files into one folder
 #   train      ~150    model load + held-out ground truth (64 prompts) ~20, 315 steps x 0.25-0.35 s (a micro-batch
 #                      of 64 recomputes its prompts' cache: ~26 TFLOP of prefill, ~0.1-0.2 s, + ~17,400 aten ops of

@@ -483,7 +483,36 @@ class RoomyCache(KVCache):
         return self.k[layer], self.v[layer], self.valid[layer]
 
 
-class SharedPrefixAttention(Hook):
+class TargetAttention(Hook):
+    """One decode step's attention for all B rows, one batched matmul over each row's own keys, and the step's
+    term of the training target: the token decoded is a query of the answer, so its attention over the S prompt
+    slots is one term of the answer's mean (answer_attention's). What the data stage uses on a GPU, where a
+    step's time is its kernel launches; on a CPU, SharedPrefixAttention (below) reads each group's prefix once."""
+
+    def __init__(self, S):
+        self.S, self.weight, self.target = S, None, {}  # weight (B,): 1 for a row still answering, else 0
+
+    def add_term(self, layer, probs):
+        """probs (B, H_kv, G, Tk): this step's attention; its prompt part, weighted, joins the target."""
+        term = probs[..., :self.S].flatten(1, 2) * self.weight[:, None, None]  # (B, H, S)
+        self.target[layer] = term if layer not in self.target else self.target[layer] + term
+
+    def attn(self, layer, q, k, key_valid):
+        B, H, T, D = q.shape
+        assert T == 1, "one decode step at a time"
+        Hkv = k.shape[1]
+        s = (q.view(B, Hkv, H // Hkv, D) * D ** -0.5) @ k.transpose(-1, -2)  # (B, H_kv, G, Tk)
+        if key_valid is not None:
+            s = s.masked_fill(~key_valid.expand(B, Hkv, -1)[:, :, None, :], float("-inf"))
+        self.probs = s.float().softmax(-1)  # float32, as group_attention's: it is also the target
+        self.add_term(layer, self.probs)
+
+    def attn_output(self, layer, v):
+        B, Hkv, _, D = v.shape
+        return (self.probs.to(v.dtype) @ v).reshape(B, -1, 1, D)  # (B, H, 1, D)
+
+
+class SharedPrefixAttention(TargetAttention):
     """Decoding rows laid out as shared_prefill lays them out (slots [0, P) of every row hold its group's
     left-padded prefix, the slots after P its own tokens): the attention of each decode step, with each
     group's prefix keys and values read ONCE for all of its rows rather than once per row. The result is
@@ -491,11 +520,9 @@ class SharedPrefixAttention(Hook):
     The prefix part is one matmul per group: its rows' G query heads per KV head stacked as one matrix."""
 
     def __init__(self, P, groups, S):
+        super().__init__(S)
         keys = list(dict.fromkeys(groups))
         self.P, self.rows = P, [torch.tensor([b for b, g in enumerate(groups) if g == key]) for key in keys]
-        # the training target, summed as the answer is decoded: a step's token is a query of the answer,
-        # so its attention over the S prompt slots is one term of the answer's mean (answer_attention's)
-        self.S, self.weight, self.target = S, None, {}
 
     def attn(self, layer, q, k, key_valid):
         B, H, T, D = q.shape
@@ -515,12 +542,10 @@ class SharedPrefixAttention(Hook):
             if valid is not None:
                 s = s.masked_fill(~valid[rows][:, :, None, :], float("-inf"))
             self.scores.append(s.float().softmax(-1))  # float32, as group_attention's: it is also the target
-        # (B, H, S): this step's attention over the prompt, for the rows whose token is part of their answer
-        probs = torch.empty(B, Hkv, G, self.S, device=q.device)
+        probs = torch.empty(B, Hkv, G, self.S, device=q.device)  # this step's attention over the prompt
         for rows, p in zip(self.rows, self.scores):
             probs[rows] = p[..., :self.S]
-        term = probs.flatten(1, 2) * self.weight[:, None, None]
-        self.target[layer] = term if layer not in self.target else self.target[layer] + term
+        self.add_term(layer, probs)
 
     def attn_output(self, layer, v):
         B, Hkv, Tk, D = v.shape
@@ -586,7 +611,10 @@ def answer_and_target(model, tok, prompts, max_new_tokens, groups=None):
     B, groups = len(prompts), list(range(len(prompts))) if groups is None else groups
     cache, logits, next_pos, slots, shared, P = shared_prefill(model, prompts, groups)
     S = len(cache)  # the prompt's slots (padding included); decoding appends after them, into a roomy copy
-    roomy, hook = RoomyCache(cache, max_new_tokens), SharedPrefixAttention(P, groups, S)
+    # a CPU's decoding is bound by reading the cache: each group's prefix read once; a GPU's by its launches:
+    # one batched attention (the per-group loop made the data stage of gpu_train.sh ~7x slower)
+    hook = SharedPrefixAttention(P, groups, S) if dev.type == "cpu" else TargetAttention(S)
+    roomy = RoomyCache(cache, max_new_tokens)
     # not greedy(): it never feeds an answer's last token, whose query is one term of the target
     answers, done = [[] for _ in range(B)], [False] * B
     for t in range(max_new_tokens):

@@ -885,10 +885,15 @@ def test_batched_loss_equals_the_mean_of_per_sample_losses(tmp_path):
 
 
 
-def test_grouped_prompts_share_one_prefill_and_give_each_its_own_sample(tmp_path):
+@pytest.mark.parametrize("gpu_form", [False, True])
+def test_grouped_prompts_share_one_prefill_and_give_each_its_own_sample(tmp_path, monkeypatch, gpu_form):
     """answer_and_target with groups: prompts of a group share their prefix's prefill (and the decode reads it
     once: SharedPrefixAttention), yet each row's answer, target and cache equal a forward of it alone; the
-    data stage stores the prefix once (save_batch) and load_batch puts each sample back together whole."""
+    data stage stores the prefix once (save_batch) and load_batch puts each sample back together whole.
+    gpu_form: the decode-time attention a GPU runs (TargetAttention, one batched matmul), here on the CPU."""
+    if gpu_form:
+        made = []
+        monkeypatch.setattr(train, "SharedPrefixAttention", lambda P, groups, S: made.append(1) or train.TargetAttention(S))
     model = tiny_model()
     base = rand_list(40, 7)
     prompts = [base + rand_list(n, 50 + n) for n in (3, 9, 5)] + [rand_list(33, 8)]  # a group of 3 and a single
@@ -915,6 +920,7 @@ def test_grouped_prompts_share_one_prefill_and_give_each_its_own_sample(tmp_path
         assert torch.equal(torch.cat(cache.k), s["k"]) and torch.equal(gt[0][0], s["target"][0])
     data.prefix_path(tmp_path, "a").unlink()  # a member without its prefix file is not a whole sample
     assert not data.sample_ok(data.sample_path(tmp_path, "r0")) and data.sample_ok(data.sample_path(tmp_path, "r3"))
+    assert not gpu_form or made  # the batched form is the one that ran
 
 
 def test_roomy_cache_holds_what_a_plain_cache_holds():
