@@ -151,8 +151,9 @@ class LookaheadModule(nn.Module):
         for key, kind in cls.KEYS.items():
             value = meta.get(key)
             if not isinstance(value, kind) or isinstance(value, bool):
-                raise ValueError(f"adapter metadata {meta_file}: {key!r} is missing or not a "
-                                 f"{getattr(kind, '__name__', 'number')}: retrain the adapter")
+                found = "missing" if key not in meta else json.dumps(value)[:40]
+                what = {int: "a whole number", str: "a string", list: "a list"}.get(kind, "a number")
+                raise ValueError(f"adapter metadata {meta_file}: {key!r} is {found}, not {what}: retrain the adapter")
             if isinstance(value, (int, float)) and not (math.isfinite(value) and value > 0):  # "alpha": NaN parses
                 raise ValueError(f"adapter metadata {meta_file}: {key!r} is {value}, not a finite number > 0: "
                                  "retrain the adapter")

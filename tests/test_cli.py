@@ -270,6 +270,24 @@ def test_adapter_alpha_that_would_overflow_stops_before_the_weights_load(prompt,
              str(tmp_path / "a.safetensors"), "gain (alpha / rank) |B| |A|", '"alpha" 1e+30', "retrain it")
 
 
+@pytest.mark.parametrize("change, said", [(dict(rank=1e30), "'rank' is 1e+30, not a whole number"),
+                                          (dict(rank=None), "'rank' is missing, not a whole number"),
+                                          (dict(targets="q_proj"), "'targets' is \"q_proj\", not a list"),
+                                          (dict(alpha="32"), "'alpha' is \"32\", not a number")])
+def test_adapter_metadata_of_the_wrong_kind_says_what_it_found(prompt, tmp_path, tiny_model, no_loading, change, said):
+    from lookaheadkv import LookaheadModule
+
+    LookaheadModule(model.ModelConfig.from_hf_config(tiny_model), n_tokens=4, rank=2).save(tmp_path / "a.safetensors")
+    meta = json.loads((tmp_path / "a.json").read_text())
+    meta.update({k: v for k, v in change.items() if v is not None})
+    for k in [k for k, v in change.items() if v is None]:
+        del meta[k]
+    (tmp_path / "a.json").write_text(json.dumps(meta))
+    one_line(error_of(generate_py.main, "--prompt", prompt, "--model", tiny_model, "--adapter",
+                      tmp_path / "a.safetensors", "--max-new-tokens", "4"), str(tmp_path / "a.json"), said,
+             "retrain the adapter")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_device_cuda_without_cuda(prompt, tiny_model):
     one_line(error_of(generate_py.main, "--prompt", prompt, "--model", tiny_model, "--device", "cuda"),
