@@ -893,13 +893,22 @@ def check_args(args):
         return None, budgets, lengths, None, paths
     if args.answer_kl:
         raise ValueError("--answer-kl applies to --heldout (the task evaluation always measures the answer KL): drop it")
+    methods = check_methods(args, paths, budgets)
+    if args.plot:
+        check_plot(args.plot)
+    rows = read_tasks(args.tasks, args.mode == "conversation") if args.tasks else None
+    return methods, budgets, lengths, rows, paths
+
+
+def check_methods(args, paths, budgets):
+    """--methods for --mode (with --untrained and, for several --adapters, one lookahead row per adapter), each
+    method's own checks done: the methods to run, FullKV first."""
     if len(paths) > 1 and args.mode != "prefill":
         raise ValueError(f"--adapter {args.adapter}: one adapter (several only with --heldout or --mode prefill)")
     stems = [p.stem for p in paths]
     if len(set(stems)) < len(stems):
         raise ValueError(f"--adapter {args.adapter}: two adapters with one file name: each row is named by its file "
                          "(lookahead@<name>): copy one under another name")
-
     prefill_mode = args.mode == "prefill"
     if args.mode == "conversation" and args.chat is False:
         raise ValueError("--mode conversation needs the chat format (ChatML or Llama-3): drop --no-chat")
@@ -919,16 +928,18 @@ def check_args(args):
             scorer = make_scorer(eviction_config(m, min(budgets), args))
             if not prefill_mode and m != "full":  # the decode-phase form's own: window, --every
                 DecodeEviction.check(scorer, args.every, args.window)
-    if args.plot:
-        suffix = Path(args.plot).suffix.lower()
-        if suffix not in (".png", ".pdf", ".svg", ".jpg"):
-            raise ValueError(f"--plot {args.plot}: the name must end in .png, .pdf, .svg or .jpg")
-        cli.output_file("--plot", args.plot, Path(args.plot).suffix)
-        # after the name and the place (a wrong path is said first, with or without matplotlib here)
-        if importlib.util.find_spec("matplotlib") is None:
-            raise ValueError("--plot needs matplotlib: pip install matplotlib (or pip install '.[plot]')")
-    rows = read_tasks(args.tasks, args.mode == "conversation") if args.tasks else None
-    return methods, budgets, lengths, rows, paths
+    return methods
+
+
+def check_plot(path):
+    """--plot's name, its folder, and matplotlib, before any work."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".png", ".pdf", ".svg", ".jpg"):
+        raise ValueError(f"--plot {path}: the name must end in .png, .pdf, .svg or .jpg")
+    cli.output_file("--plot", path, Path(path).suffix)
+    # after the name and the place (a wrong path is said first, with or without matplotlib here)
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib (or pip install '.[plot]')")
 
 
 def check_suite(args):
