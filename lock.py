@@ -48,7 +48,8 @@ HELD = []  # the locks this process holds
 
 
 def release_folder(path):
-    """Remove this process's lock on PATH alone (one it held for a moment, as weights/prepare.py its cache)."""
+    """Remove this process's lock on PATH alone (one it held for a moment, as weights/prepare.py its cache); a lock
+    file another process has since taken is left alone."""
     lock = Path(path) / ".lock"
     if lock in HELD:
         HELD.remove(lock)
@@ -58,11 +59,9 @@ def release_folder(path):
 
 @atexit.register
 def release_folders():
-    """Remove the locks this process holds (a lock file another process has since taken is left alone)."""
-    while HELD:
-        lock = HELD.pop()
-        if lock.exists() and lock.read_text().strip() == str(os.getpid()):
-            lock.unlink(missing_ok=True)
+    """Remove every lock this process holds."""
+    for lock in list(HELD):
+        release_folder(lock.parent)
 
 
 def alive(pid):

