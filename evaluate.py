@@ -226,11 +226,31 @@ def report(results, methods, budgets, per_task=False, metrics=MODE_METRICS["pref
         parts.append(f"### the smallest budget at which each method reaches {REACH:.0%} of FullKV's accuracy "
                      f"({sum(full) / len(full):.3f}; '-': not within these budgets)\n\n"
                      f"{reach_table(results, methods, budgets)}\n")
-    for task in sorted({r["task"] for r in results}) if per_task and "accuracy" in metrics else []:
-        rows = [r for r in results if r["task"] == task]
-        parts.append(f"### accuracy, task {task} ({len({r['id'] for r in rows})} samples)\n\n"
-                     f"{table(rows, 'accuracy', methods, budgets)}\n")
+    for b in budgets if per_task and "accuracy" in metrics else []:
+        parts.append(f"### accuracy per task at C={b} (samples per task: "
+                     f"{', '.join(sorted({str(n) for n in samples_per_task(results).values()}))})\n\n"
+                     f"{task_table(results, methods, b)}\n")
     return "\n".join(parts)
+
+
+def samples_per_task(results):
+    """{task: the number of its prompts}, tasks in the order they first appear (RULER's own order)."""
+    ids = {}
+    for r in results:
+        ids.setdefault(r["task"], set()).add(r["id"])
+    return {t: len(s) for t, s in ids.items()}
+
+
+def task_table(results, methods, budget):
+    """Markdown: a row per method, a column per task, then the mean over tasks (RULER's average: every task
+    weighs the same, whatever its number of samples), at one budget."""
+    tasks = list(samples_per_task(results))
+    lines = ["| method | " + " | ".join(tasks) + " | mean |", "|---" * (len(tasks) + 2) + "|"]
+    for m in methods:
+        cells = [mean_of([r for r in results if r["task"] == t], "accuracy", m, budget) for t in tasks]
+        mean = None if None in cells else sum(cells) / len(cells)
+        lines.append(f"| {m} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells + [mean]) + " |")
+    return "\n".join(lines)
 
 
 # -----------------------------------------------------------------------------

@@ -822,7 +822,14 @@ def test_ruler_suite_end_to_end_and_resume(tiny, monkeypatch, capsys):
         assert r["prompt_tokens"] == by_id[r["id"]]["tokens"]
     printed = capsys.readouterr().out
     assert "### accuracy: share of the expected answers" in printed and "(4 samples)" in printed
-    assert "### accuracy, task niah_single_1 (2 samples)" in printed and "### accuracy, task vt (2 samples)" in printed
+    per_task = printed[printed.index("### accuracy per task at C=8 (samples per task: 2)"):]
+    lines = per_task.splitlines()
+    header, snap = lines[2], next(line for line in lines if line.startswith("| snapkv |"))  # heading, blank, table
+    assert header == "| method | niah_single_1 | vt | mean |"
+    cells = [float(c) for c in snap.strip("| ").split(" | ")[1:]]
+    expect = [sum(r["accuracy"] for r in results if r["task"] == t and r["method"] == "snapkv" and r["budget"] == 8)
+              / 2 for t in ("niah_single_1", "vt")]
+    assert cells == pytest.approx([*expect, sum(expect) / 2], abs=0.006)
     saved = json.loads((tiny / "out-ruler" / "results.json").read_text())
     assert saved["settings"]["suite"] == "ruler" and saved["settings"]["max_new_tokens"] is None
     if drawn:  # one panel: a line per method over the kept shares, mean C / S
