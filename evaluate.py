@@ -244,12 +244,14 @@ def samples_per_task(results):
 
 def task_table(results, methods, budget):
     """Markdown: a row per method, a column per task, then the mean over tasks (RULER's average: every task
-    weighs the same, whatever its number of samples), at one budget."""
+    weighs the same, whatever its number of samples), at one budget. A task without expected answers (--tasks)
+    has no accuracy ("-") and stays out of the mean."""
     tasks = list(samples_per_task(results))
     lines = ["| method | " + " | ".join(tasks) + " | mean |", "|---" * (len(tasks) + 2) + "|"]
     for m in methods:
         cells = [mean_of([r for r in results if r["task"] == t], "accuracy", m, budget) for t in tasks]
-        mean = None if None in cells else sum(cells) / len(cells)
+        scored = [c for c in cells if c is not None]
+        mean = sum(scored) / len(scored) if scored else None
         lines.append(f"| {m} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells + [mean]) + " |")
     return "\n".join(lines)
 

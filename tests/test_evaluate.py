@@ -244,7 +244,10 @@ def test_end_to_end_and_resume(tiny, capsys):
     gap = printed[printed.index("### share of the SnapKV-to-oracle gap closed"):].split("\n\n")[1].splitlines()
     assert [l.split(" | ")[0][2:] for l in gap[2:]] == ["streaming", "h2o", "lookahead", "lookahead-untrained"]
     assert gap[2 + 2] == evaluate.gap_table(results, ["lookahead"], [8, 16]).splitlines()[2]  # from the means
-    assert "task copy" in (tiny / "out" / "results.md").read_text()
+    per_task = (tiny / "out" / "results.md").read_text().split("### accuracy per task at C=8")[1].splitlines()
+    assert per_task[2].startswith("| method | ") and "| copy |" in per_task[2] and per_task[2].endswith("| mean |")
+    full = next(line for line in per_task if line.startswith("| full |")).split(" | ")
+    assert full[2] == "-" and full[-1] == full[1] + " |"  # "free" has no answers: "-", the mean is copy's alone
 
     before, mtime = path.read_bytes(), path.stat().st_mtime_ns
     t0 = time.perf_counter()
