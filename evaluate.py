@@ -78,6 +78,9 @@ SnapKV-to-oracle gap each closes (harness.py; the ground truth is kept in OUT/he
     python evaluate.py --heldout runs/cpu --adapters weights/SmolLM2-135M-Instruct.lookahead.safetensors \
         --budgets 64,128,256 --answer-kl
 
+With --out FOLDER it also keeps every number in FOLDER/heldout.json (and the tables in heldout.md), for a
+script that gathers several runs (examples/learning_curve.py); an existing heldout.json is never overwritten.
+
 Beyond the paper, two modes hold the cache to C after the prefill too (extensions/decode.py:
 each time it holds C + --every slots, every slot is re-scored and the last --window always kept;
 methods full, streaming, snapkv, h2o, lookahead, lookahead-untrained):
@@ -728,10 +731,34 @@ def claim_heldout(folder):
     return folder
 
 
+def check_heldout_out(out):
+    """--heldout's --out: a folder for heldout.json and heldout.md, whose heldout.json is not there yet (an earlier
+    run's numbers are never overwritten)."""
+    path = cli.output_folder("--out", out) / "heldout.json"
+    if path.exists():
+        raise ValueError(f"--out {out} already holds {path.name} (an earlier held-out run's): move it away or "
+                         "pass another --out")
+
+
+def save_heldout(out, args, budgets, paths, table, n):
+    """OUT/heldout.json: every number of the held-out tables, per row (the untrained module, then each adapter
+    with its path and its .json), for scripts that gather runs (examples/learning_curve.py); OUT/heldout.md: the
+    tables as printed."""
+    rows = [dict(label=label, adapter=None if i == 0 else str(paths[i - 1]), info=m.info, metrics=r)
+            for i, (label, m, r) in enumerate(table)]
+    save_json(dict(heldout=str(args.heldout), held_out_rows=n, budgets=budgets, answer_kl=args.answer_kl, rows=rows),
+              out / "heldout.json")
+    (out / "heldout.md").write_text(harness.tables(table, budgets, n) + "\n")
+
+
 def run_heldout(args, budgets, paths):
-    """--heldout OUT: harness.compare of the untrained module and each adapter on OUT's held-out rows."""
+    """--heldout OUT: harness.compare of the untrained module and each adapter on OUT's held-out rows (with --out,
+    kept in its heldout.json)."""
     rows = heldout_rows(args.heldout, args.limit)
     folder = Path(args.heldout)
+    out = cli.output_folder("--out", args.out) if args.out else None
+    if out:
+        cli.claim_folder("--out", out)
     cache = claim_heldout(folder)
     model, _, _ = cli.load(args.model, args.device, tokenizer=False)
     check_heldout_fit(rows, folder / "data.jsonl", model.config)
@@ -744,6 +771,9 @@ def run_heldout(args, budgets, paths):
     for label, _, r in table:
         print(harness.heldout_line(f"{label} ({len(heldout)})", r, budgets[0]))
     print(harness.tables(table, budgets, len(heldout)))
+    if out:
+        save_heldout(out, args, budgets, paths, table, len(heldout))
+        print(f"wrote {out / 'heldout.json'} and {out / 'heldout.md'}")
     return table
 
 # -----------------------------------------------------------------------------
@@ -775,7 +805,7 @@ def get_args(argv=None):
     a("--fidelity-tokens", type=int, default=64, help="decode: fidelity over FullKV's first this many tokens")
     a("--first-answer-tokens", type=int, default=64, help="conversation: length cap of the answer to turn 1")
     a("--out", default=None, help="folder for results.json and results.md (default: runs/eval, runs/eval-decode, "
-      "runs/eval-conversation)")
+      "runs/eval-conversation; --heldout: heldout.json and heldout.md, written only if given)")
     a("--plot", default=None, help="save recall, answer KL and accuracy against budget to this image, e.g. "
       "plot.png (--suite ruler: the score against the share of the prompt kept; needs matplotlib)")
     a("--adapter", "--adapters", dest="adapter", default=None,
@@ -905,7 +935,7 @@ def check_args(args):
             raise FileNotFoundError(f"--adapter {p}: its metadata {p.with_suffix('.json')} is missing: pass the "
                                     ".safetensors that train.py wrote next to its .json")
     if args.heldout:
-        given = [flag for flag, value in [("--tasks", args.tasks), ("--methods", args.methods), ("--out", args.out),
+        given = [flag for flag, value in [("--tasks", args.tasks), ("--methods", args.methods),
                                           ("--plot", args.plot), ("--pool", args.pool),
                                           ("--uniform-budgets", args.uniform_budgets),
                                           ("--mode", args.mode != "prefill")] if value]
@@ -913,6 +943,8 @@ def check_args(args):
             raise ValueError(f"{given[0]} does not apply to --heldout (the adapters select as their .json says; the "
                              f"ground truth is kept in {args.heldout}/heldout): drop it")
         check_heldout(args, budgets)
+        if args.out:
+            check_heldout_out(args.out)
         return None, budgets, lengths, None, paths
     if args.answer_kl:
         raise ValueError("--answer-kl applies to --heldout (the task evaluation always measures the answer KL): drop it")

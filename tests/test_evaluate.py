@@ -590,9 +590,20 @@ def test_heldout_compares_adapters_with_the_untrained_module(tiny, capsys):
     assert f"| {tiny / 'second.safetensors'}, as shipped (avg:3, C in every layer) |" in printed
     assert f"| {tiny / 'second.safetensors'}, the paper's form (max:7, C in every layer) |" in printed
     assert len(list((folder / "heldout").glob("*.pt"))) == 3  # the held-out rows only
-    again = evaluate.main(args)  # the ground truth from OUT/heldout; recall only
+    again = evaluate.main(args + ["--out", str(tiny / "held-out")])  # the ground truth from OUT/heldout; recall only
     assert all(a[2][k] == pytest.approx(b[2][k]) for a, b in zip(table, again) for k in b[2])
     assert "answer KL" not in capsys.readouterr().out
+    # --out: every number of the tables in heldout.json, with each row's adapter and its .json; heldout.md as printed
+    saved = json.loads((tiny / "held-out" / "heldout.json").read_text())
+    assert saved["budgets"] == [8, 16] and saved["held_out_rows"] == 3 and saved["answer_kl"] is False
+    assert [r["adapter"] for r in saved["rows"]] == [None, str(tiny / "adapter.safetensors"),
+                                                    str(tiny / "second.safetensors")]
+    assert [r["metrics"] for r in saved["rows"]] == [r for _, _, r in again] and saved["rows"][2]["info"]["rule"] == "avg:3"
+    assert (tiny / "held-out" / "heldout.md").read_text().startswith(harness.tables(again, [8, 16], 3))
+    before = (tiny / "held-out" / "heldout.json").read_bytes()
+    with pytest.raises(SystemExit, match="^error: --out .*held-out already holds heldout.json .*: move it away"):
+        evaluate.main(args + ["--out", str(tiny / "held-out")])  # refused before the model loads: kept as it was
+    assert (tiny / "held-out" / "heldout.json").read_bytes() == before
 
 
 @pytest.mark.parametrize("case, message", [
