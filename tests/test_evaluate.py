@@ -112,6 +112,51 @@ def test_plot_results_has_three_panels(tmp_path, monkeypatch):
         plt.close(fig)
 
 
+def test_learning_curve_gathers_heldout_foreign_and_ruler_runs(tmp_path, monkeypatch, capsys):
+    """examples/learning_curve.py: one row per adapter, fewest training prompts first, each column from the run
+    that measured it (held-out gap closed against that run's SnapKV and oracle, RULER's mean over tasks); a
+    missing or foreign file is one error line."""
+    spec = importlib.util.spec_from_file_location("curve", Path(__file__).parent.parent / "examples" / "learning_curve.py")
+    curve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(curve)
+    assert "evaluate" not in vars(curve)  # no example imports a script
+    base = {"answer_kl_snapkv@64": 1.0, "answer_kl_oracle@64": 0.2, "answer_kl_snapkv@128": 0.5,
+            "answer_kl_oracle@128": 0.1}
+    adapters = [("n1300", 1300, 0.6, 0.3), ("n300", 300, 0.9, 0.4)]  # listed out of order on purpose
+    rows = [dict(label="untrained", adapter=None, info={}, metrics=base)] + [
+        dict(label=f"runs/{s}.safetensors", adapter=f"runs/{s}.safetensors", info={"train_data": {"n_train": n}},
+             metrics={"answer_kl_lookahead@64": k64, "answer_kl_lookahead@128": k128, "recall_lookahead@128": 0.8})
+        for s, n, k64, k128 in adapters]
+    (tmp_path / "held").mkdir()
+    (tmp_path / "held" / "heldout.json").write_text(json.dumps(dict(budgets=[64, 128], rows=rows)))
+    foreign = [dict(id="f", method=m, budget=128, answer_kl=v) for m, v in
+               (("snapkv", 0.5), ("oracle", 0.1), ("lookahead@n300", 0.3), ("lookahead@n1300", 0.2))]
+    ruler = [dict(id=f"{t}{i}", task=t, method="lookahead@n300", budget=128, accuracy=a)
+             for t, accs in (("niah", (1.0, 1.0, 0.0)), ("vt", (0.0,))) for i, a in enumerate(accs)]
+    for name, res in (("foreign", foreign), ("ruler", ruler)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(dict(settings={}, results=res)))
+    got = curve.main(["--heldout", str(tmp_path / "held"), "--foreign", str(tmp_path / "foreign"),
+                      "--ruler", str(tmp_path / "ruler")])
+    assert [(stem, n) for stem, n, _ in got] == [("n300", 300), ("n1300", 1300)]
+    small, large = got[0][2], got[1][2]
+    assert small["gap closed, C=64"] == pytest.approx(0.125) and large["gap closed, C=128"] == pytest.approx(0.5)
+    assert small["recall@128"] == 0.8 and large["foreign gap closed, C=128"] == pytest.approx(0.75)
+    assert small["RULER mean, C=128"] == pytest.approx((2 / 3 + 0.0) / 2)  # over tasks, not over prompts
+    assert large["RULER mean, C=128"] is None  # no RULER rows of its own: "-"
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("| adapter | prompts | held-out answer KL, C=64 | gap closed, C=64 |")
+    assert printed[2].startswith("| n300 | 300 | 0.900 | 12% |") and printed[3].endswith("| 75% | - |")
+    for argv, message in [([], "no .*heldout.json: run evaluate.py --heldout"),
+                          (["--ruler", str(tmp_path / "nowhere")], "no .*results.json: run evaluate.py --suite ruler"),
+                          (["--out", str(tmp_path / "curve.jpg")], "--out .*curve.jpg: the name must end in .png")]:
+        with pytest.raises(SystemExit, match=f"^error: {message}"):
+            curve.main(["--heldout", str(tmp_path / ("none" if not argv else "held")), *argv])
+    (tmp_path / "held" / "heldout.json").write_text("[]")
+    with pytest.raises(SystemExit, match="^error: .*heldout.json is not what evaluate.py writes"):
+        curve.main(["--heldout", str(tmp_path / "held")])
+
+
 def test_plot_eval_merges_runs_and_renames_rows(tmp_path, monkeypatch, capsys):
     """examples/plot_eval.py: the baselines of one run next to renamed rows of another."""
     import importlib.util
