@@ -126,7 +126,7 @@ import ruler
 from baselines import FullKV, Unpooled, answer_from, full_answer
 from eviction import EvictConfig, Prefilled, decode, greedy, keep_slots, prefill_and_score, uniform_budgets
 from extensions.decode import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
-from harness import mean_of, results_table
+from harness import mean_of, results_table, task_means
 from lookaheadkv import answer_attention
 from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selection_of, untrained
 from metrics import Stopwatch, answer_kl, forced_logprobs, gap_closed, recall_of_kept
@@ -252,7 +252,7 @@ def task_table(results, methods, budget):
     tasks = list(samples_per_task(results))
     lines = ["| method | " + " | ".join(tasks) + " | mean |", "|---" * (len(tasks) + 2) + "|"]
     for m in methods:
-        cells = [mean_of([r for r in results if r["task"] == t], "accuracy", m, budget) for t in tasks]
+        cells = list(task_means(results, m, budget).values())
         scored = [c for c in cells if c is not None]
         mean = sum(scored) / len(scored) if scored else None
         lines.append(f"| {m} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells + [mean]) + " |")

@@ -228,6 +228,13 @@ def mean_of(results, metric, method, budget):
     return sum(v) / len(v) if v else None
 
 
+def task_means(results, method, budget, metric="accuracy"):
+    """{task: the mean of `metric` over the task's results of (method, budget)}, tasks in the order they first
+    appear; a task with no value (no expected answers) maps to None. RULER's score is the mean of these."""
+    tasks = list(dict.fromkeys(r["task"] for r in results))
+    return {t: mean_of([r for r in results if r["task"] == t], metric, method, budget) for t in tasks}
+
+
 def results_table(results, metric, methods, budgets, fmt="{:.3f}"):
     """Markdown: a row per method, a column per budget, the mean of `metric` over samples ("-": none)."""
     lines = ["| method | " + " | ".join(f"C={b}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]

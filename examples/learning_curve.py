@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from harness import mean_of  # noqa: E402
+from harness import mean_of, task_means  # noqa: E402
 from metrics import gap_closed  # noqa: E402
 
 ADAPTER_ROW = "lookahead@"  # evaluate.py's row of one adapter among several: lookahead@<file stem>
@@ -72,11 +72,8 @@ def foreign_cell(results, stem, C):
 
 def ruler_cell(results, stem, C):
     """The RULER score at C: the mean over tasks of each task's mean (RULER's average)."""
-    tasks = {}
-    for r in results:
-        if r["method"] == ADAPTER_ROW + stem and r["budget"] == C and r.get("accuracy") is not None:
-            tasks.setdefault(r["task"], []).append(r["accuracy"])
-    return sum(sum(v) / len(v) for v in tasks.values()) / len(tasks) if tasks else None
+    scored = [v for v in task_means(results, ADAPTER_ROW + stem, C).values() if v is not None]
+    return sum(scored) / len(scored) if scored else None
 
 
 def curve(args):
