@@ -80,6 +80,8 @@ SnapKV-to-oracle gap each closes (harness.py; the ground truth is kept in OUT/he
 
 With --out FOLDER it also keeps every number in FOLDER/heldout.json (and the tables in heldout.md), for a
 script that gathers several runs (examples/learning_curve.py); an existing heldout.json is never overwritten.
+Each prompt's values go into FOLDER/heldout-prompts.jsonl as they are measured, so the same command, run
+again after an interruption, measures only the prompts left.
 
 Beyond the paper, two modes hold the cache to C after the prefill too (extensions/decode.py:
 each time it holds C + --every slots, every slot is re-scored and the last --window always kept;
@@ -751,9 +753,60 @@ def save_heldout(out, args, budgets, paths, table, n):
     (out / "heldout.md").write_text(harness.tables(table, budgets, n) + "\n")
 
 
+class PromptLog(dict):
+    """{prompt index: values} of one module (harness.heldout_metrics' done), each new item appended at once to
+    OUT/heldout-prompts.jsonl: a killed --heldout run loses at most the prompt in progress."""
+
+    def __init__(self, path, key, rows):
+        super().__init__()
+        self.path, self.key, self.rows = path, key, rows
+
+    def __setitem__(self, i, values):
+        super().__setitem__(i, values)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(dict(key=self.key, row=self.rows[i], values=values)) + "\n")
+
+
+def digest(*parts):
+    """A short name for what the parts are (json-able, or tensors)."""
+    h = hashlib.sha1()
+    for x in parts:
+        h.update(x.detach().cpu().float().numpy().tobytes() if torch.is_tensor(x)
+                 else json.dumps(x, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def heldout_log(out, args, budgets, model, rows, adapters):
+    """{label: PromptLog} for harness.compare. Each module's prompts that an interrupted run of the same command
+    measured (the same model, rows, modules and settings: the values depend on every module of the run, which
+    decides the rows measured) are read back from OUT/heldout-prompts.jsonl and not measured again."""
+    path = out / "heldout-prompts.jsonl"
+    run = digest(model.config.fingerprint(), budgets, args.answer_kl, args.window,
+                 [digest(m.info, *[v for _, v in sorted(m.state_dict().items())]) for _, m in adapters])
+    ids = [digest(r["prompt_ids"], r["response_ids"]) for r in rows]
+    logs = {label: PromptLog(path, f"{run}:{label}", ids) for label, _ in adapters}
+    by_key, index = {log.key: log for log in logs.values()}, {d: i for i, d in enumerate(ids)}
+    kept = other = 0
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            entry = json.loads(line)
+            log, i = by_key.get(entry["key"]), index.get(entry["row"])
+        except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+            log = i = None
+        if log is None or i is None:
+            other += 1
+            continue
+        dict.__setitem__(log, i, entry["values"])
+        kept += 1
+    if kept or other:
+        print(f"{path}: {kept} prompt results of an interrupted run kept" +
+              (f"; {other} lines of another command or cut short, not used" if other else ""))
+    return logs
+
+
 def run_heldout(args, budgets, paths):
     """--heldout OUT: harness.compare of the untrained module and each adapter on OUT's held-out rows (with --out,
-    kept in its heldout.json)."""
+    kept in its heldout.json, and each prompt's values as it is measured: the same command resumes)."""
     rows = heldout_rows(args.heldout, args.limit)
     folder = Path(args.heldout)
     out = cli.output_folder("--out", args.out) if args.out else None
@@ -767,7 +820,8 @@ def run_heldout(args, budgets, paths):
     labels = ["adapter"] if len(paths) == 1 else [str(p) for p in paths]
     adapters = [("untrained", untrained(model, args.seed, modules[0]))] + list(zip(labels, modules))
     heldout = harness.heldout_ground_truth(model, rows, out=cache)
-    table = harness.compare(model, adapters, heldout, budgets, args.answer_kl, args.window)
+    done = heldout_log(out, args, budgets, model, rows, adapters) if out else None
+    table = harness.compare(model, adapters, heldout, budgets, args.answer_kl, args.window, done)
     for label, _, r in table:
         print(harness.heldout_line(f"{label} ({len(heldout)})", r, budgets[0]))
     print(harness.tables(table, budgets, len(heldout)))

@@ -126,34 +126,43 @@ def kept_by(model, module, row, run, C, window, response):
 
 
 @torch.no_grad()
-def heldout_metrics(model, module, heldout, budgets=(128,), rows=None, answer_kl_rows=(), window=32):
-    """KL(gt || pred) of the module and, per row of `rows` (default ROWS) and C in budgets, recall@C
-    (keys recall_<row>@<C>) and, for rows in answer_kl_rows, the answer KL (answer_kl_<row>@<C>).
-    Items of `heldout` are (cache, gt, extra) from ground_truth."""
-    Hkv = model.config.num_key_value_heads
-    rows = ROWS if rows is None else rows
-    kl, rec = [], {(row, C): [] for row in rows for C in budgets}
-    akl = {(row, C): [] for row in answer_kl_rows for C in budgets}
-    for item in tqdm(heldout, desc="held-out metrics", leave=False, disable=len(heldout) < 8):
-        cache, gt, extra = item
-        S = len(cache)
-        next_pos = torch.tensor([S], device=cache.k[0].device)
-        kl.append(kl_loss(gt, lookahead_pass(model, module, cache, S, per_query_head=True)).item())
-        true = group_mean(gt, Hkv)
-        runs = scored_runs(model, module, item, rows, min(budgets), window)
-        logp_full = forced_logprobs(model, cache, extra["response"], next_pos) if akl else None
-        for (row, C), r in rec.items():
+def prompt_metrics(model, module, item, budgets, rows, answer_kl_rows, window):
+    """One held-out prompt: KL(gt || pred) of the module ("kl") and, per row and C, recall@C and, for the rows in
+    answer_kl_rows, the answer KL (keys recall_<row>@<C>, answer_kl_<row>@<C>). item: (cache, gt, extra)."""
+    cache, gt, extra = item
+    S = len(cache)
+    next_pos = torch.tensor([S], device=cache.k[0].device)
+    out = dict(kl=kl_loss(gt, lookahead_pass(model, module, cache, S, per_query_head=True)).item())
+    true = group_mean(gt, model.config.num_key_value_heads)
+    runs = scored_runs(model, module, item, rows, min(budgets), window)
+    logp_full = forced_logprobs(model, cache, extra["response"], next_pos) if answer_kl_rows else None
+    answer = {}
+    for row in rows:
+        for C in budgets:
             kept = kept_by(model, module, rows[row], runs[row], C, window, extra["response"])
-            r.append(recall_of_kept(kept, true))
-            if (row, C) in akl:
+            out[f"recall_{row}@{C}"] = recall_of_kept(kept, true)
+            if row in answer_kl_rows:
                 small = keep_slots(cache.copy(), kept)
-                akl[row, C].append(answer_kl(logp_full, forced_logprobs(model, small, extra["response"], next_pos)))
-    out = dict(kl=sum(kl) / max(len(kl), 1))
-    for (row, C), v in rec.items():
-        out[f"recall_{row}@{C}"] = sum(v) / len(v)
-    for (row, C), v in akl.items():
-        out[f"answer_kl_{row}@{C}"] = sum(v) / len(v)
-    return out
+                answer[f"answer_kl_{row}@{C}"] = answer_kl(logp_full,
+                                                           forced_logprobs(model, small, extra["response"], next_pos))
+    return {**out, **answer}
+
+
+def heldout_metrics(model, module, heldout, budgets=(128,), rows=None, answer_kl_rows=(), window=32, done=None):
+    """The mean over the held-out prompts of prompt_metrics: KL(gt || pred) of the module and, per row of `rows`
+    (default ROWS) and C in budgets, recall@C (keys recall_<row>@<C>) and, for rows in answer_kl_rows, the answer
+    KL (answer_kl_<row>@<C>). Items of `heldout` are (cache, gt, extra) from ground_truth. done: {prompt index:
+    its values} of prompts already measured, which are not measured again; each new prompt's values are put in
+    it as soon as they are made (evaluate.py's --heldout log, for a run that resumes)."""
+    rows = ROWS if rows is None else rows
+    done = {} if done is None else done
+    for i, item in enumerate(tqdm(heldout, desc="held-out metrics", leave=False, disable=len(heldout) < 8)):
+        if i not in done:
+            done[i] = prompt_metrics(model, module, item, budgets, rows, answer_kl_rows, window)
+    values = [done[i] for i in range(len(heldout))]
+    if not values:
+        return dict(kl=0.0)
+    return {k: sum(v[k] for v in values) / len(values) for k in values[0]}
 
 
 def heldout_line(name, r, C):
@@ -163,10 +172,10 @@ def heldout_line(name, r, C):
             f"h2o {r[f'recall_h2o@{C}']:.3f} streaming {r[f'recall_streaming@{C}']:.3f}")
 
 
-def compare(model, adapters, heldout, budgets, answer_kl=False, window=32):
+def compare(model, adapters, heldout, budgets, answer_kl=False, window=32, done=None):
     """Held-out metrics of each (label, module) in `adapters` (the first: the untrained module) on one
     ground truth: the prompt-only baselines' answer KL once (with the first), each adapter's rows always.
-    Returns [(label, module, metrics)] for tables()."""
+    done: {label: heldout_metrics' done} of a run that resumes. Returns [(label, module, metrics)] for tables()."""
     layered = any(m.info.get("layer_weights") for _, m in adapters)
     rows = {**ROWS, **PAPER_ROWS, **(LAYERED_ROWS if layered else {})}
     table = []
@@ -174,7 +183,8 @@ def compare(model, adapters, heldout, budgets, answer_kl=False, window=32):
         own = ("lookahead", "lookahead-unpooled") if (m.info.get("rule") or "none") != "none" else ("lookahead-unpooled",)
         own += tuple(PAPER_ROWS) + tuple(r for r in LAYERED_ROWS if r.startswith("lookahead") and r in rows)
         base = tuple(r for r in rows if not r.startswith("lookahead")) if i == 0 else ()
-        result = heldout_metrics(model, m, heldout, budgets, rows, (base + own) if answer_kl else (), window)
+        result = heldout_metrics(model, m, heldout, budgets, rows, (base + own) if answer_kl else (), window,
+                                 None if done is None else done[label])
         table.append((label, m, result))
     return table
 

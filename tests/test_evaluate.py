@@ -651,6 +651,45 @@ def test_heldout_compares_adapters_with_the_untrained_module(tiny, capsys):
     assert (tiny / "held-out" / "heldout.json").read_bytes() == before
 
 
+def test_heldout_run_resumes_where_it_was_interrupted(tiny, monkeypatch, capsys):
+    """--heldout --out: each prompt's values go into OUT/heldout-prompts.jsonl as they are made; the same command
+    after an interruption measures only the prompts left and gives the numbers of a run never stopped. The lines
+    of another command (here another --window) or cut short by a kill are not used, and the run says so."""
+    g = torch.Generator().manual_seed(5)
+    ids = lambda n: torch.randint(10, 130, (n,), generator=g).tolist()  # noqa: E731
+    rows = [dict(id=f"r{i}", split="heldout", prompt_ids=ids(30 + 10 * i), response_ids=ids(5)) for i in range(3)]
+    folder, out = heldout_folder(tiny, "resume", rows), tiny / "resume-out"
+    args = ["--heldout", str(folder), "--adapters", str(tiny / "adapter.safetensors"), "--budgets", "8",
+            "--answer-kl", "--model", str(tiny / "tiny-llama"), "--device", "cpu"]
+    whole = evaluate.main(args + ["--window", "4"])  # no --out: nothing logged
+    real, calls = harness.prompt_metrics, []
+
+    def stops_at(n):
+        def counted(*a, **kw):
+            calls.append(1)
+            if len(calls) == n:
+                raise KeyboardInterrupt
+            return real(*a, **kw)
+        calls.clear()
+        monkeypatch.setattr(harness, "prompt_metrics", counted)
+
+    stops_at(5)  # 2 modules x 3 prompts: the untrained module's 3 and the adapter's first are logged
+    with pytest.raises(SystemExit, match="^interrupted: nothing saved so far is lost"):
+        evaluate.main(args + ["--window", "4", "--out", str(out)])
+    assert len((out / "heldout-prompts.jsonl").read_text().splitlines()) == 4
+    stops_at(1)  # another command on the same --out: measures from the start
+    with pytest.raises(SystemExit, match="^interrupted"):
+        evaluate.main(args + ["--window", "6", "--out", str(out)])
+    assert "0 prompt results of an interrupted run kept; 4 lines of another command" in capsys.readouterr().out
+    with open(out / "heldout-prompts.jsonl", "a") as f:
+        f.write('{"key": "cut sh')  # a line a kill cut short
+    stops_at(0)
+    again = evaluate.main(args + ["--window", "4", "--out", str(out)])
+    assert len(calls) == 2  # the adapter's last two prompts only
+    assert "4 prompt results of an interrupted run kept; 1 lines of another command or cut short" in capsys.readouterr().out
+    assert [r for _, _, r in again] == [r for _, _, r in whole]
+
+
 @pytest.mark.parametrize("case, message", [
     ("no-data", "no data.jsonl in this folder"),
     ("no-heldout-rows", "has no rows with split \"heldout\": add some with python train.py"),
