@@ -81,7 +81,8 @@ SnapKV-to-oracle gap each closes (harness.py; the ground truth is kept in OUT/he
 With --out FOLDER it also keeps every number in FOLDER/heldout.json (and the tables in heldout.md), for a
 script that gathers several runs (examples/learning_curve.py); an existing heldout.json is never overwritten.
 Each prompt's values go into FOLDER/heldout-prompts.jsonl as they are measured, so the same command, run
-again after an interruption, measures only the prompts left.
+again after an interruption, measures only the prompts left (and one with another adapter added, after the
+last heldout.json is moved away, measures only the new adapter).
 
 Beyond the paper, two modes hold the cache to C after the prefill too (extensions/decode.py:
 each time it holds C + --every slots, every slot is re-scored and the last --window always kept;
@@ -777,17 +778,22 @@ def digest(*parts):
 
 
 def heldout_log(out, args, budgets, model, rows, adapters):
-    """{label: PromptLog} for harness.compare. Each module's prompts that an interrupted run of the same command
-    measured (the same model, rows, modules and settings: the values depend on every module of the run, which
-    decides the rows measured) are read back from OUT/heldout-prompts.jsonl and not measured again."""
+    """{label: PromptLog} for harness.compare. Each module's prompts that an interrupted run measured with the same
+    model, rows and settings (the module itself: its weights and .json; the rows compare() measures; the first,
+    the untrained module, also measures the baselines) are read back from OUT/heldout-prompts.jsonl and not
+    measured again: a run resumes, and a run that adds an adapter measures only the new one."""
     path = out / "heldout-prompts.jsonl"
     run = digest(model.config.fingerprint(), budgets, args.answer_kl, args.window,
-                 [digest(m.info, *[v for _, v in sorted(m.state_dict().items())]) for _, m in adapters])
+                 list(harness.compared_rows([m for _, m in adapters])))
     ids = [digest(r["prompt_ids"], r["response_ids"]) for r in rows]
-    logs = {label: PromptLog(path, f"{run}:{label}", ids) for label, _ in adapters}
+    logs = {label: PromptLog(path, digest(run, i == 0, m.info, *[v for _, v in sorted(m.state_dict().items())]), ids)
+            for i, (label, m) in enumerate(adapters)}
     by_key, index = {log.key: log for log in logs.values()}, {d: i for i, d in enumerate(ids)}
-    kept = other = 0
-    for line in path.read_text().splitlines() if path.exists() else []:
+    text, kept, other = path.read_text(errors="replace") if path.exists() else "", 0, 0
+    if text and not text.endswith("\n"):
+        with open(path, "a") as f:
+            f.write("\n")  # a line cut short by a kill: the next one starts on its own line
+    for line in text.splitlines():
         try:
             entry = json.loads(line)
             log, i = by_key.get(entry["key"]), index.get(entry["row"])
@@ -799,8 +805,8 @@ def heldout_log(out, args, budgets, model, rows, adapters):
         dict.__setitem__(log, i, entry["values"])
         kept += 1
     if kept or other:
-        print(f"{path}: {kept} prompt results of an interrupted run kept" +
-              (f"; {other} lines of another command or cut short, not used" if other else ""))
+        print(f"{path}: {kept} prompt results of an earlier run kept" +
+              (f"; {other} lines of other settings or modules, or cut short, not used" if other else ""))
     return logs
 
 

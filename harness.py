@@ -172,12 +172,18 @@ def heldout_line(name, r, C):
             f"h2o {r[f'recall_h2o@{C}']:.3f} streaming {r[f'recall_streaming@{C}']:.3f}")
 
 
+def compared_rows(modules):
+    """The rows compare() measures: ROWS, the paper's form and, when a module has per-layer budgets, the rows
+    that tell what the budgets buy (LAYERED_ROWS)."""
+    layered = any(m.info.get("layer_weights") for m in modules)
+    return {**ROWS, **PAPER_ROWS, **(LAYERED_ROWS if layered else {})}
+
+
 def compare(model, adapters, heldout, budgets, answer_kl=False, window=32, done=None):
     """Held-out metrics of each (label, module) in `adapters` (the first: the untrained module) on one
     ground truth: the prompt-only baselines' answer KL once (with the first), each adapter's rows always.
     done: {label: heldout_metrics' done} of a run that resumes. Returns [(label, module, metrics)] for tables()."""
-    layered = any(m.info.get("layer_weights") for _, m in adapters)
-    rows = {**ROWS, **PAPER_ROWS, **(LAYERED_ROWS if layered else {})}
+    rows = compared_rows([m for _, m in adapters])
     table = []
     for i, (label, m) in enumerate(adapters):
         own = ("lookahead", "lookahead-unpooled") if (m.info.get("rule") or "none") != "none" else ("lookahead-unpooled",)

@@ -653,8 +653,9 @@ def test_heldout_compares_adapters_with_the_untrained_module(tiny, capsys):
 
 def test_heldout_run_resumes_where_it_was_interrupted(tiny, monkeypatch, capsys):
     """--heldout --out: each prompt's values go into OUT/heldout-prompts.jsonl as they are made; the same command
-    after an interruption measures only the prompts left and gives the numbers of a run never stopped. The lines
-    of another command (here another --window) or cut short by a kill are not used, and the run says so."""
+    after an interruption measures only the prompts left and gives the numbers of a run never stopped; one that
+    adds an adapter measures only that one. The lines of other settings (here another --window) or cut short by a
+    kill are not used, and the run says so."""
     g = torch.Generator().manual_seed(5)
     ids = lambda n: torch.randint(10, 130, (n,), generator=g).tolist()  # noqa: E731
     rows = [dict(id=f"r{i}", split="heldout", prompt_ids=ids(30 + 10 * i), response_ids=ids(5)) for i in range(3)]
@@ -680,14 +681,22 @@ def test_heldout_run_resumes_where_it_was_interrupted(tiny, monkeypatch, capsys)
     stops_at(1)  # another command on the same --out: measures from the start
     with pytest.raises(SystemExit, match="^interrupted"):
         evaluate.main(args + ["--window", "6", "--out", str(out)])
-    assert "0 prompt results of an interrupted run kept; 4 lines of another command" in capsys.readouterr().out
+    assert "0 prompt results of an earlier run kept; 4 lines of other settings" in capsys.readouterr().out
     with open(out / "heldout-prompts.jsonl", "a") as f:
         f.write('{"key": "cut sh')  # a line a kill cut short
     stops_at(0)
     again = evaluate.main(args + ["--window", "4", "--out", str(out)])
     assert len(calls) == 2  # the adapter's last two prompts only
-    assert "4 prompt results of an interrupted run kept; 1 lines of another command or cut short" in capsys.readouterr().out
+    assert "4 prompt results of an earlier run kept; 1 lines of other settings or modules, or cut short" in \
+        capsys.readouterr().out
     assert [r for _, _, r in again] == [r for _, _, r in whole]
+    (out / "heldout.json").rename(out / "first.json")
+    (tiny / "other.safetensors").write_bytes((tiny / "adapter.safetensors").read_bytes())
+    (tiny / "other.json").write_text(json.dumps({**json.loads((tiny / "adapter.json").read_text()), "rule": "avg:3"}))
+    calls.clear()
+    more = evaluate.main(args[:3] + [f"{tiny / 'adapter.safetensors'},{tiny / 'other.safetensors'}"] + args[4:]
+                         + ["--window", "4", "--out", str(out)])
+    assert len(calls) == 3 and [r for _, _, r in more][:2] == [r for _, _, r in whole]  # the added adapter's only
 
 
 @pytest.mark.parametrize("case, message", [
