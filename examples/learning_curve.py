@@ -3,11 +3,11 @@ The learning curve (issue 36): adapters trained by one recipe on more and more p
 one table and one plot of each measure against the prompts the adapter saw. It reads what evaluate.py
 kept; it runs no model:
 
-    python evaluate.py --heldout runs/heldout5k --adapters runs/curve/n300.safetensors,... \
+    python evaluate.py --heldout runs/heldout5k --adapters runs/curve/n300-lw.safetensors,... \
         --budgets 64,128,256 --answer-kl --out runs/curve/heldout
-    python evaluate.py --tasks runs/foreign/tasks.jsonl --adapters runs/curve/n300.safetensors,... \
-        --methods snapkv,oracle,lookahead --budgets 128 --max-new-tokens 48 --out runs/curve/foreign
-    python evaluate.py --suite ruler --lengths 4096 --per-task 5 --adapters runs/curve/n300.safetensors,... \
+    python evaluate.py --tasks runs/foreign/tasks.jsonl --adapters runs/curve/n300-lw.safetensors,... \
+        --methods snapkv,oracle,lookahead --budgets 64,128,256 --max-new-tokens 48 --out runs/curve/foreign
+    python evaluate.py --suite ruler --lengths 4096 --per-task 5 --adapters runs/curve/n300-lw.safetensors,... \
         --methods full,snapkv,lookahead --budgets 128 --out runs/curve/ruler4k
     python examples/learning_curve.py --heldout runs/curve/heldout --foreign runs/curve/foreign \
         --ruler runs/curve/ruler4k --out runs/curve/curve.png
