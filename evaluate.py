@@ -967,7 +967,7 @@ def drop_changed(saved, rows, prompts):
     digests = saved.setdefault("prompts", {})
     for row, ids in zip(rows, prompts):
         key = str(row["id"])
-        now = hashlib.sha1(json.dumps([ids, row.get("answers"), row.get("turns")]).encode()).hexdigest()[:16]
+        now = digest([ids, row.get("answers"), row.get("turns")])
         if digests.get(key, now) != now:
             print(f"prompt {key} changed since its results were made: made again")
             saved["results"] = [r for r in saved["results"] if str(r["id"]) != key]
