@@ -123,6 +123,8 @@ def plot(rows, path):
         ys = [float("nan") if cols[k] is None else cols[k] for _, _, cols in rows]
         ax.plot(xs, ys, marker="o")
         ax.set_xscale("log")
+        ax.set_xticks(xs, [f"{n:,}" for n in xs])  # the adapters' own counts: log-scale minor labels overlap
+        ax.minorticks_off()
         ax.set_xlabel("training prompts")
         ax.set_title(k, fontsize=9)
         ax.grid(alpha=0.3)
