@@ -740,7 +740,8 @@ def check_heldout_out(out):
     path = cli.output_folder("--out", out) / "heldout.json"
     if path.exists():
         raise ValueError(f"--out {out} already holds {path.name} (an earlier held-out run's): move it away or "
-                         "pass another --out")
+                         "pass another --out (with it moved, the prompts measured before are read back from "
+                         "heldout-prompts.jsonl: a run that adds an adapter measures only the new one)")
 
 
 def save_heldout(out, args, budgets, paths, table, n):

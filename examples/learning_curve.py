@@ -10,7 +10,7 @@ kept; it runs no model:
     python evaluate.py --suite ruler --lengths 4096 --per-task 5 --adapters runs/curve/n300-lw.safetensors,... \
         --methods full,snapkv,lookahead --budgets 128 --out runs/curve/ruler4k
     python examples/learning_curve.py --heldout runs/curve/heldout --foreign runs/curve/foreign \
-        --ruler runs/curve/ruler4k --out runs/curve/curve.png
+        --ruler runs/curve/ruler4k --out examples/learning-curve.png
 
 Each adapter is a row: the prompts it trained on (its .json's train_data.n_train), the held-out answer KL at
 each budget with the share of the SnapKV-to-oracle gap closed, recall@C at the middle budget, and at C = 128
