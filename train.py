@@ -41,7 +41,8 @@ Stages, each resumable (rerun the same command; --resume for the optimiser state
    then costs about a fifth of what it costs alone (RESULTS.md section 8).
 2. train: B cached samples at a time, left-padded into one batch (data.load_batch); the M
    lookahead tokens run on top of their caches with gradients (only they carry any: the
-   two-pass form), their mean attention over the prompt is the prediction; loss = lookaheadkv.kl_loss.
+   two-pass form), their mean attention over the prompt is the prediction; loss = lookaheadkv.kl_loss
+   (--loss-weights, beyond the paper: extensions/layer_loss.py weighs the layers by the answer's use).
 3. budgets (not part of --stage all): extensions/layer_budgets.measure on an adapter.
 """
 
@@ -69,7 +70,7 @@ import harness
 import methods
 from data import load_batch, sample_bytes, sample_ok, sample_path, save_sample, unreadable_sample
 from eviction import EvictConfig, compress, decode_step
-from extensions import layer_budgets
+from extensions import layer_budgets, layer_loss
 from lookaheadkv import LookaheadModule, kl_loss, lookahead_pass
 from model import Hook, KVCache, ModelConfig, read_json
 
@@ -112,6 +113,8 @@ class TrainConfig:
     targets: str = "all"  # --targets: LoRA targets: all (the seven projections), a comma list, or none
     rule: str = "span:8:1024"  # the selection rule the adapter's .json names (methods.parse_rule; RESULTS.md 4.2)
     init: str | None = None  # --init: start from this adapter (its M, rank, targets), new optimiser and schedule
+    loss_weights: str | None = None  # --loss-weights: an adapter's .json whose layer_weights weigh each layer's KL
+    # (extensions/layer_loss.py, beyond the paper); None: the paper's loss, every layer the same
     # optimisation
     epochs: float = 3.0  # --epochs: passes over the training rows (a fraction ends mid-pass)
     batch: int = 32  # --batch: samples per optimiser step, all ranks
@@ -167,6 +170,8 @@ def get_args(argv=None):
     a("--lr", type=float, help=f"peak learning rate (default {D.lr:g})")
     a("--targets", help="LoRA targets: all (default), none, or a comma list of q,k,v,o,gate,up,down _proj")
     a("--init", metavar="ADAPTER", help="start from this adapter (or, --stage budgets: measure it)")
+    a("--loss-weights", metavar="JSON", help="beyond the paper: weigh each layer's KL by this adapter .json's "
+      "layer_weights, squared (extensions/layer_loss.py); default the paper's mean over layers")
     a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
     a("--eval-every", type=int, help=f"steps between held-out checks (default {D.eval_every})")
     a("--save-every", type=int, help=f"steps between checkpoints (default {D.save_every})")
@@ -238,6 +243,7 @@ def check_config(cfg):
     rows = read_rows(src, model_cfg, trim=cfg.stage in ("data", "all"))
     check_samples(cfg, src, rows)
     adapter = adapter_to_read(cfg, model_cfg)
+    training_loss(cfg, model_cfg)
     check_fit(cfg, model_cfg, src, rows, adapter)
     check_disk(cfg, model_cfg, rows)
     ckpt = checkpoint_to_resume(cfg, out, model_cfg, adapter)
@@ -267,7 +273,7 @@ def check_given(cfg):
     """A path or device given as "" is a slip, not the default: --init "" trained from scratch, --adapter-out ""
     wrote OUT/adapter.safetensors and --out "" the current folder, each without a word."""
     for flag, value in (("--model", cfg.model), ("--out", cfg.out), ("--adapter-out", cfg.adapter_out),
-                        ("--init", cfg.init), ("--device", cfg.device)):
+                        ("--init", cfg.init), ("--device", cfg.device), ("--loss-weights", cfg.loss_weights)):
         if value is not None and not value.strip():
             raise ValueError(f"{flag} {value!r} is empty: give a value, or leave it out (in a --config file: drop "
                              f"the key) for the default")
@@ -407,6 +413,17 @@ def adapter_to_read(cfg, model_cfg):
     adapter = methods.load_adapter(cli.input_file("--init", path) if cfg.init else path, model_cfg)
     adapter.info["path"] = str(path)
     return adapter
+
+
+def training_loss(cfg, model_cfg):
+    """The loss the module trains on: the paper's kl_loss, or with --loss-weights the layer-weighted one
+    (extensions/layer_loss.py), its file checked now."""
+    if cfg.loss_weights is None:
+        return kl_loss
+    if cfg.stage not in ("train", "all"):
+        raise ValueError(f"--loss-weights is read when training: it has no use with --stage {cfg.stage}")
+    path = cli.input_file("--loss-weights", cfg.loss_weights)
+    return layer_loss.LayerWeightedKL(layer_loss.read_weights(path, model_cfg.num_hidden_layers))
 
 
 def checkpoint_to_resume(cfg, out, model_cfg, adapter):
@@ -781,13 +798,13 @@ def micro_batches(rows, size):
     return [order[i:i + size] for i in range(0, len(order), size)]
 
 
-def batch_loss(model, module, cache, gt, lengths):
+def batch_loss(model, module, cache, gt, lengths, loss=kl_loss):
     """The loss of one micro-batch: the M lookahead rows on top of each sample's prompt cache (B samples
     in one forward, each at its own prompt length), their attention per query head against the target."""
-    return kl_loss(gt, lookahead_pass(model, module, cache, lengths, per_query_head=True))
+    return loss(gt, lookahead_pass(model, module, cache, lengths, per_query_head=True))
 
 
-def optimizer_step(module, opt, model, micro, n_samples, clip, world=1):
+def optimizer_step(module, opt, model, micro, n_samples, clip, world=1, loss=kl_loss):
     """One optimiser step over this rank's micro-batches `micro` (an iterable of load_batch results):
     each sample weighs the same in the step's mean over n_samples (all ranks), ranks average their
     gradients, then clip and step. Returns the step's loss as a 0-dim tensor. A non-finite loss or gradient
@@ -795,7 +812,7 @@ def optimizer_step(module, opt, model, micro, n_samples, clip, world=1):
     run stops in one line with its last good checkpoint, rather than training on nan and saving it."""
     total = torch.zeros((), device=next(module.parameters()).device)
     for cache, gt, lengths in micro:
-        part = batch_loss(model, module, cache, gt, lengths) * lengths.shape[0] * world / n_samples
+        part = batch_loss(model, module, cache, gt, lengths, loss) * lengths.shape[0] * world / n_samples
         part.backward()
         total += part.detach().float() / world
     if world > 1:
@@ -830,7 +847,8 @@ def new_module(model, cfg):
     return module
 
 
-RESUME_KEYS = ("batch", "lr", "epochs", "warmup", "weight_decay", "clip", "seed", "data", "train_rows")  # what
+RESUME_KEYS = ("batch", "lr", "epochs", "warmup", "weight_decay", "clip", "seed", "data", "train_rows",
+               "loss_weights")  # what
 # the result depends on (--data as given: the same folder under two spellings is refused, never mixed)
 
 
@@ -946,6 +964,8 @@ def adapter_metadata(cfg, train_rows, n_held, step, total, stopped_early, log, i
                 heldout=log[-1] if log else None, untrained=log[0] if log else None)
     info["train_data"].update(folder=cfg.data or cfg.out,  # the data stage's folder it trained on
                               **({"drawn": dict(asked=cfg.train_rows, seed=cfg.seed)} if cfg.train_rows else {}))
+    if cfg.loss_weights:  # beyond the paper: the layer-weighted loss (extensions/layer_loss.py)
+        info["loss"] = dict(layer_weights_from=Path(cfg.loss_weights).name)
     if init_info:  # step 0 was the init adapter, not an untrained module: keep the init's own reference
         info.update(untrained=init_info.get("untrained"),
                     init=dict(path=init_info["path"], steps=init_info.get("steps"), heldout=log[0] if log else None))
@@ -981,6 +1001,7 @@ class Training:
     rank: int  # this process's rank (0 without torchrun)
     world: int  # how many ranks
     init_info: dict | None = None  # --init's .json (its file name as "path"), kept in the new one's
+    loss: object = kl_loss  # (gt, pred) -> the loss: the paper's, or --loss-weights' (training_loss)
     step: int = 0  # optimiser steps done
     log: list = dataclasses.field(default_factory=list)  # the held-out checks so far (also in OUT/log.jsonl)
     stopped_early: bool = False  # --max-minutes ended the loop before total
@@ -1009,7 +1030,8 @@ def new_training(model, cfg, out, train_rows, adapter, ckpt, rank, world):
     per_step = max(world, cfg.batch // cfg.micro_batch)  # micro-batches per optimiser step, all ranks
     steps_per_epoch = max(1, len(batches) // per_step)
     total = max(1, round(steps_per_epoch * cfg.epochs))
-    run = Training(module, opt, train_rows, batches, per_step, steps_per_epoch, total, rank, world, init_info)
+    run = Training(module, opt, train_rows, batches, per_step, steps_per_epoch, total, rank, world, init_info,
+                   loss=training_loss(cfg, model.config))
     ckpt_path = out / "ckpt.pt"
     if ckpt is not None:
         run.step, run.log = resume_from(ckpt, module, opt, ckpt_path)
@@ -1057,7 +1079,7 @@ def training_step(run, model, reader, cfg, src):
     loads = [reader.submit(load_batch, [sample_path(src, run.rows[i]["id"]) for i in idx], cfg.device, dtype)
              for idx in mine]
     micro = (loaded_batch(model, run.rows, idx, load) for idx, load in zip(mine, loads))
-    return optimizer_step(run.module, run.opt, model, micro, n_step, cfg.clip, run.world).item(), n_step
+    return optimizer_step(run.module, run.opt, model, micro, n_step, cfg.clip, run.world, run.loss).item(), n_step
 
 
 def training_loop(run, model, heldout, cfg, src, out, run_start, train_start):

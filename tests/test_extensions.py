@@ -7,6 +7,8 @@
 - layer_budgets.py: LayerBudgets / spread_budgets follow the weights and keep the mean; an adapter's
   "rule" and "layer_weights" ride in its .json and methods.make_scorer applies them (an EvictConfig
   naming its own overrides them); measure() on a tiny model.
+- layer_loss.py: the layer-weighted loss is kl_loss per layer, weighted; its weights are an adapter's
+  layer_weights squared, a wrong file refused.
 - decode.py: a fork keeps its own hook state (the rest is in test_decode_evict.py).
 
 Tiny random models on CPU, float32, one thread (see test_lookaheadkv.py)."""
@@ -20,8 +22,9 @@ import methods
 from eviction import EvictConfig, Pool, WindowHook, compress, decode, prefill_and_score, select, uniform_budgets
 from extensions.decode import DecodeEviction
 from extensions.layer_budgets import FLOOR, LayerBudgets, layer_weights, measure, spread_budgets
+from extensions.layer_loss import LayerWeightedKL, read_weights
 from extensions.span import SURPRISE_NATS, Spanned, SpanRule, shortlist, span_scores, token_surprisal
-from lookaheadkv import LookaheadModule, answer_attention
+from lookaheadkv import LookaheadModule, answer_attention, kl_loss
 from methods import make_scorer
 from model import Hook, KVCache
 from test_lookaheadkv import _no_grad, compress_by, pos, rand_ids, random_module, tiny_model  # noqa: F401 (autouse)
@@ -367,6 +370,47 @@ def test_measure_on_a_tiny_model():
     assert weights[0] == weights[1] == weights[2]  # one weight per group
     assert LayerBudgets(weights)(8, 4, 30) and sum(LayerBudgets(weights)(8, 4, 30)) == 32
     assert all(len(c) == S for (c, _, _), S in zip(samples, (30, 24)))  # the samples' caches are left as they were
+
+
+# -----------------------------------------------------------------------------
+# layer_loss.py (its use in train.py: tests/test_train.py)
+
+
+def test_layer_weighted_kl_is_kl_loss_per_layer_weighted():
+    """Equal weights: the paper's kl_loss itself; all weight on one layer: that layer's KL alone; in general
+    the v-weighted mean of the per-layer KLs. The gradient reaches only the layers with weight."""
+    g = torch.Generator().manual_seed(0)
+    gt = {l: torch.rand(2, 3, 10, generator=g) for l in range(3)}
+    pred = {l: torch.rand(2, 3, 10, generator=g).requires_grad_() for l in range(3)}
+    per = [kl_loss({l: gt[l]}, {l: pred[l]}).item() for l in range(3)]
+    assert LayerWeightedKL([2.0] * 3)(gt, pred).item() == pytest.approx(kl_loss(gt, pred).item(), rel=1e-6)
+    assert LayerWeightedKL([0.0, 1.0, 0.0])(gt, pred).item() == pytest.approx(per[1], rel=1e-6)
+    assert LayerWeightedKL([1.0, 3.0, 0.0])(gt, pred).item() == pytest.approx((per[0] + 3 * per[1]) / 4, rel=1e-6)
+    with torch.enable_grad():  # this file's tests run under no_grad (test_lookaheadkv._no_grad)
+        LayerWeightedKL([0.0, 1.0, 0.0])(gt, pred).backward()
+    assert pred[1].grad.abs().sum() > 0 and pred[0].grad.abs().sum() == 0 == pred[2].grad.abs().sum()
+    with pytest.raises(ValueError, match="2 layer loss weights for targets of 3 layers"):
+        LayerWeightedKL([1.0, 1.0])(gt, pred)
+
+
+@pytest.mark.parametrize("bad", [(1.0, -1.0), (0.0, 0.0), (), (1.0, float("nan"))])
+def test_layer_weighted_kl_refuses_bad_weights(bad):
+    with pytest.raises(ValueError, match="layer weights must be finite numbers >= 0, not all 0"):
+        LayerWeightedKL(bad)
+
+
+def test_loss_weights_are_an_adapters_layer_weights_squared(tmp_path):
+    """read_weights: v_l = w_l ** 2 (the square root of layer_weights undone); a file without them, of another
+    model's layer count, or not JSON is refused naming the file."""
+    f = tmp_path / "a.json"
+    f.write_text('{"layer_weights": [0.5, 2.0, 1.5]}')
+    assert read_weights(f, 3) == [0.25, 4.0, 2.25]
+    for text, says in [('{"layer_weights": [1.0, 1.0]}', "2 layer weights for a model of 3 layers"),
+                       ('{"rule": "none"}', "no layer_weights list in it: measure them first"),
+                       ("not json", "not a readable JSON file")]:
+        f.write_text(text)
+        with pytest.raises(ValueError, match=f"--loss-weights {f}: " + says):
+            read_weights(f, 3)
 
 
 # -----------------------------------------------------------------------------

@@ -422,6 +422,9 @@ def test_bad_flags_and_paths_stop_before_the_model_loads(model_dir, tmp_path, mo
         (["--stage", "budgets"], "--stage budgets needs --adapter-out"),
         (["--init", str(tmp_path / "none.safetensors")], "--init"),
         (["--targets", "q_proj,nope"], "--targets"),
+        (["--loss-weights", str(tmp_path / "none.json")], "--loss-weights"),
+        (["--loss-weights", str(weights)], f"--loss-weights {weights}: not a readable JSON file"),
+        (["--loss-weights", str(weights), "--stage", "data"], "--loss-weights is read when training"),
     ]
     for extra, says in cases:
         with pytest.raises(SystemExit) as e:
@@ -584,6 +587,30 @@ def test_init_continues_an_adapter_and_keeps_its_untrained_reference(model_dir, 
     assert meta_b["init"] == dict(path="adapter.safetensors", steps=4, heldout=log_b[0])
     pa, pb = adapter(a / "adapter.safetensors"), adapter(b / "adapter.safetensors")
     assert max((pa[k] - pb[k]).abs().max().item() for k in pa) > 1e-3  # and it trained further
+
+
+def test_loss_weights_train_on_the_layer_weighted_loss_and_say_so(model_dir, tmp_path, stub_prompts):
+    """--loss-weights (extensions/layer_loss.py, beyond the paper): equal weights train exactly the paper's loss,
+    unequal ones another adapter; the .json names the weights' file, and a file for another layer count is refused."""
+    L = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    equal, tilted, wrong = tmp_path / "equal.json", tmp_path / "tilted.json", tmp_path / "wrong.json"
+    equal.write_text(json.dumps(dict(layer_weights=[1.3] * L)))
+    tilted.write_text(json.dumps(dict(layer_weights=[0.2] + [1.8] * (L - 1))))
+    wrong.write_text(json.dumps(dict(layer_weights=[1.0] * (L + 1))))
+    runs = {}
+    for name, extra in (("paper", []), ("equal", ["--loss-weights", str(equal)]),
+                        ("tilted", ["--loss-weights", str(tilted)])):
+        write_data(tmp_path / name, model_dir)
+        train.main(argv(model_dir, tmp_path / name, *extra))
+        runs[name] = adapter(tmp_path / name / "adapter.safetensors")
+    assert all(torch.allclose(runs["paper"][k], runs["equal"][k], atol=1e-5) for k in runs["paper"])
+    assert max((runs["paper"][k] - runs["tilted"][k]).abs().max().item() for k in runs["paper"]) > 1e-3
+    assert json.loads((tmp_path / "tilted" / "adapter.json").read_text())["loss"] == dict(
+        layer_weights_from="tilted.json")
+    assert "loss" not in json.loads((tmp_path / "paper" / "adapter.json").read_text())
+    with pytest.raises(SystemExit) as e:
+        train.main(argv(model_dir, tmp_path / "paper", "--loss-weights", str(wrong)))
+    assert f"{L + 1} layer weights for a model of {L} layers" in error_line(e)
 
 
 def test_embeddings_alone_without_lora_train(model_dir, tmp_path, stub_prompts):
