@@ -157,6 +157,40 @@ def test_learning_curve_gathers_heldout_foreign_and_ruler_runs(tmp_path, monkeyp
         curve.main(["--heldout", str(tmp_path / "held")])
 
 
+def test_paired_heldout_matches_modules_by_their_means_and_bootstraps_the_difference(tmp_path, capsys):
+    """examples/paired_heldout.py: each heldout.json row is found in the prompt log by its means (another module's
+    lines in the log are ignored), the gap closed is the run's, and the paired interval holds the difference;
+    b better on every prompt gives an interval above 0. A log that matches no row is one error line."""
+    spec = importlib.util.spec_from_file_location("paired", Path(__file__).parent.parent / "examples" / "paired_heldout.py")
+    paired = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(paired)
+    paired.DRAWS = 500
+    rng = random.Random(1)
+    prompts = [f"p{i}" for i in range(20)]
+    base = {p: {"answer_kl_snapkv@128": 1.0 + rng.random(), "answer_kl_oracle@128": 0.1 * rng.random()} for p in prompts}
+    a = {p: {"answer_kl_lookahead@128": 0.6 + 0.2 * rng.random()} for p in prompts}
+    b = {p: {"answer_kl_lookahead@128": a[p]["answer_kl_lookahead@128"] - 0.1 - 0.05 * rng.random()} for p in prompts}
+    other = {p: {"answer_kl_lookahead@128": 0.3} for p in prompts}  # a module of another run in the same log
+    mean = lambda src, k: sum(v[k] for v in src.values()) / len(src)  # noqa: E731
+    rows = [dict(label="untrained", adapter=None, metrics={k: mean(base, k) for k in base["p0"]})] + [
+        dict(label=n, adapter=n, metrics={"answer_kl_lookahead@128": mean(src, "answer_kl_lookahead@128")})
+        for n, src in (("runs/a.safetensors", a), ("runs/b.safetensors", b))]
+    (tmp_path / "heldout.json").write_text(json.dumps(dict(budgets=[128], answer_kl=True, rows=rows)))
+    lines = [json.dumps(dict(key=k, row=p, values=src[p])) for k, src in (("k0", base), ("ka", a), ("kb", b),
+                                                                         ("kx", other)) for p in prompts]
+    (tmp_path / "heldout-prompts.jsonl").write_text("\n".join(lines) + "\n")
+    [(C, ka, ga, kb, gb, (lo, hi), lower, n)] = paired.main(["--heldout", str(tmp_path), "--a", "runs/a.safetensors",
+                                                              "--b", "b.safetensors"])
+    snap, oracle = mean(base, "answer_kl_snapkv@128"), mean(base, "answer_kl_oracle@128")
+    assert ka == pytest.approx(mean(a, "answer_kl_lookahead@128"))
+    assert gb == pytest.approx((snap - kb) / (snap - oracle)) and gb > ga
+    assert 0 < lo <= gb - ga <= hi and (C, lower, n) == (128, 20, 20)
+    assert "| 128 | " in capsys.readouterr().out
+    (tmp_path / "heldout-prompts.jsonl").write_text("\n".join(lines[:20]) + "\n")  # the baselines alone
+    with pytest.raises(SystemExit, match="^error: runs/a.safetensors: 0 modules of the prompt log match"):
+        paired.main(["--heldout", str(tmp_path), "--a", "runs/a.safetensors", "--b", "runs/b.safetensors"])
+
+
 def test_plot_eval_merges_runs_and_renames_rows(tmp_path, monkeypatch, capsys):
     """examples/plot_eval.py: the baselines of one run next to renamed rows of another."""
     import importlib.util

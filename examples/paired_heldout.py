@@ -1,0 +1,121 @@
+"""
+Two adapters of one held-out run, prompt by prompt: is the difference between them more than its prompts can
+tell apart? It reads what `evaluate.py --heldout ... --answer-kl --out DIR` kept (DIR/heldout.json and
+DIR/heldout-prompts.jsonl, each prompt's values per module); it runs no model:
+
+    python examples/paired_heldout.py --heldout runs/curve/heldout --a runs/curve/n2500-lw.safetensors \
+        --b runs/curve/n5040-lw.safetensors
+
+Per budget C: each adapter's mean answer KL and the share of the SnapKV-to-oracle gap it closes (that run's
+SnapKV and oracle, on the same prompts), the difference b - a in gap closed with a 95% paired bootstrap
+interval (the prompts drawn with replacement, the same draw for a, b, SnapKV and the oracle; 10,000 draws,
+seed 0), and on how many prompts b's answer KL is the lower.
+
+The prompt log names each module by a digest of its weights and settings, which heldout.json does not hold:
+each heldout.json row is matched to the one digest whose prompts' means give that row's answer KL at every C.
+"""
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from metrics import gap_closed  # noqa: E402
+
+DRAWS, SEED = 10_000, 0
+
+
+def read_run(folder):
+    """(heldout.json as saved, {digest: {prompt: values}} from the prompt log), or SystemExit with one line."""
+    folder = Path(folder)
+    saved, log = folder / "heldout.json", folder / "heldout-prompts.jsonl"
+    for path in (saved, log):
+        if not path.is_file():
+            sys.exit(f"error: no {path}: pass the --out folder of an evaluate.py --heldout --answer-kl run")
+    run = json.loads(saved.read_text())
+    if not run.get("answer_kl"):
+        sys.exit(f"error: {saved}: that run measured no answer KL: rerun it with --answer-kl")
+    by_key = {}
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+            by_key.setdefault(entry["key"], {})[entry["row"]] = entry["values"]
+        except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+            continue
+    return run, by_key
+
+
+def prompts_of(by_key, metrics, name, budgets, what):
+    """{prompt: values} of the one module whose prompts' mean of `name`@C is metrics' at every C."""
+    def same(a, b):
+        return abs(a - b) <= 1e-9 + 1e-7 * abs(b)
+
+    found = [p for p in by_key.values()
+             if all(all(f"{name}@{C}" in v for v in p.values()) and
+                    same(sum(v[f"{name}@{C}"] for v in p.values()) / len(p), metrics[f"{name}@{C}"]) for C in budgets)]
+    if len(found) != 1:
+        sys.exit(f"error: {what}: {len(found)} modules of the prompt log match its heldout.json row (need one): "
+                 "was the log of this folder written by the run that wrote its heldout.json?")
+    return found[0]
+
+
+def row_of(run, adapter):
+    rows = [r for r in run["rows"][1:] if r["adapter"] == adapter or Path(r["adapter"]).name == Path(adapter).name]
+    if len(rows) != 1:
+        names = ", ".join(r["adapter"] for r in run["rows"][1:])
+        sys.exit(f"error: {adapter}: not one of this run's adapters ({names})")
+    return rows[0]
+
+
+def gap(values, prompts, C, method):
+    """Gap closed of the mean over `prompts` (a list; repeats count) of `method`'s answer KL."""
+    mean = lambda key, src: sum(src[p][f"answer_kl_{key}@{C}"] for p in prompts) / len(prompts)  # noqa: E731
+    return gap_closed(mean("lookahead", values[method]), mean("snapkv", values["base"]), mean("oracle", values["base"]),
+                      lower_is_better=True)
+
+
+def compare(run, by_key, a, b):
+    """[(C, a's mean KL, a's gap, b's mean KL, b's gap, (low, high) of b - a, prompts where b is lower, n)]."""
+    budgets = run["budgets"]
+    values = dict(base=prompts_of(by_key, run["rows"][0]["metrics"], "answer_kl_snapkv", budgets, "the baselines"),
+                  a=prompts_of(by_key, row_of(run, a)["metrics"], "answer_kl_lookahead", budgets, a),
+                  b=prompts_of(by_key, row_of(run, b)["metrics"], "answer_kl_lookahead", budgets, b))
+    prompts = sorted(set(values["base"]) & set(values["a"]) & set(values["b"]))
+    rng = random.Random(SEED)
+    out = []
+    for C in budgets:
+        diffs = []
+        for _ in range(DRAWS):
+            draw = rng.choices(prompts, k=len(prompts))
+            diffs.append(gap(values, draw, C, "b") - gap(values, draw, C, "a"))
+        diffs.sort()
+        mean = lambda m: sum(values[m][p][f"answer_kl_lookahead@{C}"] for p in prompts) / len(prompts)  # noqa: E731
+        lower = sum(values["b"][p][f"answer_kl_lookahead@{C}"] < values["a"][p][f"answer_kl_lookahead@{C}"]
+                    for p in prompts)
+        out.append((C, mean("a"), gap(values, prompts, C, "a"), mean("b"), gap(values, prompts, C, "b"),
+                    (diffs[int(0.025 * DRAWS)], diffs[int(0.975 * DRAWS) - 1]), lower, len(prompts)))
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heldout", required=True, help="the --out folder of an evaluate.py --heldout --answer-kl run")
+    p.add_argument("--a", required=True, help="one adapter of that run (its path as given to --adapters)")
+    p.add_argument("--b", required=True, help="another adapter of that run: the differences are b - a")
+    args = p.parse_args(argv)
+    run, by_key = read_run(args.heldout)
+    rows = compare(run, by_key, args.a, args.b)
+    a, b = Path(args.a).stem, Path(args.b).stem
+    print(f"| C | {a}: answer KL (gap closed) | {b} | {b} - {a}, gap closed [95% paired bootstrap] | "
+          f"prompts where {b} is lower |")
+    print("|---|---|---|---|---|")
+    for C, ka, ga, kb, gb, (lo, hi), lower, n in rows:
+        print(f"| {C} | {ka:.3f} ({ga:.0%}) | {kb:.3f} ({gb:.0%}) | {gb - ga:+.1%} [{lo:+.1%}, {hi:+.1%}] | "
+              f"{lower} of {n} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
