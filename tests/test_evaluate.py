@@ -191,6 +191,37 @@ def test_paired_heldout_matches_modules_by_their_means_and_bootstraps_the_differ
         paired.main(["--heldout", str(tmp_path), "--a", "runs/a.safetensors", "--b", "runs/b.safetensors"])
 
 
+def test_paired_runs_pairs_one_methods_rows_by_prompt(tmp_path, capsys):
+    """examples/paired_runs.py: the prompts both runs hold, per budget both have; b - a with an interval that
+    holds it; better/worse counted by the metric's direction (answer KL: lower); other prompts are refused."""
+    spec = importlib.util.spec_from_file_location("pruns", Path(__file__).parent.parent / "examples" / "paired_runs.py")
+    pruns = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pruns)
+    pruns.DRAWS = 500
+    acc_a, acc_b = [1, 0, 0, 1, 0, 0], [1, 1, 0, 1, 1, 0]
+    for name, accs, method in (("a", acc_a, "lookahead"), ("b", acc_b + [1], "lookahead@x")):
+        res = [dict(id=f"t/{i}", task="t", method=method, budget=C, prompt_tokens=100 + i, accuracy=float(v),
+                    answer_kl=1.0 - 0.5 * v) for i, v in enumerate(accs) for C in (128, 256)]
+        res += [dict(id="t/0", task="t", method="snapkv", budget=64, prompt_tokens=100, accuracy=0.0)]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(dict(settings={}, results=res)))
+    rows = pruns.main(["--a", f"{tmp_path / 'a'}:lookahead", "--b", f"{tmp_path / 'b'}:lookahead@x"])
+    assert [r[0] for r in rows] == [128, 256]  # 64: snapkv only
+    C, ma, mb, (lo, hi), better, worse, n = rows[0]
+    assert (ma, mb, better, worse, n) == (pytest.approx(2 / 6), pytest.approx(4 / 6), 2, 0, 6)  # b's 7th prompt: not in a
+    assert 0 <= lo <= mb - ma <= hi  # b never worse: no draw falls below 0
+    kl = pruns.main(["--a", f"{tmp_path / 'a'}:lookahead", "--b", f"{tmp_path / 'b'}:lookahead@x", "--metric", "answer_kl"])
+    assert kl[0][4:6] == (2, 0) and kl[0][2] < kl[0][1]  # lower answer KL counts as better
+    assert "| 128 | 0.333 | 0.667 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="^error: .*no 'oracle' rows with accuracy \\(its methods: lookahead, snapkv\\)"):
+        pruns.main(["--a", f"{tmp_path / 'a'}:oracle", "--b", f"{tmp_path / 'b'}:lookahead@x"])
+    res = json.loads((tmp_path / "b" / "results.json").read_text())
+    res["results"][0]["prompt_tokens"] = 999
+    (tmp_path / "b" / "results.json").write_text(json.dumps(res))
+    with pytest.raises(SystemExit, match="^error: prompt t/0 has 100 tokens in one run and 999 in the other"):
+        pruns.main(["--a", f"{tmp_path / 'a'}:lookahead", "--b", f"{tmp_path / 'b'}:lookahead@x"])
+
+
 def test_plot_eval_merges_runs_and_renames_rows(tmp_path, monkeypatch, capsys):
     """examples/plot_eval.py: the baselines of one run next to renamed rows of another."""
     import importlib.util
