@@ -847,9 +847,9 @@ def new_module(model, cfg):
     return module
 
 
+# what the result depends on (--data as given: the same folder under two spellings is refused, never mixed)
 RESUME_KEYS = ("batch", "lr", "epochs", "warmup", "weight_decay", "clip", "seed", "data", "train_rows",
-               "loss_weights")  # what
-# the result depends on (--data as given: the same folder under two spellings is refused, never mixed)
+               "loss_weights")
 
 
 def schedule_of(cfg):

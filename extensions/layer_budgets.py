@@ -26,14 +26,19 @@ from metrics import answer_kl, forced_logprobs
 FLOOR, POWER, GROUP = 0.25, 0.5, 3  # the share every layer keeps, the softening, layers measured together
 
 
+def checked_weights(weights):
+    """Per-layer weights as floats: finite, >= 0, not all 0 (ValueError otherwise)."""
+    weights = [float(w) for w in weights]
+    if not weights or min(weights) < 0 or not sum(weights) > 0 or not all(map(math.isfinite, weights)):
+        raise ValueError(f"layer weights must be finite numbers >= 0, not all 0, got {weights}")
+    return weights
+
+
 class LayerBudgets:
     """The budget policy: C_l = C * w_l slots in layer l, the same L * C in all."""
 
     def __init__(self, weights):
-        weights = [float(w) for w in weights]
-        if not weights or min(weights) < 0 or not sum(weights) > 0 or not all(map(math.isfinite, weights)):
-            raise ValueError(f"layer weights must be finite numbers >= 0, not all 0, got {weights}")
-        self.weights = weights
+        self.weights = checked_weights(weights)
 
     def __call__(self, budget, n_layers, S, least=1):
         if len(self.weights) != n_layers:

@@ -16,10 +16,10 @@ the normalisation removes: every layer keeps at least a quarter of the mean's pu
     python train.py ... --loss-weights runs/curve/n1300-lw.json
 """
 import json
-import math
 
 import torch
 
+from extensions.layer_budgets import checked_weights
 from lookaheadkv import kl_loss
 
 
@@ -28,10 +28,7 @@ class LayerWeightedKL:
     kl_loss itself. Called as the loss: (gt, pred) -> 0-dim tensor."""
 
     def __init__(self, weights):
-        weights = [float(w) for w in weights]
-        if not weights or min(weights) < 0 or not sum(weights) > 0 or not all(map(math.isfinite, weights)):
-            raise ValueError(f"layer weights must be finite numbers >= 0, not all 0, got {weights}")
-        self.weights = weights
+        self.weights = checked_weights(weights)
 
     def __call__(self, gt, pred):
         if len(gt) != len(self.weights):
