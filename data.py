@@ -820,11 +820,19 @@ def file_header(path):
 
 def sample_ok(path):
     """Whether `path` is a whole sample file that names the target, and the prefix file it names (if any) is
-    whole too."""
+    whole too, and so is the sample file it takes its cache from (if it names one: cache_file)."""
     header = file_header(path)
-    prefix = ((header or {}).get("__metadata__") or {}).get("prefix")
+    meta = (header or {}).get("__metadata__") or {}
+    prefix, cache = meta.get("prefix"), cache_file(path, meta)
     return header is not None and "target" in header and (prefix is None or
-                                                          file_header(Path(path).parent / prefix) is not None)
+                                                          file_header(Path(path).parent / prefix) is not None) \
+        and (cache is None or sample_ok(cache))
+
+def cache_file(path, meta):
+    """The sample file whose prompt cache a sample file uses, when its metadata names one ("cache", relative to
+    its folder): a target made afterwards for another data stage's rows is stored alone, beside a pointer to
+    that stage's cache, not a second copy of it (~23 KB per prompt token). None: the file holds its own."""
+    return None if meta.get("cache") is None else Path(path).parent / meta["cache"]
 
 def save_safetensors(path, tensors, metadata=None):
     """Written to a temporary name first: a kill leaves no half file."""
@@ -863,6 +871,22 @@ def unreadable_sample(path, e=None):
     return ValueError(f"training sample {path} is unreadable{why}, cut short or damaged: deleted it; rerun "
                       f"python train.py --stage data with the same --out to rebuild it, then train again (--resume)")
 
+def read_sample(path):
+    """One sample file's tensors: its target and, when stored, the prompt's cache k and v, a group's shared
+    prefix joined back from its file, or taken from the sample file it names (cache_file)."""
+    import torch
+    from safetensors.torch import load_file
+
+    item = load_file(str(path))
+    meta = (file_header(path) or {}).get("__metadata__") or {}
+    if cache_file(path, meta) is not None:
+        other = read_sample(cache_file(path, meta))
+        item.update(k=other["k"], v=other["v"])
+    if meta.get("prefix") is not None:  # a group's shared prefix, then this prompt's own slots
+        shared = load_file(str(Path(path).parent / meta["prefix"]))
+        item.update(k=torch.cat([shared["k"], item["k"]], dim=2), v=torch.cat([shared["v"], item["v"]], dim=2))
+    return item
+
 def load_batch(paths, dev, dtype):
     """Sample files of different lengths, left-padded into one batch: a KVCache with (B, H_kv, S, D)
     per layer and its valid mask (B, 1, S), the targets {layer: (B, H, S)} (zero on padding, so
@@ -870,17 +894,11 @@ def load_batch(paths, dev, dtype):
     Files without the cache (store_dtype none) give cache None: the caller recomputes it.
     A file that cannot be read is deleted, and a ValueError names it (unreadable_sample)."""
     import torch
-    from safetensors.torch import load_file
 
     items = []
     for p in paths:
         try:
-            item = load_file(str(p))
-            prefix = ((file_header(p) or {}).get("__metadata__") or {}).get("prefix")
-            if prefix is not None:  # a group's shared prefix, then this prompt's own slots
-                shared = load_file(str(Path(p).parent / prefix))
-                item.update(k=torch.cat([shared["k"], item["k"]], dim=2), v=torch.cat([shared["v"], item["v"]], dim=2))
-            items.append(item)
+            items.append(read_sample(p))
         except Exception as e:  # safetensors raises its own error type on a truncated file
             raise unreadable_sample(p, e) from None
     lengths = [it["target"].shape[-1] for it in items]

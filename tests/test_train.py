@@ -1053,3 +1053,93 @@ def test_data_and_train_rows_mistakes_stop_before_the_model_loads(model_dir, tmp
         train.main(argv(model_dir, out, *extra))
     assert re.search(said, error_line(e)), error_line(e)
     assert {f: f.read_bytes() for f in src.rglob("*") if f.is_file()} == before
+
+
+# -----------------------------------------------------------------------------
+# extensions/answer_weights.py: a target weighted toward the answer queries that need the prompt's body
+
+
+def test_answer_weights_of_uniform_tokens_are_the_papers_target_and_the_body_decides_the_rest():
+    from extensions import answer_weights as aw
+
+    model = tiny_model()
+    row = dict(prompt_ids=rand_list(60, 1), response_ids=rand_list(7, 2))
+    cache, gt, extra = ground_truth(model, row)
+    S, R = len(cache), len(row["response_ids"])
+    next_pos = torch.tensor([S])
+    same = aw.weighted_target(model, cache, extra["response"], next_pos, torch.ones(R))
+    assert all(torch.allclose(same[l], gt[l], atol=1e-6) for l in gt)  # equal weights: the plain mean
+    one = torch.zeros(R)
+    one[2] = 1.0  # all the weight on query 2: its attention alone, as a 3-token answer's last query
+    only = aw.weighted_target(model, cache, extra["response"], next_pos, one)
+    three = lk.answer_attention(model, cache, extra["response"][:, :3], next_pos, per_query_head=True)
+    two = lk.answer_attention(model, cache, extra["response"][:, :2], next_pos, per_query_head=True)
+    assert all(torch.allclose(only[l], 3 * three[l] - 2 * two[l], atol=1e-5) for l in gt)
+    d = aw.dependence(model, cache, extra["response"], next_pos)
+    assert d.shape == (R,) and d[-1] == 0 and (d[:-1] > 0).all()  # a random model: every query needs the body
+    short = dict(prompt_ids=rand_list(aw.N_SINK + aw.WINDOW, 3), response_ids=rand_list(5, 4))
+    c2, _, e2 = ground_truth(model, short)
+    assert aw.dependence(model, c2, e2["response"], torch.tensor([len(c2)])).abs().max() < 1e-6  # nothing evicted
+    assert torch.equal(aw.token_weights(torch.zeros(4)), torch.ones(4))
+    w = aw.token_weights(torch.tensor([0.0, 1.0, 3.0, 0.0]))
+    assert torch.allclose(w, torch.tensor([0.25, 1.0, 2.5, 0.25])) and w.mean() == 1
+
+
+def test_answer_weights_folder_trains_like_its_source_and_never_changes_it(model_dir, tmp_path, stub_prompts,
+                                                                           capsys):
+    """The new folder's samples hold a target and point to the source's cache: --weights uniform on every row
+    trains the very adapter the source trains; dependence makes other targets, of the same shapes."""
+    from extensions import answer_weights as aw
+
+    src = tmp_path / "data"
+    write_data(src, model_dir)
+    train.main(argv(model_dir, src, "--stage", "data"))
+    before = {f: f.read_bytes() for f in src.rglob("*") if f.is_file() and "heldout" not in f.parts}
+    paper, dep = tmp_path / "paper", tmp_path / "dep"
+    aw.main(["--data", str(src), "--out", str(paper), "--weights", "uniform", "--model", str(model_dir)])
+    aw.main(["--data", str(src), "--out", str(dep), "--first", "2", "--model", str(model_dir)])
+    assert "2 training rows (2 made now" in capsys.readouterr().out
+    train.main(argv(model_dir, tmp_path / "a", "--stage", "train", "--data", str(src)))
+    train.main(argv(model_dir, tmp_path / "b", "--stage", "train", "--data", str(paper)))
+    a, b = adapter(tmp_path / "a" / "adapter.safetensors"), adapter(tmp_path / "b" / "adapter.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [r for r in data.read_jsonl(dep / "data.jsonl", required=("id",)) if r["split"] == "train"]
+    assert [r["id"] for r in rows] == [r["id"] for r in data.read_jsonl(src / "data.jsonl", required=("id",))][:2]
+    for r in rows:
+        mine, theirs = data.sample_path(dep, r["id"]), data.sample_path(src, r["id"])
+        assert set(load_file(str(mine))) == {"target"} and mine.stat().st_size < theirs.stat().st_size
+        t, t0 = load_file(str(mine))["target"], load_file(str(theirs))["target"]
+        assert t.shape == t0.shape and not torch.allclose(t, t0)
+    train.main(argv(model_dir, tmp_path / "c", "--stage", "train", "--data", str(dep)))
+    assert json.loads((tmp_path / "c" / "adapter.json").read_text())["train_data"]["n_train"] == 2
+    assert {f: f.read_bytes() for f in src.rglob("*") if f.is_file() and "heldout" not in f.parts} == before
+    aw.main(["--data", str(src), "--out", str(dep), "--first", "2", "--model", str(model_dir)])  # resumed: all done
+    assert "(0 made now" in capsys.readouterr().out
+    theirs.unlink()  # a sample whose cache is gone is not whole
+    assert not data.sample_ok(mine)
+
+
+@pytest.mark.parametrize("change, said", [
+    (dict(out="DATA"), "--out .*: the source folder itself"),
+    (dict(data="NOWHERE"), "--data .*NOWHERE: no data.jsonl there"),
+    (dict(first="0"), "--first 0: must be"),
+    (dict(first="99", out="FRESH"), "--first 99: .* holds 4 training rows"),
+    (dict(weights="mean"), "invalid choice: 'mean'"),
+    (dict(out="OTHER"), "holds a data stage of its own"),
+    (dict(first="3"), "other settings: first 2 \\(this run: 3\\)"),
+])
+def test_answer_weights_mistakes_are_one_line(model_dir, tmp_path, stub_prompts, monkeypatch, change, said):
+    from extensions import answer_weights as aw
+
+    src, other = tmp_path / "data", tmp_path / "other"
+    write_data(src, model_dir)
+    write_data(other, model_dir)
+    train.main(argv(model_dir, src, "--stage", "data"))
+    flags = dict(data=str(src), out=str(tmp_path / "out"), first="2", weights="dependence")
+    aw.main([x for k, v in flags.items() for x in (f"--{k}", v)] + ["--model", str(model_dir)])
+    places = dict(DATA=str(src), OTHER=str(other), NOWHERE=str(tmp_path / "NOWHERE"), FRESH=str(tmp_path / "new"))
+    flags.update({k: places.get(v, v) for k, v in change.items()})
+    monkeypatch.setattr(cli, "load", no_model)  # each mistake is said before the model loads
+    with pytest.raises(SystemExit) as e:
+        aw.main([x for k, v in flags.items() for x in (f"--{k}", v)] + ["--model", str(model_dir)])
+    assert re.search(said, error_line(e))
