@@ -200,20 +200,6 @@ def row_scorer(name, args, module=None, budget=None):
         raise ValueError(f"row {name}: {e}") from None
 
 
-def free_memory_gib(device):
-    """Memory free for new tensors on `device`: CUDA's free memory, Linux's MemAvailable; None if unknown."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] / 2**30
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 2**20  # kB -> GiB
-    except OSError:
-        pass
-    return None
-
-
 def random_model(config_path, device, dtype=None):
     """config.json's shape with random weights (normal std 0.02, norms 1): built on meta and
     materialised once on `device`, so an 8B model never exists in float32 on the CPU."""
@@ -222,7 +208,7 @@ def random_model(config_path, device, dtype=None):
     with torch.device("meta"):
         model = Transformer(cfg).to(dtype or default_dtype(device))
     need = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
-    have = free_memory_gib(device)
+    have = cli.free_memory_gib(device)
     if have is not None and need > 0.9 * have:  # said now, not by the kernel's OOM killer halfway through
         raise ValueError(f"{cfg.name}'s weights take {need:.1f} GiB in {str(next(model.parameters()).dtype)[6:]}, "
                          f"more than the {have:.1f} GiB free on {device}: run --random-init {config_path} on a "

@@ -20,6 +20,7 @@ import unicodedata
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import lock
 from model import ModelConfig, Tokenizer, load_model
@@ -207,7 +208,21 @@ def printable(text):
 
 
 def warn(message):
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    tqdm.write(f"warning: {message}", file=sys.stderr)  # on a line of its own, past any progress bar
+
+
+def free_memory_gib(device):
+    """Memory free for new tensors on `device`: CUDA's free memory, Linux's MemAvailable; None if unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] / 2**30
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20  # kB -> GiB
+    except OSError:
+        pass
+    return None
 
 
 def check_logits(logits, folder):

@@ -27,9 +27,10 @@ and every --eval-every steps one line of the held-out check (harness.heldout_lin
 recall@C (C = the config's budget, 128) of the adapter as it selects and unpooled, SnapKV, H2O and
 StreamingLLM; the same numbers go to OUT/log.jsonl. At the end: where the adapter was saved. --stage
 budgets prints one line per group of layers (layers, answer-KL gain, weight). Ctrl-C prints the
-command that resumes. Two `warning:` lines, neither of which stops the run: --stage train on fewer samples than
-the recipe's n_train (a data stage stopped part way?), and, on a CPU, a machine left with less than half of the
-first step's memory (the OOM killer ends a run without a line of its own). The held-out tables of adapters side by side: python evaluate.py --heldout.
+command that resumes. Two `warning:` lines, neither of which stops the run: --stage train on fewer samples
+than the recipe's n_train (a data stage stopped part way?), and, on a CPU, a machine left with less than half
+of the first step's memory (the OOM killer ends a run without a line of its own). The held-out tables of
+adapters side by side: python evaluate.py --heldout.
 
 Stages, each resumable (rerun the same command; --resume for the optimiser state):
 1. data (`build_dataset`): prompts from offline sources (data.py), prefilled ONCE, B at a time
@@ -1111,10 +1112,10 @@ def training_loop(run, model, heldout, cfg, src, out, run_start, train_start):
         n_seen += n_step
         bar.set_postfix(loss=f"{step_loss:.4f}", samples_s=f"{n_seen / (time.perf_counter() - train_start):.1f}")
         if n_seen == n_step and run.rank == 0 and cfg.device == "cpu":  # this process's first step
-            available = memory_available()
-            warning = available is not None and memory_warning(peak_memory(), available)
+            available = cli.free_memory_gib("cpu")
+            warning = available is not None and memory_warning(peak_memory_gib(), available)
             if warning:
-                tqdm.write(f"warning: {warning}", file=sys.stderr)  # cli.warn's line, on a line of its own
+                cli.warn(warning)
         bar.update()
         if run.step % cfg.eval_every == 0 or run.step == run.total:
             heldout_check(run, model, heldout, cfg, out)
@@ -1123,31 +1124,22 @@ def training_loop(run, model, heldout, cfg, src, out, run_start, train_start):
     bar.close()
 
 
-def peak_memory():
-    """This process's peak resident memory so far, in bytes (Linux reports ru_maxrss in KiB)."""
+def peak_memory_gib():
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
     import resource  # Unix only: called where /proc/meminfo exists
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def memory_available():
-    """MemAvailable of /proc/meminfo in bytes; None where there is none (not Linux)."""
-    try:
-        line = next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
-    return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def memory_warning(peak, available):
-    """After the first step on a CPU: a warning when what the machine has left is under half of the step's peak,
-    else None. A step grows with its batch's prompt lengths (RESULTS.md 8.3: 12.9 GB at step 3 of the 5K recipe,
-    16-17 GB later), and the kernel's OOM killer ends a run without a line in its log; half is that growth with
-    room to spare, a rule of thumb, not a measurement of this run's longest batch."""
+    """After the first step on a CPU (GiB): a warning when what the machine has left is under half of the step's
+    peak, else None. A step grows with its batch's prompt lengths (RESULTS.md 8.3: 12.9 GB at step 3 of the 5K
+    recipe, 16-17 GB later), and the kernel's OOM killer ends a run without a line in its log; half is that growth
+    with room to spare, a rule of thumb, not a measurement of this run's longest batch."""
     if available is None or available >= peak / 2:
         return None
-    return (f"the first training step held {peak / 2**30:.1f} GiB and the machine has {available / 2**30:.1f} GiB "
-            "left: a batch of longer prompts may get this run killed for memory (no line in the log says so); "
-            "stop the other jobs (a data stage resumes), or lower --micro-batch")
+    return (f"the first training step held {peak:.1f} GiB and the machine has {available:.1f} GiB left: a batch "
+            "of longer prompts may get this run killed for memory (no line in the log says so); stop the other "
+            "jobs (a data stage resumes), or lower --micro-batch")
 
 
 def save_trained_adapter(run, cfg, out, dest, n_held, train_start):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import bench
+import cli
 from model import ModelConfig, Transformer
 
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -185,14 +186,14 @@ def test_random_model_too_big_for_the_device_is_one_line(tiny_config, monkeypatc
     """An 8B shape on a CPU: one error line before any memory is taken, not the kernel's OOM killer."""
     need = bench.random_model(tiny_config, "cpu")
     need = sum(p.numel() * 4 for p in need.parameters()) / 2**30
-    monkeypatch.setattr(bench, "free_memory_gib", lambda device: need / 2)
+    monkeypatch.setattr(cli, "free_memory_gib", lambda device: need / 2)
     with pytest.raises(SystemExit, match=r"^error: config's weights take .* GiB free on cpu: .*--device cuda") as e:
         run(tiny_config, "--lengths", "8")
     assert "\n" not in str(e.value)
-    monkeypatch.setattr(bench, "free_memory_gib", lambda device: need * 2)  # room: it builds
+    monkeypatch.setattr(cli, "free_memory_gib", lambda device: need * 2)  # room: it builds
     built = bench.random_model(tiny_config, "cpu")
     assert sum(p.numel() * 4 for p in built.parameters()) / 2**30 == pytest.approx(need)
-    assert bench.free_memory_gib("cpu") is None or bench.free_memory_gib("cpu") > 0
+    assert cli.free_memory_gib("cpu") is None or cli.free_memory_gib("cpu") > 0
 
 
 def shrunk(name, tmp_path):
