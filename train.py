@@ -1112,8 +1112,7 @@ def training_loop(run, model, heldout, cfg, src, out, run_start, train_start):
         n_seen += n_step
         bar.set_postfix(loss=f"{step_loss:.4f}", samples_s=f"{n_seen / (time.perf_counter() - train_start):.1f}")
         if n_seen == n_step and run.rank == 0 and cfg.device == "cpu":  # this process's first step
-            available = cli.free_memory_gib("cpu")
-            warning = available is not None and memory_warning(peak_memory_gib(), available)
+            warning = memory_warning(peak_memory_gib(), cli.free_memory_gib("cpu"))  # None where it is unknown
             if warning:
                 cli.warn(warning)
         bar.update()
