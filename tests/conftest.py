@@ -18,6 +18,14 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+# Two float32 computations of one value in a different order (another chunk size, row count or batch, so
+# the CPU's kernels block their sums differently; AVX2, AVX-512 and AMX kernels differ here) agree only
+# to rounding: a sum of K terms of size |x| errs by ~sqrt(K) 2^-24 |x|. In the tiny models K <= 128 and
+# |x| <= ~8: ~5e-6 per operation, and ~20 operations deep (3 layers), added in the worst case, ~1e-4.
+# Equal "to the bit" holds only where both sides run the very same kernel call on the same shapes.
+REORDER_ATOL = 1e-4
+
+
 # --- tiny random Hugging Face checkpoints (used by tests/test_model.py) -------------------------
 
 HF_FAMILIES = {  # model_type -> (config class, model class) names in transformers

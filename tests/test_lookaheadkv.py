@@ -12,6 +12,7 @@ import json
 import math
 
 import pytest
+from conftest import REORDER_ATOL
 import torch
 
 import baselines
@@ -165,7 +166,9 @@ def test_every_method_keeps_min_S_C_per_head_and_decodes(method):
             if method == "streaming":
                 assert slots == list(range(4)) + list(range(S - (C - 4), S))
         # values travel with their keys
-        assert torch.equal(cache.v[l], full.v[l].gather(2, idx[..., None].expand(-1, -1, -1, cfg.head_dim)))
+        # (the two prefills differ in their rows, so another CPU's kernels may round them apart: REORDER_ATOL)
+        want_v = full.v[l].gather(2, idx[..., None].expand(-1, -1, -1, cfg.head_dim))
+        assert (cache.v[l] - want_v).abs().max() <= REORDER_ATOL
     if method != "full":
         # keep_fraction: per prompt token, the fraction of (layer, KV head) pairs that kept it
         frac = metrics.keep_fraction(kept, S)
