@@ -39,6 +39,18 @@ from torch.nn.attention.bias import causal_lower_right
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _REQUIRED = object()  # ConfigCheck: the key has no default
+# The largest size (vocab, hidden, layers, heads, ...) config.json may state: a 32-bit signed index's reach
+# (many CUDA kernels index with int32, the tokenizers library's ids are 32-bit). The largest dimension of any real
+# model, a vocabulary, is ~2**18: past the limit it is a typo such as vocab_size 1e11. Within it, load_model
+# still checks every size against the tensors' shapes before it builds anything.
+SIZE_LIMIT = 2**31 - 1
+# Positions reach RoPE as float32 (as in HF), which holds every whole number only up to 2**24: past it,
+# neighbouring positions get the same rotation, so no context can be longer.
+POSITION_LIMIT = 2**24
+# rms_norm_eps is added to the mean square of activations of order 1 before the rsqrt: real models use
+# 1e-6 .. 1e-5; near 1 it swamps the mean square and every norm's output shrinks towards 0 (issue 53:
+# 1e30 answered nothing, with exit 0). 1e-2 leaves a wide margin above any real value.
+EPS_LIMIT = 1e-2
 
 
 def read_json(file, fix):
@@ -75,16 +87,19 @@ class ConfigCheck:
         v = self.d.get(key)
         return default if v is None else v  # HF writes null for "not set"
 
-    def whole(self, key, default=_REQUIRED):
+    def whole(self, key, default=_REQUIRED, limit=SIZE_LIMIT):
+        """A whole number from 1 to `limit`; JSON's 1e11 or 64.0 is a float, refused (no size is one)."""
         v = self.get(key, default)
-        if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
-            self.fail(key, "a whole number > 0")
+        if not (isinstance(v, int) and not isinstance(v, bool) and 0 < v <= limit):
+            self.fail(key, f"a whole number from 1 to {limit} (digits only, no decimal point or exponent)")
         return v
 
-    def positive(self, key, default=_REQUIRED):
+    def positive(self, key, default=_REQUIRED, above=0, at_most=math.inf, why=""):
+        """A finite number > `above` and <= `at_most`; `why` says where the bounds come from."""
         v = self.get(key, default)
-        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
-            self.fail(key, "a finite number > 0")
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and above < v <= at_most):
+            self.fail(key, f"a finite number > {above}" + (f" and <= {at_most}" if at_most < math.inf else "")
+                      + (f" ({why})" if why else ""))
         return v
 
     def flag(self, key, default):
@@ -131,8 +146,9 @@ class ModelConfig:
             model_type=mt,
             **sizes,
             **rope,
-            rms_norm_eps=check.positive("rms_norm_eps", default=1e-6),
-            max_position_embeddings=check.whole("max_position_embeddings", default=4096),
+            rms_norm_eps=check.positive("rms_norm_eps", default=1e-6, at_most=EPS_LIMIT,
+                                        why="it is added to a mean square of order 1; real models use 1e-6 .. 1e-5"),
+            max_position_embeddings=check.whole("max_position_embeddings", default=4096, limit=POSITION_LIMIT),
             sliding_window=sliding_window,
             tie_word_embeddings=check.flag("tie_word_embeddings", default=mt != "mistral"),
             attention_bias=check.flag("attention_bias", default=mt == "qwen2"),  # Qwen2 configs omit the key
@@ -215,8 +231,11 @@ def read_rope(check):
         raise ValueError(f"rope type {rope_type!r} in {check.file} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     rope_check = ConfigCheck(check.file, rope, prefix=rope_key + ".")
-    theta = (rope_check.positive("rope_theta") if "rope_theta" in rope
-             else check.positive("rope_theta", default=10000.0))
+    # theta > 1: RoPE's wavelengths 2 pi theta^(2i / head_dim) must grow along the channels; theta 1 makes them
+    # all equal, below 1 they shrink (real models: 1e4 .. 1e6)
+    why = "RoPE's wavelengths 2 pi theta^(2i / head_dim) grow along the channels only then; real models use 1e4 .. 1e6"
+    theta = (rope_check.positive("rope_theta", above=1, why=why) if "rope_theta" in rope
+             else check.positive("rope_theta", default=10000.0, above=1, why=why))
     if rope_type == "llama3":
         for k in ("factor", "low_freq_factor", "high_freq_factor"):
             rope_check.positive(k)
@@ -548,13 +567,17 @@ def load_model(path, device="cpu", dtype=None):
                                 f"*.safetensors, tokenizer.json)")
     cfg = ModelConfig.from_hf_config(path)
     dtype = dtype or default_dtype(device)
-    with torch.device("meta"):  # no random init: every weight is copied from the checkpoint
-        model = Transformer(cfg)
-    model = model.to_empty(device=device).to(dtype)
     fix = redo(path)
     files, weight_map = weight_files(path, fix)
     opened = open_files(path, files, fix)
     stored = stored_tensors(path, opened, weight_map, fix)
+    # config.json against the tensors' headers (no tensor read) before anything is built: a layer count or a
+    # size the weights do not have would build for hours or allocate terabytes before the names check below
+    check_layer_count(path, cfg, stored)
+    check_header_shapes(path, cfg, opened, fix)
+    with torch.device("meta"):  # no random init: every weight is copied from the checkpoint
+        model = Transformer(cfg)
+    model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())  # to_empty made new Parameters: lm_head.weight is its own here
     if cfg.tie_word_embeddings:
         params.pop("lm_head.weight", None)  # tied: the head is the embedding, whatever else the checkpoint holds
@@ -639,12 +662,65 @@ def copy_tensor(file, f, name, param, cfg, fix):
         raise ValueError(f"{file}: tensor {name} is stored as {t.dtype}, not a floating type: "
                          f"a quantised or damaged checkpoint we cannot load; {fix}")
     if tuple(t.shape) != tuple(param.shape):
-        raise ValueError(f"{file}: tensor {name} has shape {tuple(t.shape)}, but {file.parent / 'config.json'} "
-                         f"({shape_fields(name, cfg)}) implies {tuple(param.shape)}: the checkpoint does not match "
-                         f"its config; use the config.json that came with these weights")
+        raise ValueError(shape_mismatch(file, name, t.shape, param.shape, cfg))
     with torch.no_grad():
         param.copy_(t)
         return param.sum(dtype=torch.float32)  # NaN or inf anywhere -> not finite
+
+
+def shape_mismatch(file, name, shape, want, cfg):
+    return (f"{file}: tensor {name} has shape {tuple(shape)}, but {file.parent / 'config.json'} "
+            f"({shape_fields(name, cfg)}) implies {tuple(want)}: the checkpoint does not match "
+            f"its config; use the config.json that came with these weights")
+
+
+def layer_indices(names):
+    return {int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+
+
+def check_layer_count(path, cfg, stored):
+    """config.json's num_hidden_layers against the layers the checkpoint's tensor names hold."""
+    has = layer_indices(stored)
+    if has and len(has) != cfg.num_hidden_layers:
+        raise ValueError(f"{path / 'config.json'} says num_hidden_layers {cfg.num_hidden_layers} but the checkpoint "
+                         f"has {len(has)} layers: is {path / 'config.json'} from another model? Use the config.json "
+                         f"that came with these weights")
+
+
+def implied_shapes(cfg):
+    """The shape config.json implies for each tensor, by name; a layer's names without their
+    "model.layers.<i>." prefix. What Transformer(cfg) builds, stated without building it
+    (tests/test_edges_model.py checks the two agree)."""
+    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, H), "lm_head.weight": (cfg.vocab_size, H),
+              "model.norm.weight": (H,), "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+              "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
+              "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
+              "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)}
+    if cfg.attention_bias:
+        shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    if cfg.qk_norm:
+        shapes.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    return shapes
+
+
+def check_header_shapes(path, cfg, opened, fix):
+    """Each stored tensor's shape, read from its file's header (no tensor is loaded), against the shape
+    config.json implies: vocab, hidden, MLP, head and key/value head sizes all show in them. Names config.json
+    does not imply are left to check_tensor_names, once the model is built."""
+    shapes = implied_shapes(cfg)
+    for fname, f in opened:
+        for name in f.keys():
+            want = shapes.get(re.sub(r"^model\.layers\.\d+\.", "", name))
+            if want is None:
+                continue
+            try:
+                shape = tuple(f.get_slice(name).get_shape())
+            except Exception as e:
+                raise ValueError(f"{path / fname}: tensor {name} cannot be read ({short_reason(e)}): {fix}") from None
+            if shape != want:
+                raise ValueError(shape_mismatch(path / fname, name, shape, want, cfg))
 
 
 def shape_fields(name, cfg):
@@ -698,18 +774,14 @@ def redo(path):
 
 
 def mismatch_message(path, cfg, missing, unexpected, stored, fix):
-    """Why the checkpoint's tensor names differ from those config.json implies. Where another model_type or
-    layer count would explain the difference, blame config.json, not the download. (A head missing from an
-    untied checkpoint is refused too: its embedding would stand in for a head it was never trained as.)"""
+    """Why the checkpoint's tensor names differ from those config.json implies. Where another model_type
+    would explain the difference, blame config.json, not the download (another layer count was refused before
+    the model was built: check_layer_count). A head missing from an untied checkpoint is refused too: its
+    embedding would stand in for a head it was never trained as."""
     file = path / "config.json"
     bias = lambda names: [n for n in names if re.search(r"self_attn\.[qkv]_proj\.bias$", n)]
     qk_norm = lambda names: [n for n in names if re.search(r"self_attn\.[qk]_norm\.weight$", n)]
-    layers = lambda names: {int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
     other = f": is {file} from another model? Use the config.json that came with these weights"
-    has = sorted(layers(stored))
-    if has and len(has) != cfg.num_hidden_layers:
-        return (f"{file} says num_hidden_layers {cfg.num_hidden_layers} but the checkpoint has {len(has)} "
-                f"layers{other}")
     if bias(missing) and len(bias(missing)) == 3 * cfg.num_hidden_layers:
         return (f"{file} says model_type {cfg.model_type} with q/k/v biases (attention_bias) but the checkpoint "
                 f"has none{other}")
