@@ -32,7 +32,8 @@ Without --model it loads weights/SmolLM2-135M-Instruct; --random-init configs/ll
 builds that shape with random weights (bf16 on CUDA): timing needs no trained weights. --quick
 (CUDA only): overhead, repeats 5, Llama-3.1-8B shape at 8K and 32K, Qwen3-8B at 8K; h2o skipped
 above 16K (it scores with every prompt query: S x S work in row chunks). Rows print as they are
-measured and --json OUT is rewritten after each (a killed run keeps them); --markdown prints markdown.
+measured and each is added to --json OUT at once (a killed run keeps them; an earlier run's rows in OUT are
+kept, each row saying its torch); --markdown prints markdown.
 On a shared CPU, --threads 1 --clock cpu counts only this process's CPU time. On CPU, freed memory is kept
 for reuse (keep_freed_memory), so no round pays page faults an earlier one already paid.
 RESULTS.md gives each measured table with the command that made it; the issue 27 row:
@@ -50,12 +51,16 @@ sizes, no scoring. overhead per token = method's ms per token - plain's; per evi
 The lookahead refresh is one M-row forward per eviction (lookahead_pass). On the GPU with the 8B shapes:
     python bench.py --mode decode-cost --random-init configs/llama-3.1-8b.json --lengths 512,4096
 
-Every flag is checked, and every row's scorer made, before a model loads: a bad one is one `error:` line.
+Every flag is checked, and every row's scorer made, before a model loads: a bad one is one `error:` line. So
+are --lengths, with what each mode appends after them (lookahead rows, decode steps), against the model's
+context (config.json's max_position_embeddings).
 """
 
 import argparse
 import ctypes
+import inspect
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -67,7 +72,7 @@ import cli
 from eviction import EvictConfig, Pool, compress, decode, uniform_budgets
 from extensions.decode import DECODE_METHODS, DecodeEviction
 from extensions.span import SpanRule
-from lookaheadkv import LookaheadHook, answer_attention, kl_loss, lookahead_pass
+from lookaheadkv import LookaheadHook, answer_attention, kl_loss, lookahead_pass, untrained_module
 import methods
 from methods import METHODS, load_adapter, make_scorer, parse_rule
 from model import ModelConfig, Tokenizer, Transformer, default_dtype
@@ -533,15 +538,16 @@ def get_args(argv=None):
     a("--repeats", type=int, default=5, help="timed rounds after one warm-up round; medians are reported")
     a("--batches", default="1,4,16", help="decode: batch sizes")
     a("--every", type=int, default=32, help="decode-cost: evict each time the cache holds C_d + every slots")
-    a("--h2o-max-len", type=int, default=None, help="skip h2o above this prompt length (--quick: 16384)")
+    a("--h2o-max-len", type=int, default=None, help="skip h2o above this prompt length, >= 1 (--quick: 16384)")
     a("--quick", action="store_true", help="the CUDA preset described at the top")
     a("--device", default=cli.default_device())
     a("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
       help="model dtype (default: bfloat16 on CUDA, float32 on CPU, where bfloat16 matmuls are ~60x slower)")
-    a("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    a("--threads", type=int, default=None, help="torch threads, >= 1 (default: torch's choice)")
     a("--clock", default="wall", choices=["wall", "cpu"], help="CPU timing: wall time, or this process's CPU "
       "time (with --threads 1 the time slices other jobs take from a shared machine do not count)")
-    a("--json", default=None, metavar="OUT", help="write every row to this .json file")
+    a("--json", default=None, metavar="OUT", help="add every row to this .json file (made if missing; the rows "
+      "of earlier runs in it are kept)")
     a("--markdown", action="store_true", help="print markdown tables")
     return p.parse_args(argv)
 
@@ -552,16 +558,19 @@ def check_args(args):
     cli.check_device(args.device)
     cli.check_model_dir(args.model)
     cuda = torch.device(args.device).type == "cuda"
-    if args.quick:
-        if not cuda:
-            raise ValueError("--quick is the GPU preset (8B shapes at 8K-32K); on CPU run e.g. "
-                             "python bench.py --mode overhead --lengths 1024,2048")
-        quick(args)
+    if args.quick and not cuda:
+        raise ValueError("--quick is the GPU preset (8B shapes at 8K-32K); on CPU run e.g. "
+                         "python bench.py --mode overhead --lengths 1024,2048")
     for flag, value, lo in [("--budget", args.budget, 1), ("--chunk-size", args.chunk_size, 1),
                             ("--repeats", args.repeats, 1), ("--every", args.every, 1), ("--window", args.window, 0),
-                            ("--threads", args.threads or 1, 1), ("--h2o-max-len", args.h2o_max_len or 1, 1)]:
-        if value < lo:
+                            ("--threads", args.threads, 1)]:
+        if value is not None and value < lo:  # None: the default (torch's threads)
             raise ValueError(f"{flag} {value}: must be at least {lo}")
+    if args.h2o_max_len is not None and args.h2o_max_len < 1:  # h2o would be skipped at every length
+        raise ValueError(f"--h2o-max-len {args.h2o_max_len}: must be at least 1 (h2o is skipped above this prompt "
+                         "length); to leave h2o out altogether, drop it from --methods")
+    if args.quick:  # after the flags' own checks: the preset fills in what was not given
+        quick(args)
     args.batches = cli.counts(args.batches, "--batches")
     args.lengths = cli.counts(args.lengths, "--lengths") if args.lengths else DEFAULT_LENGTHS[args.mode][cuda]
     if isinstance(args.methods, str) or args.methods is None:
@@ -584,7 +593,7 @@ def check_args(args):
             cli.input_file(flag, path)
     if args.json:
         cli.output_file("--json", args.json, ".json")
-        check_ours(Path(args.json))
+        earlier_rows(Path(args.json))
     # the rows' own checks (budget against window and sinks, a rule a method refuses) before any model:
     # every row that needs no adapter now, the lookahead rows once their adapter is read
     for name in args.methods if args.mode in ("overhead", "decode") else []:
@@ -598,6 +607,11 @@ def check_args(args):
                 elif C <= args.window:
                     raise ValueError(f"decode budget {C} leaves no room to choose: it always keeps the last "
                                      f"{args.window} slots; use a budget > {args.window} or a smaller window")
+    for config_path, lengths in jobs_of(args):  # each model whose config.json is here already (the default
+        # model may be prepared only when it loads: run() checks it then)
+        cfg = job_config(args, config_path, prepare=False)
+        if cfg is not None:
+            check_fits(args, cfg, lengths, random_init=bool(config_path))
     args.clock = time.process_time if args.clock == "cpu" else time.perf_counter  # CUDA: events either way
 
 
@@ -609,28 +623,113 @@ def bench(args):
     check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    jobs = QUICK if args.quick else [(args.random_init, args.lengths)]
-    return run(args, jobs)
+    return run(args, jobs_of(args))
 
 
 def quick(args):
     """The GPU preset: sets args, returns the (config, lengths) jobs."""
-    args.mode, args.repeats, args.h2o_max_len = "overhead", 5, args.h2o_max_len or 16384
+    args.mode, args.repeats = "overhead", 5
+    args.h2o_max_len = 16384 if args.h2o_max_len is None else args.h2o_max_len
     args.methods = list(QUICK_ROWS)
     return QUICK
 
 
-def check_ours(path):
-    """--json may replace an earlier bench.py output, never a file of another kind (ValueError, nothing changed)."""
+def jobs_of(args):
+    """[(config.json of a random model, or None for the checkpoint --model, lengths)]: what run() measures."""
+    return QUICK if args.quick else [(args.random_init, args.lengths)]
+
+
+# -----------------------------------------------------------------------------
+# Lengths against the model's context, read from config.json before the model loads
+
+
+def job_config(args, config_path, prepare=True):
+    """The ModelConfig of a job: its --random-init config, or the checkpoint's config.json (the default model
+    is prepared first when prepare, else None while it is not there)."""
+    if config_path:
+        cfg = ModelConfig.from_hf_config(config_path)
+        cfg.name = Path(config_path).stem  # as random_model names it
+        return cfg
+    if prepare:
+        return ModelConfig.from_hf_config(cli.resolve_model(args.model))
+    from weights.prepare import DEFAULT_DIR  # cli.resolve_model's default, without preparing it
+
+    folder = Path(args.model) if args.model else DEFAULT_DIR
+    return ModelConfig.from_hf_config(folder) if (folder / "config.json").is_file() else None
+
+
+def lookahead_tokens(args, cfg, random_init):
+    """M, the lookahead rows the run appends after the prompt: 0 without a lookahead row; the adapter's
+    n_tokens (its .json); an untrained module's (lookaheadkv.untrained_module's default: random weights, train-cost,
+    or a model without an adapter)."""
+    untrained_m = inspect.signature(untrained_module).parameters["n_tokens"].default
+    if args.mode == "train-cost":
+        return untrained_m
+    if args.mode == "prefill-vs-hf" or not any(row_config(m, args).method == "lookahead" for m in args.methods):
+        return 0
+    path = None if random_init else adapter_path(cfg, args)
+    if path is None:
+        return untrained_m
+    try:
+        return int(json.loads(path.with_suffix(".json").read_text())["n_tokens"])
+    except (OSError, ValueError, KeyError, TypeError):  # an adapter load_adapter will refuse, in its own words
+        return untrained_m
+
+
+def appended(args, M):
+    """(positions a row uses past its --lengths value, what they are), per mode."""
+    parts = {"overhead": [(M, "lookahead rows")], "decode": [(max(M, NEW_TOKENS), "decode steps or lookahead rows")],
+             "prefill-vs-hf": [], "train-cost": [(max(M, RESPONSE), "answer tokens or lookahead rows")],
+             "decode-cost": [(PERIODS * args.every, f"decode steps ({PERIODS} x --every)"), (M, "lookahead rows")]}
+    parts = [(n, what) for n, what in parts[args.mode] if n]
+    return sum(n for n, _ in parts), " + ".join(f"{n} {what}" for n, what in parts)
+
+
+def check_fits(args, cfg, lengths, random_init):
+    """Every length, with what is appended after it, within cfg's context (max_position_embeddings): past it
+    RoPE runs at positions the model never saw, and a 100K prefill on an 8K model runs until killed."""
+    extra, what = appended(args, lookahead_tokens(args, cfg, random_init))
+    ctx = cfg.max_context
+    flag = "--lengths (the decode budgets C_d)" if args.mode == "decode-cost" else "--lengths"
+    fix = (f"use lengths up to {ctx - extra}" if ctx > extra else "lower --every" if args.mode == "decode-cost"
+           else "time a model with a longer context")
+    for n in lengths:
+        if n + extra > ctx:
+            plus = f" + {what}" if extra else ""
+            raise ValueError(f"{flag} {n}{plus} = {n + extra} positions, past {cfg.name}'s context of {ctx} "
+                             f"(max_position_embeddings in its config.json): {fix}")
+
+
+# -----------------------------------------------------------------------------
+# --json: every run's rows kept
+
+
+def earlier_rows(path):
+    """The rows of an earlier bench.py output at --json ([] where there is none); a file of another kind is
+    refused (ValueError), and never changed."""
     if not path.exists():
-        return
+        return []
     try:
         old = json.loads(path.read_text())
-        ours = isinstance(old, dict) and set(old) == {"torch", "rows"} and isinstance(old["rows"], list)
+        ours = (isinstance(old, dict) and set(old) == {"torch", "rows"} and isinstance(old["rows"], list)
+                and all(isinstance(r, dict) for r in old["rows"]))
     except (ValueError, OSError):
         ours = False
     if not ours:
         raise ValueError(f"--json {path} exists and is not a bench.py output: pass a new name, or move it away")
+    return [r if "torch" in r else {**r, "torch": old["torch"]} for r in old["rows"]]  # each row says its torch
+
+
+def add_row(path, row):
+    """Add one row to --json: its rows are read again (another run may have added some since) and the whole
+    written to a temporary file that then replaces it (os.replace, atomic): a kill mid-write leaves it whole."""
+    rows = earlier_rows(path) + [row]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: two runs never share it
+    try:
+        tmp.write_text(json.dumps(dict(torch=torch.__version__, rows=rows), indent=1))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def run(args, jobs):
@@ -638,14 +737,16 @@ def run(args, jobs):
     rows = []
 
     def emit(row):
+        row["torch"] = torch.__version__  # --json keeps the rows of several runs
         rows.append(row)
         print_line([row.get(k) for k, _ in COLUMNS[args.mode]], args)
-        if args.json:  # rewritten after every row: a killed run keeps what it measured
-            Path(args.json).write_text(json.dumps(dict(torch=torch.__version__, rows=rows), indent=1))
+        if args.json:  # added at once: a killed run keeps what it measured
+            add_row(Path(args.json), row)
 
     runs = {"overhead": run_overhead, "decode": run_decode, "train-cost": run_train_cost,
             "decode-cost": run_decode_cost}
     for config_path, lengths in jobs:
+        check_fits(args, job_config(args, config_path), lengths, random_init=bool(config_path))  # before it loads
         if args.mode == "prefill-vs-hf":
             run_prefill_vs_hf(args, lengths, emit)
             continue

@@ -69,7 +69,10 @@ score_ms) and, per method, the smallest budget at which it reaches 90% of FullKV
 writes OUT/results.md (these tables, plus accuracy per task) and OUT/results.json (one entry per
 (sample, method, budget), with the settings they were made with: the model, the adapter and how it
 selects, --pool, --uniform-budgets, ...). Rerunning the same command skips every entry already in
-results.json, so an interrupted run continues where it stopped; new methods or budgets are added.
+results.json, so an interrupted run continues where it stopped; new methods or budgets are added. The settings
+keep the model's identity (config.json and samples of its weights): another model of the same name and shape is
+refused there. An --out holding files evaluate.py did not write (and no results.json of an earlier run) is
+refused, so nothing of the user's is replaced.
 
 The held-out check (the adapters against the untrained module on the held-out rows of a train.py
 run, OUT/data.jsonl): recall@C per method and, with --answer-kl, the answer KL and the share of the
@@ -133,6 +136,7 @@ from harness import mean_of, results_table, task_means
 from lookaheadkv import answer_attention
 from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selection_of, untrained
 from metrics import Stopwatch, answer_kl, forced_logprobs, gap_closed, recall_of_kept
+from model import ModelConfig
 
 UNTRAINED = "lookahead-untrained"
 PAPER_FORM = "lookahead-paper"  # the adapter selecting as the paper states it (harness.PAPER_ROWS: max:7, C in
@@ -906,8 +910,15 @@ def numbered(path, rows):
     return zip([n for n, line in enumerate(lines, 1) if line.strip()], rows)
 
 
-def read_tasks(path, conversation):
-    """The tasks file, checked before the model loads: ValueError naming the file, the line and the field."""
+JSON_ESCAPE = 6  # the most bytes a JSON line spends on one byte of text: a control character as \u0001
+
+
+def read_tasks(path, conversation, ctx=None):
+    """The tasks file, checked before the model loads: ValueError naming the file, the line and the field. With
+    the model's context (ctx, tokens) known: first every line's size, read a line at a time, then every row's
+    text (prompt, or both turns) by its bytes, so that none reaches the parser or the tokenizer (all the memory)."""
+    if ctx is not None:
+        check_line_sizes(cli.input_file("--tasks", path), ctx)
     rows = data.read_jsonl(cli.input_file("--tasks", path),
                            required=("id", "task", "turns", "answers") if conversation else data.EVAL_KEYS)
     if not rows:
@@ -915,11 +926,39 @@ def read_tasks(path, conversation):
                          '{"id", "task", ' + ('"turns"' if conversation else '"prompt"') + ', "answers"}')
     seen = set()
     for line, r in numbered(path, rows):
-        why = task_problem(r, conversation, seen)
+        why = task_problem(r, conversation, seen) or (ctx and too_long(r, conversation, ctx))
         if why:
             raise ValueError(f"--tasks {path} line {line}: {why}")
         seen.add(str(r["id"]))
     return rows
+
+
+def check_line_sizes(path, ctx):
+    """Each line of a tasks file within what one row can hold (its texts, and its answers, which only an output
+    the context holds can contain: each at most cli.BYTES_PER_TOKEN x ctx bytes, JSON-escaped), read at most
+    that much at a time: a line past it is refused before it is parsed."""
+    limit = 2 * JSON_ESCAPE * cli.BYTES_PER_TOKEN * ctx
+    with open(path, "rb") as f:
+        for n, line in enumerate(iter(lambda: f.readline(limit + 1), b""), 1):
+            if len(line.rstrip(b"\r\n")) > limit:
+                raise ValueError(f"--tasks {path} line {n} is over {limit // 2**10} KB, more than a row for a model "
+                                 f"with a context of {ctx} tokens can hold: shorten it")
+
+
+def text_of(r, conversation):
+    """A row's text the model reads: its prompt, or both turns of a conversation (one context holds them)."""
+    return "".join(r["turns"]) if conversation else r["prompt"]
+
+
+def too_long(r, conversation, ctx):
+    """Why a row's text cannot fit the context by its bytes alone (cli.BYTES_PER_TOKEN per token at most), or
+    None: said before the tokenizer sees it."""
+    size = len(text_of(r, conversation).encode())
+    if size <= cli.BYTES_PER_TOKEN * ctx:
+        return None
+    what = f"conversation {r['id']} is {size // 2**10} KB (both turns)" if conversation else \
+        f"prompt {r['id']} is {size // 2**10} KB"
+    return f"{what}, more than the model's context of {ctx} tokens can hold: shorten it"
 
 
 def task_problem(r, conversation, seen):
@@ -960,6 +999,55 @@ def read_results(path):
         raise ValueError(f"{path} is not an evaluate.py results file (expected {{\"settings\": {{...}}, \"results\": "
                          f"[{{\"id\", \"method\", \"budget\", ...}}]}}): {fix}")
     return saved
+
+
+BEFORE_RESULTS = {"results.tmp", ".lock"}  # what a run killed before its first results.json may leave in --out
+# (save_json's temporary file, cli.claim_folder's lock); --plot goes wherever it is told
+
+
+def check_out_is_ours(out):
+    """--out is new, empty, or an earlier run's (its results.json, which read_results then checks): a folder
+    holding anything else (the user's own results.md, another program's files) is refused before anything is
+    written, since results.md and results.json would replace files of the same name."""
+    if (out / "results.json").exists():
+        return
+    theirs = sorted(p.name for p in out.iterdir() if p.name not in BEFORE_RESULTS)
+    if theirs:
+        raise ValueError(f"--out {out} holds files evaluate.py did not write ({', '.join(theirs[:3])}"
+                         f"{', ...' if len(theirs) > 3 else ''}) and no results.json of an earlier run: pass a new "
+                         f"or empty folder")
+
+
+# how much of each weights file model_identity reads: a few spread samples tell two checkpoints of one shape
+# apart (their tensors differ nearly everywhere) while an 8B model's 16 GB are never read whole
+ID_SAMPLES, ID_SAMPLE_BYTES = 64, 4096
+
+
+def model_identity(folder):
+    """A short digest of the model in `folder`, before it loads: its config.json, and per *.safetensors file its
+    name, size and ID_SAMPLES slices spread over it (the header at the start included). Another folder of the same
+    name and shape holds other weights: another identity. A copy of the same files: the same one."""
+    h = hashlib.sha256((Path(folder) / "config.json").read_bytes())
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            for i in range(ID_SAMPLES):
+                fh.seek(max(size - ID_SAMPLE_BYTES, 0) * i // max(ID_SAMPLES - 1, 1))
+                h.update(fh.read(ID_SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
+def check_same_model(saved, model_id, folder, path):
+    """results.json's rows were made by this very model (its identity in the settings, where it has one), or
+    ValueError before the model loads: a model of the same name and shape would mix its rows into the tables.
+    Returns model_id, for the settings."""
+    was = saved["settings"].get("model_id")
+    if was is not None and was != model_id:
+        raise ValueError(f"{path} holds results of another model than {folder} (model_id {was}, this one's is "
+                         f"{model_id}: the same name and shape, other weights or config): pass another --out, e.g. "
+                         f"--out {path.parent}-{model_id[:8]}")
+    return model_id
 
 
 def drop_changed(saved, rows, prompts):
@@ -1012,8 +1100,37 @@ def check_args(args):
     methods = check_methods(args, paths, budgets)
     if args.plot:
         check_plot(args.plot)
-    rows = read_tasks(args.tasks, args.mode == "conversation") if args.tasks else None
+    ctx = early_context(args.model)  # the model's context, from its config.json before it loads
+    rows = read_tasks(args.tasks, args.mode == "conversation", ctx) if args.tasks else None
+    check_lengths(args, lengths, ctx)
     return methods, budgets, lengths, rows, paths
+
+
+def early_context(model):
+    """The context (tokens) of --model, or of the default model once prepared, from its config.json, before the
+    weights load; None where it cannot be read yet (the default model is prepared when it loads, and a broken
+    config.json is said then): evaluate() checks again with the loaded model's."""
+    from weights.prepare import DEFAULT_DIR  # cli.resolve_model's default, without preparing it
+
+    try:
+        return ModelConfig.from_hf_config(Path(model) if model else DEFAULT_DIR).max_context
+    except (ValueError, OSError):
+        return None
+
+
+def check_lengths(args, lengths, ctx):
+    """The built-in suites' --lengths within the model's context, before any prompt is made (RULER's take
+    a while to build): RULER's length is prompt + answer; the others' prompts are about `length` tokens, and
+    their answers follow (conversation: turn 1's and turn 2's)."""
+    if ctx is None or args.tasks or args.heldout:
+        return
+    ruler_suite = args.suite == "ruler"
+    after = 0 if ruler_suite else args.max_new_tokens + (args.first_answer_tokens if args.mode == "conversation" else 0)
+    for n in lengths:
+        if n + after > ctx:
+            answers = " (prompt and answer)" if ruler_suite else f" + {after} answer tokens"
+            fix = f"use lengths up to {ctx - after}" if ctx > after else "lower --max-new-tokens"
+            raise ValueError(f"--lengths {n}{answers} is past the model's context of {ctx} tokens: {fix}")
 
 
 def check_methods(args, paths, budgets):
@@ -1109,11 +1226,10 @@ def prompt_ids(args, model, tok, rows, chat):
     answers to come. A RULER row's prompt is already the whole chat prompt: it is not wrapped again."""
     conversation = args.mode == "conversation"
     ctx = model.config.max_context
-    for r in rows:  # by bytes first: a prompt far past the context must not reach the tokenizer (all the memory)
-        text = r["turns"][0] if conversation else r["prompt"]
-        if len(text.encode()) > cli.BYTES_PER_TOKEN * ctx:
-            raise ValueError(f"prompt {r['id']} is {len(text.encode()) // 2**10} KB, more than the model's context "
-                             f"of {ctx} tokens can hold: shorten it")
+    for r in rows:  # by bytes first: a text far past the context must not reach the tokenizer (all the memory)
+        why = too_long(r, conversation, ctx)
+        if why:
+            raise ValueError(why)
     if args.suite == "ruler":
         prompts = [tok.encode(r["prompt"]) for r in rows]
     else:
@@ -1190,12 +1306,16 @@ def evaluate(args):
         return run_heldout(args, budgets, paths)
     conversation = args.mode == "conversation"
     out = cli.output_folder("--out", args.out or {"prefill": "runs/eval"}.get(args.mode, f"runs/eval-{args.mode}"))
+    check_out_is_ours(out)
     cli.claim_folder("--out", out)  # two runs on one --out would overwrite each other's results.json
     path = out / "results.json"
     saved = read_results(path)
+    folder = cli.resolve_model(args.model)
+    model_id = check_same_model(saved, model_identity(folder), folder, path)
 
-    model, tok, folder = cli.load(args.model, args.device)
+    model, tok, folder = cli.load(folder, args.device)
     args.model = str(folder)
+    check_lengths(args, lengths, model.config.max_context)  # again: the default model may be new since check_args
     modules, adapter_path = load_modules(args, model, methods, paths)
     chat = args.chat if args.chat is not None else tok.format is not None
     if conversation and not chat:
@@ -1207,7 +1327,7 @@ def evaluate(args):
     prompts = prompt_ids(args, model, tok, rows, chat)
 
     # resume: entries already in results.json are kept, if they were made with the same settings
-    settings = run_settings(args, model, modules, adapter_path, chat, paths)
+    settings = {**run_settings(args, model, modules, adapter_path, chat, paths), "model_id": model_id}
     clash = [k for k in settings if k in saved["settings"] and saved["settings"][k] != settings[k]]
     if clash:
         was = ", ".join(f"{k} {saved['settings'][k]} (now {settings[k]})" for k in clash)

@@ -279,7 +279,7 @@ def test_overhead_parts_script_times_every_piece(tiny_config):
 
 
 def test_json_never_replaces_a_file_of_another_kind(tiny_config, tmp_path):
-    """--json may rewrite an earlier bench.py output, but a file of another kind at that name is refused in one
+    """--json may add to an earlier bench.py output, but a file of another kind at that name is refused in one
     line, before anything is timed, and left as it was."""
     theirs = tmp_path / "notes.json"
     theirs.write_text('{"my": "notes"}')
@@ -288,5 +288,96 @@ def test_json_never_replaces_a_file_of_another_kind(tiny_config, tmp_path):
     assert theirs.read_text() == '{"my": "notes"}'
     ours = tmp_path / "ours.json"
     run(tiny_config, "--lengths", "64", "--methods", "snapkv", "--json", str(ours))
-    run(tiny_config, "--lengths", "64", "--methods", "snapkv", "--json", str(ours))  # its own output: rewritten
-    assert json.loads(ours.read_text())["rows"][0]["method"] == "snapkv"
+    run(tiny_config, "--lengths", "64", "--methods", "snapkv", "--json", str(ours))  # its own output: added to
+    assert [r["method"] for r in json.loads(ours.read_text())["rows"]] == ["snapkv", "snapkv"]
+
+
+# -----------------------------------------------------------------------------
+# Issue 53: bad inputs refused before any model is built or loaded
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fails the test if a model is built (--random-init) or loaded (a checkpoint)."""
+    def fail(*a, **k):
+        pytest.fail("a model was built or loaded before the check")
+    monkeypatch.setattr(bench, "random_model", fail)
+    monkeypatch.setattr(cli, "load", fail)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lengths", "100000"], r"--lengths 100000 \+ 32 lookahead rows = 100032 positions, past config's context of "
+                              r"1024 \(max_position_embeddings in its config.json\): use lengths up to 992$"),
+    (["--lengths", "64,993"], r"--lengths 993 \+ 32 lookahead rows = 1025 positions"),  # the M rows count too
+    (["--lengths", "1025", "--methods", "snapkv"], r"--lengths 1025 = 1025 positions, past config's context"),
+    (["--mode", "decode", "--lengths", "1000", "--methods", "snapkv"], r"--lengths 1000 \+ 32 decode steps"),
+    (["--mode", "train-cost", "--lengths", "900"], r"--lengths 900 \+ 128 answer tokens or lookahead rows = 1028"),
+    (["--mode", "decode-cost", "--lengths", "64,900", "--every", "32", "--window", "4"],
+     r"--lengths \(the decode budgets C_d\) 900 \+ 128 decode steps \(4 x --every\) \+ 32 lookahead rows = 1060"),
+], ids=["100k", "lookahead-rows", "no-lookahead", "decode", "train-cost", "decode-cost"])
+def test_lengths_past_the_context_are_refused_before_the_model_is_built(tiny_config, no_model, extra, message):
+    """Issue 53: --lengths 100000 on a 1024-position config started the prefill and ran until killed. Each length,
+    with what the mode appends after it (lookahead rows, decode steps, train-cost's answer), is checked against
+    config.json's max_position_embeddings before the model is built."""
+    with pytest.raises(SystemExit, match="^error: " + message) as e:
+        run(tiny_config, *extra)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=message):  # by check_args, with every other flag's check
+        bench.check_args(bench.get_args(["--random-init", tiny_config, "--device", "cpu", *extra]))
+
+
+def test_lengths_that_fit_the_context_pass(tiny_config):
+    """The bound is the context itself: a length that with its appended positions fills it exactly passes."""
+    for extra in (["--lengths", "992"], ["--lengths", "1024", "--methods", "snapkv,h2o"],
+                  ["--mode", "decode-cost", "--lengths", "976", "--every", "4", "--window", "4"]):
+        bench.check_args(bench.get_args(["--random-init", tiny_config, "--device", "cpu", *extra]))
+
+
+def test_a_checkpoint_s_lengths_are_checked_from_its_config_json(tmp_path, no_model):
+    """--model: config.json is read before the weights (none here: loading would fail otherwise); run() checks
+    again, for the default model that is prepared only when it loads."""
+    folder = tmp_path / "tiny-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY))
+    for mode in ("overhead", "prefill-vs-hf"):
+        with pytest.raises(SystemExit, match=r"^error: --lengths 2048 .*past tiny-model's context of 1024"):
+            bench.main(["--model", str(folder), "--mode", mode, "--lengths", "2048", "--device", "cpu",
+                        "--methods", "snapkv"])
+    args = bench.get_args(["--model", str(folder), "--lengths", "64", "--methods", "snapkv", "--device", "cpu"])
+    bench.check_args(args)
+    with pytest.raises(ValueError, match=r"--lengths 4096 = 4096 positions, past tiny-model's context of 1024"):
+        bench.run(args, [(None, [4096])])
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--threads", r"--threads 0: must be at least 1$"),
+    ("--h2o-max-len", r"--h2o-max-len 0: must be at least 1 \(h2o is skipped above this prompt length\); to leave "
+                      r"h2o out altogether, drop it from --methods$"),
+], ids=["threads", "h2o-max-len"])
+def test_threads_and_h2o_max_len_below_1_are_refused(tiny_config, no_model, flag, message):
+    """Issue 53: --threads 0 ran on torch's default threads without a word, --h2o-max-len 0 was ignored (0 is
+    falsy): h2o would be skipped at every length, which is what dropping it from --methods says."""
+    for value in ("0", "-2"):
+        with pytest.raises(SystemExit, match="^error: " + message.replace("0", value, 1)):
+            run(tiny_config, "--lengths", "64", flag, value)
+
+
+def test_json_keeps_the_rows_of_every_run_and_is_replaced_whole(tiny_config, tmp_path, monkeypatch):
+    """Issue 53: a second run on one --json lost the first run's rows. Each row is added to what the file holds
+    (each saying its torch), written to a temporary file that replaces it: a write that fails leaves it whole."""
+    out = tmp_path / "bench.json"
+    first = run(tiny_config, "--lengths", "64", "--methods", "snapkv", "--json", str(out))
+    second = run(tiny_config, "--lengths", "48", "--methods", "h2o", "--json", str(out))
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == first + second and [(r["method"], r["S"]) for r in saved["rows"]] == [
+        ("snapkv", 64), ("h2o", 48)]
+    assert all(r["torch"] == torch.__version__ for r in saved["rows"])
+    before = out.read_text()
+
+    def replace_fails(src, dst):
+        assert Path(dst) == out and Path(src) != out and Path(src).parent == out.parent
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(bench.os, "replace", replace_fails)
+    with pytest.raises(SystemExit, match="No space left on device"):
+        run(tiny_config, "--lengths", "32", "--methods", "snapkv", "--json", str(out))
+    assert out.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "config.json"]

@@ -1046,10 +1046,128 @@ def test_a_changed_task_under_the_same_id_is_made_again(tiny, tmp_path, capsys):
     assert again["t1", "snapkv", 8] == first["t1", "snapkv", 8] and "1 of 2 prompts had work left" in printed
 
 
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fails the test if the model loads."""
+    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+
+
+def refused(args, message):
+    """evaluate.main(args) ends in one `error:` line matching message."""
+    with pytest.raises(SystemExit, match="^error: " + message) as e:
+        evaluate.main(args)
+    assert "\n" not in str(e.value)
+
+
 def test_a_task_prompt_past_the_context_is_refused_by_its_bytes(tiny, tmp_path, monkeypatch):
-    """A --tasks prompt whose size in bytes cannot fit the context never reaches the tokenizer."""
+    """A --tasks prompt whose size in bytes cannot fit the context never reaches the tokenizer: refused while the
+    file is read, from config.json's context, before the model loads; where that context is not known then (the
+    default model not prepared yet), once it has loaded, still before the tokenizer."""
     tasks = tmp_path / "big.jsonl"
-    data.write_jsonl([dict(id="big", task="t", prompt="word " * 200_000, answers=[])], tasks)
+    data.write_jsonl([dict(id="big", task="t", prompt="word " * 8_000, answers=[])], tasks)  # 39 KB > 64 x 512 bytes
     monkeypatch.setattr(model_module.Tokenizer, "encode", lambda *a: pytest.fail("the prompt was tokenized"))
-    with pytest.raises(SystemExit, match=r"^error: prompt big is 976 KB, more than the model's context of \d+ tokens"):
-        evaluate.main(argv(tiny, str(tmp_path / "out"), "--tasks", str(tasks), "--methods", "full"))
+    args = argv(tiny, str(tmp_path / "out"), "--tasks", str(tasks), "--methods", "full")
+    with monkeypatch.context() as m:
+        m.setattr(cli, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+        refused(args, f"--tasks {tasks} line 1: prompt big is 39 KB, more than the model's context of 512 tokens can "
+                      "hold: shorten it$")
+    monkeypatch.setattr(evaluate, "early_context", lambda model: None)
+    refused(args, r"prompt big is 39 KB, more than the model's context of 512 tokens can hold: shorten it$")
+
+
+def test_a_conversation_past_the_context_is_refused_by_its_bytes(tiny, tmp_path, monkeypatch):
+    """Issue 53: --mode conversation on a file whose turn 2 was huge aborted in the tokenizer ("memory allocation
+    of 1140850704 bytes failed", exit 134, no error line): only turn 1 was measured. Both turns share one
+    context: their bytes together are checked, before the model loads and again before the tokenizer."""
+    tasks = tmp_path / "conv.jsonl"
+    data.write_jsonl([dict(id="c", task="t", turns=["ba be", "word " * 8_000], answers=["ba"])], tasks)
+    monkeypatch.setattr(model_module.Tokenizer, "encode", lambda *a: pytest.fail("a turn was tokenized"))
+    args = decode_argv(tiny, "conversation", str(tmp_path / "out"), "--tasks", str(tasks))
+    with monkeypatch.context() as m:
+        m.setattr(cli, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+        refused(args, f"--tasks {tasks} line 1: conversation c is 39 KB \\(both turns\\), more than the model's "
+                      "context of 512 tokens can hold: shorten it$")
+    monkeypatch.setattr(evaluate, "early_context", lambda model: None)
+    refused(args, r"conversation c is 39 KB \(both turns\), more than the model's context of 512 tokens")
+
+
+def test_a_tasks_line_past_what_a_row_can_hold_is_refused_before_it_is_parsed(tiny, tmp_path, monkeypatch,
+                                                                               no_loading):
+    """Each line is read at most a row's worth at a time (texts and answers within the context, JSON-escaped):
+    a longer one is refused by its size, before the file is parsed."""
+    tasks = tmp_path / "huge.jsonl"
+    data.write_jsonl([dict(id="a", task="t", prompt="ba be", answers=[]),
+                      dict(id="b", task="t", prompt="ba", answers=["x" * (400 * 2**10)])], tasks)
+    monkeypatch.setattr(data, "read_jsonl", lambda *a, **k: pytest.fail("the file was parsed"))
+    limit = 2 * evaluate.JSON_ESCAPE * cli.BYTES_PER_TOKEN * 512
+    refused(argv(tiny, str(tmp_path / "out"), "--tasks", str(tasks)),
+            f"--tasks {tasks} line 2 is over {limit // 2**10} KB, more than a row for a model with a context of 512 "
+            "tokens can hold: shorten it$")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--suite", "ruler", "--lengths", "256,100000"], r"--lengths 100000 \(prompt and answer\) is past the model's "
+                                                       r"context of 512 tokens: use lengths up to 512$"),
+    (["--lengths", "500"], r"--lengths 500 \+ 64 answer tokens is past the model's context of 512 tokens: use "
+                           r"lengths up to 448$"),
+    (["--mode", "conversation", "--lengths", "400", "--budgets", "16"],
+     r"--lengths 400 \+ 128 answer tokens is past the model's context of 512 tokens: use lengths up to 384$"),
+], ids=["ruler", "prefill", "conversation"])
+def test_suite_lengths_past_the_context_are_refused_before_any_prompt_is_made(tiny, tmp_path, monkeypatch, extra,
+                                                                              message):
+    """Issue 53: --suite ruler --lengths 100000 was refused only after 41 s of making prompts. The built-in suites'
+    lengths (with the answers that follow, where the length is the prompt's) are checked against config.json's
+    context before the model loads, and, where it could not be read then, before any prompt is made."""
+    def no_prompts(*a, **k):
+        pytest.fail("prompts were made before the check")
+    monkeypatch.setattr(data, "make_eval_suite", no_prompts)
+    monkeypatch.setattr(evaluate.ruler, "make_suite", no_prompts)
+    monkeypatch.setattr(evaluate, "conversation_suite", no_prompts)
+    args = ["--model", str(tiny / "tiny-llama"), "--methods", "full,snapkv", "--window", "4", "--device", "cpu",
+            "--out", str(tmp_path / "out"), *extra]
+    with monkeypatch.context() as m:
+        m.setattr(cli, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+        refused(args, message)
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(evaluate, "early_context", lambda model: None)  # the context known once the model loads
+    refused(args, message)
+
+
+def test_resuming_onto_another_model_s_rows_is_refused(tiny, tiny_hf_model, tmp_path, monkeypatch):
+    """Issue 53: resuming an --out made with another model folder of the same name and shape mixed both models'
+    rows in one table. results.json's settings keep the model's identity (config.json and samples of its weights
+    files); another model's is refused before it loads, naming an --out to use. A copy of the same files resumes."""
+    one, other, copy = (tmp_path / d / "tiny-llama" for d in ("one", "other", "copy"))
+    shutil.copytree(tiny / "tiny-llama", one)
+    shutil.copytree(tiny_hf_model("llama", seed=1, vocab_size=300), other)  # same name and shape, other weights
+    shutil.copy(one / "tokenizer.json", other / "tokenizer.json")
+    shutil.copytree(one, copy)
+    out = tmp_path / "out"
+
+    def args(model):
+        return ["--model", str(model), "--tasks", str(tiny / "tasks.jsonl"), "--limit", "1", "--budgets", "8",
+                "--window", "4", "--max-new-tokens", "4", "--methods", "full,snapkv", "--device", "cpu",
+                "--out", str(out)]
+    first = evaluate.main(args(one))
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["settings"]["model_id"] == evaluate.model_identity(one) != evaluate.model_identity(other)
+    with monkeypatch.context() as m:
+        m.setattr(cli, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+        refused(args(other), f"{out / 'results.json'} holds results of another model than {other} \\(model_id "
+                             f"{saved['settings']['model_id']}, this one's is {evaluate.model_identity(other)}: the "
+                             f"same name and shape, other weights or config\\): pass another --out, e.g. --out "
+                             f"{out}-{evaluate.model_identity(other)[:8]}$")
+    assert json.loads((out / "results.json").read_text()) == saved
+    assert evaluate.main(args(copy)) == first  # the same files elsewhere: the same model, nothing left to do
+
+
+def test_an_out_folder_of_other_files_is_refused(tiny, tmp_path, no_loading):
+    """Issue 53: --out onto a folder holding the user's results.md replaced it. A folder that is neither new,
+    empty nor an earlier run's (its results.json) is refused before anything is written."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "results.md").write_text("my notes")
+    refused(argv(tiny, str(out)), f"--out {out} holds files evaluate.py did not write \\(results.md\\) and no "
+                                  "results.json of an earlier run: pass a new or empty folder$")
+    assert [p.name for p in out.iterdir()] == ["results.md"] and (out / "results.md").read_text() == "my notes"
