@@ -89,6 +89,17 @@ def fraction(flag, value):
         raise ValueError(f"{flag} {value}: must be a fraction between 0 and 1")
 
 
+SEEDS = (-2**63, 2**64 - 1)  # what torch.manual_seed and Generator.manual_seed take (a negative one is remapped)
+
+
+def check_seed(flag, value):
+    """A seed torch can take; past it torch says only "Overflow when unpacking long long", naming no flag."""
+    lo, hi = SEEDS
+    if not lo <= value <= hi:
+        raise ValueError(f"{flag} {value}: a seed must be a whole number from -2**63 to 2**64 - 1 (what "
+                         f"torch.manual_seed takes), e.g. {flag} 0")
+
+
 def counts(text, flag):
     """"64,128,256" -> [64, 128, 256]; ValueError unless every entry is a whole number >= 1."""
     try:
@@ -111,6 +122,27 @@ def input_file(flag, path):
 
 
 BYTES_PER_TOKEN = 64  # more than any token of our tokenizers spans: a longer prompt cannot fit the context
+
+
+def check_not_utf16(raw, where):
+    """ValueError if the bytes look like UTF-16 without a byte order mark (model.decode_utf8 reads it with
+    one): Latin text in UTF-16 puts a NUL in every other byte, which UTF-8 would take as valid text, its NULs
+    then removed as control characters, and answer. The sign: most 2-byte units have a NUL on one side and
+    most not on the other (a file of NULs, or text with a stray NUL, has neither)."""
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff") or len(raw) < 2:
+        return
+    units = len(raw) // 2
+    nul_even, nul_odd = raw[0:2 * units:2].count(0), raw[1:2 * units:2].count(0)
+    for order, high, low in (("UTF-16LE", nul_odd, nul_even), ("UTF-16BE", nul_even, nul_odd)):
+        if 2 * high > units and 2 * low < units:
+            raise ValueError(f"{where} looks like {order} text without a byte order mark (a NUL byte in every other "
+                             f"place): convert it to UTF-8, e.g. iconv -f {order} -t UTF-8 FILE > FILE.utf8")
+
+
+def universal_newlines(text):
+    r"""Windows (\r\n) and old Mac (\r) line ends as \n, as Python's text-mode reading does: line ends, not
+    control characters to remove with a warning."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def output_folder(flag, path):

@@ -55,7 +55,7 @@ import cli
 from cli import check_logits, stream, warn, watch, why_empty
 from baselines import full_answer
 from eviction import EvictConfig, compress, decode, uniform_budgets
-from extensions.chat import chat_loop, turns_of  # beyond the paper: a chat (--turns)
+from extensions.chat import chat_loop, check_first_turns, turns_of  # beyond the paper: a chat (--turns)
 from extensions.decode import DECODE_METHODS, DecodeEviction
 from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selection_of
 from metrics import Stopwatch, keep_fraction
@@ -120,12 +120,13 @@ def eviction_config(args, budget=None):
                        own={k: v for k, v in flags.items() if k in METHODS[args.method].settings})
 
 
-def rule_of(text):
-    """--pool's rule, or None (the method's own); ValueError naming the flag."""
+def rule_of(text, cfg=None):
+    """--pool's rule, or None (the method's own); ValueError naming the flag. cfg: the model's config, whose
+    context bounds the rule's width and whose vocabulary bounds its shortlist (methods.parse_rule)."""
     if text is None:
         return None
     try:
-        return parse_rule(text)
+        return parse_rule(text, *((cfg.max_context, cfg.vocab_size) if cfg is not None else ()))
     except ValueError as e:
         raise ValueError(f"--pool {text}: {e}") from None
 
@@ -177,6 +178,7 @@ def check_args(args):
                          "drop it, or use --method lookahead")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
+    cli.check_seed("--seed", args.seed)
     cli.at_least("--temperature", args.temperature, 0)
     cli.positive("--top-p", args.top_p)
     cli.fraction("--top-p", args.top_p)
@@ -188,6 +190,22 @@ def check_args(args):
     evictor_of(args)
     cli.check_device(args.device)
     cli.check_model_dir(args.model)
+
+
+def check_fits_model(args, cfg):
+    """The flags against what the model can use (config.json, read before the weights): a length past its
+    context is one no prompt or answer can reach, so it would do nothing or (a pooling width) run without end.
+    --max-new-tokens is held to the context with the prompt's tokens (work) or a chat's first turns
+    (extensions/chat.check_first_turns)."""
+    ctx = cfg.max_context
+    rule_of(args.pool, cfg)
+    if args.window > ctx:
+        raise ValueError(f"--window {args.window} is longer than the model's context of {ctx} tokens: no prompt "
+                         f"has that many; use a --window of at most {ctx}")
+    if args.decode_budget is not None and args.decode_budget + args.every > ctx:
+        raise ValueError(f"--decode-budget {args.decode_budget} with --every {args.every}: the cache would have to "
+                         f"hold {args.decode_budget + args.every} slots before an eviction, past the model's context "
+                         f"of {ctx}: use a --decode-budget of at most {ctx - args.every}, or a smaller --every")
 
 
 # -----------------------------------------------------------------------------
@@ -210,7 +228,8 @@ def read_prompt(arg, context):
     if size > limit:
         raise ValueError(f"the prompt ({where}) is over {limit // 2**10} KB, more than the model's context of "
                          f"{context} tokens can hold: shorten it")
-    text = decode_utf8(raw, where).replace("\r\n", "\n")  # as text-mode reading did
+    cli.check_not_utf16(raw, where)  # else read as UTF-8, its NULs removed, and answered
+    text = cli.universal_newlines(decode_utf8(raw, where))  # line ends, not control characters to warn about
     if not text.strip():
         raise ValueError(f"the prompt ({where}) is empty: write the user message into it")
     text, removed = cli.printable(text)
@@ -252,8 +271,9 @@ def work(args):
         cli.input_file("--prompt", args.prompt)  # a missing file is said before a model is prepared
     folder = cli.resolve_model(args.model)
     cfg = ModelConfig.from_hf_config(folder)
+    check_fits_model(args, cfg)
     text, note = read_prompt(args.prompt, cfg.max_context) if args.prompt is not None else (None, None)
-    turns = turns_of(args.turns) if args.turns is not None else None
+    turns = turns_of(args.turns, cfg.max_context) if args.turns is not None else None
     if note:
         warn(note)
     tok = Tokenizer(folder, cfg)
@@ -271,6 +291,8 @@ def work(args):
                              f"the model's context is {cfg.max_context}: shorten the prompt or lower --max-new-tokens")
     if turns is not None and tok.format is None:
         raise ValueError("a chat needs a chat format (ChatML or Llama-3); this tokenizer has none: use --prompt")
+    if turns is not None:
+        check_first_turns(turns, tok, args.max_new_tokens, cfg.max_context)
     module = adapter(args, cfg, folder)
     if module is not None:
         scorer_of(args, module)  # the adapter's own rule and budgets against --budget

@@ -25,18 +25,34 @@ from lookaheadkv import LookaheadKV, LookaheadModule, untrained_module
 METHODS = {"full": FullKV, "streaming": StreamingLLM, "random": RandomKV, "snapkv": SnapKV, "pyramidkv": PyramidKV,
            "h2o": H2O, "laq": LAQ, "oracle": Oracle, "lookahead": LookaheadKV}
 RULES = ("none", "avg:K", "max:K", "span:K", "span:K:N")  # what --pool accepts (K: the width; N: the gate's first ids)
+WIDTHS = {"avg": 5, "max": 7, "span": 8}  # a rule's width when the text names none (SnapKV's avg and max; span:8)
 
 
-def parse_rule(text):
-    """"avg:5", "max:7", "none", "span:8" -> the selection rule (ValueError naming the text otherwise)."""
+def parse_rule(text, context=None, vocab=None):
+    """"avg:5", "max:7", "none", "span:8" -> the selection rule (ValueError naming the text otherwise).
+    context: the model's context length (config.json, read before the model loads): a width wider than it
+    is refused, as no prompt is that long (a width of 10**11 once ran as one endless pooling op that not
+    even SIGTERM could stop). vocab: the model's vocabulary size: a span shortlist past it is refused (it
+    would silently be the whole vocabulary, the exact surprisal)."""
     kind, _, width = str(text).partition(":")
     width, _, first = width.partition(":")
-    if (kind not in ("none", "avg", "max", "span") or (width and not width.isdigit()) or (kind == "none" and width)
-            or (first and (kind != "span" or not first.isdigit()))):
+    if (kind not in ("none", "avg", "max", "span") or (width and not number(width)) or (kind == "none" and width)
+            or (first and (kind != "span" or not number(first)))):
         raise ValueError(f"selection rule {text!r}: use none, avg:K, max:K (K odd), span:K or span:K:N, e.g. span:8")
     if kind == "span":
-        return SpanRule(int(width or 8), int(first) if first else None)
-    return Pool(kind, int(width or (5 if kind == "avg" else 7)))
+        rule = SpanRule(int(width or WIDTHS[kind]), int(first) if first else None)
+        rule.check_fits(context, vocab)
+        return rule
+    rule = Pool(kind, int(width or WIDTHS.get(kind, 1)))
+    if context is not None and rule.kernel > context:
+        raise ValueError(f"pooling width {rule.kernel} is wider than the model's context of {context} tokens: no "
+                         f"prompt is that long; use a width of at most {context}, e.g. {kind}:{WIDTHS[kind]}")
+    return rule
+
+
+def number(text):
+    """Whether text is a whole number in ASCII digits ("²".isdigit() is true, but int() refuses it)."""
+    return text.isascii() and text.isdigit()
 
 
 def make_scorer(eviction, module=None, response=None):
@@ -87,17 +103,21 @@ def load_adapter(path, cfg, device="cpu"):
         raise ValueError(f"adapter {path}: its .json names {', '.join(old)}, keys of an older format: write its rule "
                          f"as \"rule\": \"span:8\" (pool:kernel) and layer_budget as \"layer_weights\"")
     try:
-        check_selection(module.info.get("rule"), module.info.get("layer_weights"), cfg.num_hidden_layers)
+        check_selection(module.info.get("rule"), module.info.get("layer_weights"), cfg.num_hidden_layers,
+                        cfg.max_context)
     except ValueError as e:
         raise ValueError(f"adapter {path}: its .json's selection is not usable ({e}): fix or retrain it") from None
     return module
 
 
-def check_selection(rule, weights, n_layers):
+def check_selection(rule, weights, n_layers, context=None):
     """An adapter's "rule" and "layer_weights" (None: not given) as selection will read them, or ValueError.
-    A weight must be a JSON number: LayerBudgets' float() would take "2" or true as 2.0 and 1.0 without a word."""
+    A weight must be a JSON number: LayerBudgets' float() would take "2" or true as 2.0 and 1.0 without a word.
+    context: the model's; a rule's width past it is refused. Its span shortlist is not held to the model's
+    vocabulary: an adapter's rule is a recipe for any model (train.py's default span:8:1024 on a model of
+    fewer ids is the exact surprisal, as it should be)."""
     if rule is not None:
-        parse_rule(rule)
+        parse_rule(rule, context)
     if weights is not None:
         if not (isinstance(weights, list) and all(isinstance(w, (int, float)) and not isinstance(w, bool)
                                                   for w in weights)):

@@ -28,36 +28,91 @@ from model import decode_utf8
 # The user turns
 
 
-def turns_of(arg):
-    """--turns: a JSON file, read now, or "-": stdin, read a line at a time as the chat goes."""
-    return stdin_turns() if arg == "-" else read_turns(arg)
+def turns_of(arg, context=None):
+    """--turns: a JSON file, read now, or "-": stdin, read a line at a time as the chat goes. context: the
+    model's, in tokens: text too long for it is refused by its size, before it is tokenized (None: not held)."""
+    return stdin_turns(context) if arg == "-" else read_turns(arg, context)
 
 
-def read_turns(path):
+def read_turns(path, context=None):
     """The user turns of --turns: a JSON list of strings ("/reset" starts a new conversation)."""
-    p = cli.input_file("--turns", path)
+    p, where = cli.input_file("--turns", path), f"turns file {path}"
+    raw = p.read_bytes()
+    cli.check_not_utf16(raw, where)
     try:
-        turns = json.loads(decode_utf8(p.read_bytes(), f"turns file {path}"))
+        turns = json.loads(cli.universal_newlines(decode_utf8(raw, where)))
     except json.JSONDecodeError as e:
         raise ValueError(f"turns file {path} is not valid JSON ({e.msg}): write a list of strings") from None
-    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and cli.printable(t)[0].strip()
-                                                          for t in turns):
-        raise ValueError(f"turns file {path}: expected a non-empty JSON list of non-empty strings, "
-                         f'e.g. ["Read this: ...", "And then?"]')
+    bad = (f"turns file {path}: expected a non-empty JSON list of non-empty strings, "
+           f'e.g. ["Read this: ...", "And then?"]')
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise ValueError(bad)
+    check_sizes(turns, context, where)  # before the slower reads of every character below, and the tokenizer
+    if not all(cli.printable(t)[0].strip() for t in turns):
+        raise ValueError(bad)
     return [cli.printable(t)[0] for t in turns]
 
 
-def stdin_turns():
-    """User turns from stdin, one a line, until end of input (Ctrl-D)."""
+def check_sizes(turns, context, where):
+    """ValueError if a conversation's turns (those between two /reset) hold more bytes than `context` tokens
+    can at cli.BYTES_PER_TOKEN: it cannot fit the context whatever the tokenizer does (as a --prompt file
+    too big is refused by its size). Each conversation, not the file: /reset starts a new context."""
+    if context is None:
+        return
+    limit, size, first = cli.BYTES_PER_TOKEN * context, 0, 1
+    for i, t in enumerate(turns, 1):
+        if t.strip() == "/reset":
+            size, first = 0, i + 1
+            continue
+        size += len(t.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            span = f"turn {i} holds" if i == first else f"turns {first}-{i} of one conversation hold"
+            raise ValueError(f"{where}: {span} over {limit // 2**10} KB, more than the "
+                             f"model's context of {context} tokens can hold: shorten them, or start a new "
+                             f'conversation with "/reset" between them')
+
+
+def stdin_turns(context=None):
+    """User turns from stdin, one a line, until end of input (Ctrl-D). A line too long for `context` tokens
+    is said in an `error:` line and skipped, unread past the limit (as a turn too long for the context is,
+    once tokenized: fits), and the chat goes on."""
+    limit = None if context is None else cli.BYTES_PER_TOKEN * context  # characters: each is at least a byte
     while True:
         if sys.stdin.isatty():
             print("> ", end="", flush=True, file=sys.stderr)
-        line = sys.stdin.readline()
+        line = sys.stdin.readline() if limit is None else sys.stdin.readline(limit + 1)
         if not line:
             return
+        if limit is not None and len(line) > limit:
+            while line and not line.endswith("\n"):  # the rest of the line, a chunk at a time, dropped
+                line = sys.stdin.readline(limit + 1)
+            print(f"error: this turn is over {limit // 2**10} KB, more than the model's context of {context} tokens "
+                  f"can hold: shorten it", file=sys.stderr)
+            continue
         line = cli.printable(line)[0]
         if line.strip():
             yield line.rstrip("\n")
+
+
+def check_first_turns(turns, tok, max_new_tokens, context):
+    """Before the model loads: ValueError if no turn can fit the context with --max-new-tokens (the chat
+    template alone, plus one token), or (a list of turns) if a conversation's first turn cannot: its position
+    is known now, the later turns' only once the answers before them are."""
+    floor = len(tok.encode(tok.chat(""))) + 1
+    if floor + max_new_tokens > context:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a turn: the chat template and one "
+                         f"token take {floor} of the model's context of {context}; lower --max-new-tokens")
+    if not isinstance(turns, list):
+        return
+    for i, text in enumerate(turns, 1):
+        if i == 1 or turns[i - 2].strip() == "/reset":
+            if text.strip() == "/reset":
+                continue
+            end = len(tok.encode(tok.chat(text))) + max_new_tokens
+            if end > context:
+                raise ValueError(f"--turns entry {i}, the first turn of its conversation, would reach position "
+                                 f"{end}, beyond the model's context of {context}: shorten it, or lower "
+                                 f"--max-new-tokens")
 
 
 # -----------------------------------------------------------------------------

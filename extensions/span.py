@@ -178,14 +178,29 @@ class SpanRule:
     def __repr__(self):
         return f"span:{self.kernel}" + ("" if self.first is None else f":{self.first}")
 
+    def check_fits(self, context=None, vocab=None):
+        """ValueError if the rule asks for more than the model has: a width wider than its context (no
+        prompt is that long) or a shortlist past its vocabulary (it would be the whole of it: the exact
+        surprisal, not the cheap gate it names). None: not checked."""
+        if context is not None and self.kernel > context:
+            raise ValueError(f"span width {self.kernel} is wider than the model's context of {context} tokens: "
+                             f"no prompt is that long; use a width of at most {context}, e.g. span:8")
+        if vocab is not None and self.first is not None and self.first > vocab:
+            raise ValueError(f"span shortlist {self.first} is past the model's vocabulary of {vocab} ids: use "
+                             f"span:{self.kernel}:N with N at most {vocab}, or span:{self.kernel} for the exact "
+                             f"surprisal over the whole vocabulary")
+
     def smooth(self, scores, states, valid=None, positions=None, window=0, budgets=None):
         """scores (L, B, H_kv, S) smoothed inside spans; states: the HiddenStates that watched the prefill
         (None, or a kernel of 1: the scores as they are); valid (B, 1, S) False on padding; positions (B, S)."""
         if self.kernel == 1 or states is None:
             return scores
         n = scores.shape[-1] - window  # the smoothed prefix
+        # nothing is carried past the prefix's ends, so any width beyond n smooths as n does: a huge one
+        # (a direct caller's SpanRule(10**11)) is then n small steps, not one endless pooling op
+        kernel = max(min(self.kernel, n), 1)
         prefix = scores[..., :n].float()
-        where = candidates(prefix, budgets or [n] * scores.shape[0], self.kernel)  # (B, n)
+        where = candidates(prefix, budgets or [n] * scores.shape[0], kernel)  # (B, n)
         ids, hidden, V = states.ids[:, :n], states.states()[:, :n], states.lm_head.weight.shape[0]
         real = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid[:, 0, :n]
         # one batch row at a time: the gate's shortlist is of that row's own tokens (not its padding),
@@ -196,7 +211,7 @@ class SpanRule:
         if positions is not None:
             surprisal = surprisal.masked_fill(positions[:, :n] == 0, 0.0)  # each row's first real token
         self.last_share = where.float().mean().item()
-        pooled = span_scores(prefix, surprisal, self.kernel).to(scores.dtype)
+        pooled = span_scores(prefix, surprisal, kernel).to(scores.dtype)
         return torch.cat([pooled, scores[..., n:]], dim=-1) if window else pooled
 
 

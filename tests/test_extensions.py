@@ -203,6 +203,32 @@ def test_the_shortlist_gate_is_a_lower_bound_and_exact_with_the_whole_vocabulary
             methods.parse_rule(bad)
 
 
+def test_a_span_wider_than_the_prompt_smooths_as_the_prompt_wide_one(monkeypatch):
+    """Nothing is carried past the prompt's ends, so SpanRule.smooth runs a width past the n smoothed tokens
+    as n (a direct caller's SpanRule(10**11) was one endless pooling op, deaf to SIGTERM): the same slots,
+    and no step is given a width over n."""
+    import extensions.span as span
+
+    model = tiny_model()
+    mod = random_module(model.config, 8)
+    ids, ec = rand_ids(1, 30, seed=6), dict(budget=12, budgets=None)
+    n = 30  # lookahead protects no window: every prompt token is smoothed
+    run = prefill_and_score(model, ids, make_scorer(EvictConfig("lookahead", rule=SpanRule(n), **ec), mod))
+    want = make_scorer(EvictConfig("lookahead", rule=SpanRule(n), **ec), mod).evict(run.scores, run)
+    widths = []
+
+    def watched(real):  # the width each step is given; one past n fails at once, before the endless op
+        def step(*a):
+            widths.append(a[-1])
+            return pytest.fail(f"{real.__name__} was given a width of {a[-1]}") if a[-1] > n else real(*a)
+        return step
+
+    for name in ("span_scores", "candidates"):
+        monkeypatch.setattr(span, name, watched(getattr(span, name)))
+    got = make_scorer(EvictConfig("lookahead", rule=SpanRule(10**11), **ec), mod).evict(run.scores, run)
+    assert widths == [n, n] and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_surprisal_in_two_parts_decides_as_the_one_part_sum():
     """token_surprisal(enough=e), as the span rule calls it: log Z over the tokens' own ids first, the rest
     of the vocabulary (or shortlist) only for the tokens still at or below e. The same bits (> e) and,
