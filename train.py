@@ -32,7 +32,9 @@ than the recipe's n_train (a data stage stopped part way?), and, on a CPU, a mac
 of the first step's memory (the OOM killer ends a run without a line of its own). The held-out tables of
 adapters side by side: python evaluate.py --heldout.
 
-Stages, each resumable (rerun the same command; --resume for the optimiser state):
+Stages, each resumable (rerun the same command; --resume for the optimiser state: the checkpoint records the
+settings that define the run, RESUME_KEYS, and a resume with any other is refused, as is a run without --resume
+into an OUT that holds another run's checkpoint):
 1. data (`build_dataset`): prompts from offline sources (data.py), prefilled ONCE, B at a time
    (`answer_and_target`): the base model's greedy answer on that full cache, and the target summed while
    the answer is decoded: per layer and query head, the mean attention of the answer's tokens over the
@@ -58,6 +60,7 @@ import random
 import shlex
 import shutil
 import sys
+import tempfile
 import time
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -75,7 +78,7 @@ from data import load_batch, sample_bytes, sample_ok, sample_path, save_sample, 
 from eviction import EvictConfig, compress, decode_step
 from extensions import layer_budgets, layer_loss
 from lookaheadkv import LookaheadModule, kl_loss, lookahead_pass
-from model import Hook, KVCache, ModelConfig, read_json
+from model import Hook, KVCache, ModelConfig, default_dtype, read_json
 
 # -----------------------------------------------------------------------------
 # Settings: a recipe file (--config) holds any of these; a flag overrides it
@@ -147,6 +150,18 @@ BUDGET_SAMPLES = 32  # --stage budgets measures on this many training samples
 
 def get_args(argv=None):
     """The run's TrainConfig: flag > --config file > default."""
+    flags = vars(parser().parse_args(argv))
+    path = flags.pop("config", None)
+    return dataclasses.replace(TrainConfig(), **{**(read_config(path) if path else {}), **flags})
+
+
+def flag_of(key):
+    """How a TrainConfig field is given: its flag (--micro-batch) if it has one, else its --config key (warmup)."""
+    flag = "--" + key.replace("_", "-")
+    return flag if flag in parser()._option_string_actions else key
+
+
+def parser():
     D = TrainConfig()
     p = cli.Parser("train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 argument_default=argparse.SUPPRESS)
@@ -155,7 +170,8 @@ def get_args(argv=None):
     a("--model", help="HF folder of the base model (default: weights/SmolLM2-135M-Instruct)")
     a("--out", help=f"the run's folder: data.jsonl, samples, checkpoint, log (default {D.out})")
     a("--adapter-out", help="where the adapter goes, a .safetensors name (its .json beside it; default "
-      "OUT/adapter.safetensors); one there already is kept as NAME.prev.safetensors")
+      "OUT/adapter.safetensors); one there already is kept as NAME.prev.safetensors, or NAME.prev2 (3, ...) when "
+      "that name is taken: an earlier backup is never replaced")
     a("--stage", choices=STAGES, help="data: build OUT's samples; train: train on them (read only); budgets: "
       "measure an adapter's per-layer weights on them into --adapter-out; all (default): data, then train")
     a("--data", metavar="DIR", help="--stage train or budgets: read the samples of this data-stage folder instead "
@@ -183,9 +199,7 @@ def get_args(argv=None):
     a("--device", help="cpu, cuda, cuda:1 (default: cuda if there is one)")
     a("--dtype", choices=["float32", "bfloat16"], help="base model dtype (default: bfloat16 on CUDA, else float32)")
     a("--seed", type=int, help=f"default {D.seed}")
-    flags = vars(p.parse_args(argv))
-    path = flags.pop("config", None)
-    return dataclasses.replace(D, **{**(read_config(path) if path else {}), **flags})
+    return p
 
 
 def read_config(path):
@@ -232,6 +246,8 @@ def check_config(cfg):
     check_given(cfg)
     cfg.device = cfg.device or cli.default_device()
     cli.check_device(cfg.device)
+    # the dtype the model will load in, named now: a checkpoint and a data folder record it (compared on --resume)
+    cfg.dtype = cfg.dtype or str(default_dtype(cfg.device)).removeprefix("torch.")
     cli.check_model_dir(cfg.model)
     check_numbers(cfg)
     parse_targets(cfg.targets)
@@ -243,7 +259,9 @@ def check_config(cfg):
     src = data_folder(cfg, out)
     folder = cli.resolve_model(cfg.model)
     model_cfg = ModelConfig.from_hf_config(folder)
+    check_rule(cfg.rule, model_cfg)
     rows = read_rows(src, model_cfg, trim=cfg.stage in ("data", "all"))
+    check_data_dtype(cfg, src, rows)
     check_samples(cfg, src, rows)
     adapter = adapter_to_read(cfg, model_cfg)
     training_loss(cfg, model_cfg)
@@ -364,6 +382,47 @@ def check_fit(cfg, model_cfg, out, rows, adapter):
                          f"lookahead rows after it is past {name}'s context of {ctx}: lower n_tokens")
 
 
+def check_rule(rule, model_cfg):
+    """The recipe's selection rule (the adapter's .json names it) as methods.parse_rule reads it for this model: a
+    width within its context ("max:99999999999" passed the syntax check alone and then hung in the first held-out
+    check, pooling over a window that size). Its vocabulary is not passed: a span shortlist past it is the whole
+    vocabulary (extensions/span.shortlist clamps it), and the default span:8:1024 would refuse every small model."""
+    try:
+        methods.parse_rule(rule, context=model_cfg.max_context)
+    except ValueError as e:
+        raise ValueError(f"rule {rule!r} (the recipe's selection rule): {e}") from None
+
+
+def data_dtypes(src, rows):
+    """[(dtype, what says so)]: the dtype the base model ran in when src's data was made, as its rows record it
+    (build_dataset), and as the held-out ground truth kept there holds it (harness.heldout_ground_truth saves the
+    cache in the model's dtype and loads it back as it is: a float32 one in a bfloat16 model failed at step 0).
+    A folder made before the rows recorded it is known by the second alone; [] when neither is there."""
+    found = [(d, f"its rows in {src / 'data.jsonl'}") for d in sorted({r["dtype"] for r in rows if "dtype" in r})]
+    for path in sorted((Path(src) / "heldout").glob("*.pt"))[:1]:  # one file says: one model made them all
+        try:
+            kept = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["k"][0].dtype
+        except Exception:  # cut short by a kill: the held-out check makes it again (harness)
+            continue
+        found.append((str(kept).removeprefix("torch."), f"its held-out ground truth {path.parent}"))
+    return found
+
+
+def check_data_dtype(cfg, src, rows):
+    """One data folder, one dtype: the answers and targets there are the base model's in the dtype it ran in, and
+    its held-out ground truth is kept in that dtype; a run in another dtype (--dtype, or the device's default) is
+    refused rather than mixing two models' data or failing at its first held-out check. --stage budgets reads the
+    samples alone (load_batch casts their cache to the model's dtype): an adapter measured on another machine's data."""
+    if cfg.stage == "budgets":
+        return
+    for made, where in data_dtypes(src, rows):
+        if made != cfg.dtype:
+            flag = "--data" if cfg.data else "--out"
+            raise ValueError(f"--dtype {cfg.dtype}: {flag} {src} was made with the base model in {made} ({where}): "
+                             f"run in its dtype (--dtype {made}), or make a data stage of your own in {cfg.dtype} "
+                             f"(python train.py --stage data --dtype {cfg.dtype} --out NEW)")
+
+
 def check_disk(cfg, model_cfg, rows):
     """build_dataset's store_gb check on the least the new rows can take, with S >= min_tokens: a training row keeps
     its target (L x H x S floats), a held-out row its ground truth in OUT/heldout (the float32 cache too, made by
@@ -381,14 +440,37 @@ def check_disk(cfg, model_cfg, rows):
 
 
 def output_paths(cfg):
-    """(OUT, where the adapter goes); --stage budgets must be told where (it rewrites an adapter)."""
+    """(OUT, where the adapter goes), both writable now (check_writable); --stage budgets must be told where (it
+    rewrites an adapter)."""
     out = cli.output_folder("--out", cfg.out)
     if cfg.stage == "budgets" and not cfg.adapter_out:
         raise ValueError("--stage budgets needs --adapter-out: where the adapter with its layer weights goes "
                          "(it may be the measured adapter itself; the old pair is kept as NAME.prev.safetensors)")
     dest = cli.output_file("--adapter-out", cfg.adapter_out, ".safetensors") if cfg.adapter_out \
         else out / "adapter.safetensors"
+    check_writable("--out", out, out, [out / "ckpt.pt", out / "ckpt.tmp", out / "log.jsonl"])
+    if cfg.stage != "data":  # the data stage writes no adapter
+        # what LookaheadModule.save writes: the pair, each through a temporary name
+        files = [dest, dest.with_suffix(".json"), dest.with_suffix(".safetensors.tmp"), dest.with_suffix(".json.tmp")]
+        check_writable("--adapter-out" if cfg.adapter_out else "--out", dest, dest.parent, files)
     return out, dest
+
+
+def check_writable(flag, path, folder, files):
+    """That this run can write `files` into `folder` at its end, said now rather than after training: a file is made
+    there and removed (os.access says yes to root everywhere, and to a read-only mount), and none of `files` is a
+    folder or other non-file that a file cannot replace."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: this folder is not writable (making a file in {folder} failed: "
+                         f"{e.strerror}): pass another") from None
+    for f in files:
+        if f.exists() and not f.is_file():
+            raise ValueError(f"{flag} {path}: {f}, which this run writes, is a folder (or not a file): move it "
+                             f"away, or pass another {flag}")
 
 
 def check_samples(cfg, out, rows):
@@ -436,11 +518,14 @@ def training_loss(cfg, model_cfg):
 
 
 def checkpoint_to_resume(cfg, out, model_cfg, adapter):
-    """OUT/ckpt.pt checked against this run (read_checkpoint) when --resume trains and one is there, else None."""
-    if not (cfg.resume and cfg.stage in ("train", "all") and (out / "ckpt.pt").exists()):
+    """OUT/ckpt.pt checked against this run (read_checkpoint) when --resume trains and one is there, else None;
+    without --resume, one there must be this run's own (check_own_checkpoint): training replaces it."""
+    if not (cfg.stage in ("train", "all") and (out / "ckpt.pt").exists()):
         return None
     shape = adapter.metadata() if adapter is not None else dict(
         n_tokens=cfg.n_tokens, rank=cfg.rank, alpha=cfg.alpha, targets=list(parse_targets(cfg.targets)))
+    if not cfg.resume:
+        return check_own_checkpoint(out, model_cfg, shape, schedule_of(cfg))
     return read_checkpoint(out / "ckpt.pt", model_cfg, shape, schedule_of(cfg))
 
 
@@ -739,6 +824,7 @@ def build_dataset(model, tok, cfg, out, rows, rank=0):
     (e.g. a data.jsonl from elsewhere, a file cut short) gets one from one forward over [prompt; answer].
     Prints what the new rows cost (wall clock and CPU time, prompts per hour)."""
     fp, path = model.config.fingerprint(), Path(out) / "data.jsonl"
+    made_in = str(model.lm_head.weight.dtype).removeprefix("torch.")  # each row records it: check_data_dtype
     have = {split: sum(r.get("split") == split for r in rows) for split in ("train", "heldout")}
     todo = []
     if have["train"] < cfg.n_train or have["heldout"] < cfg.n_heldout:
@@ -771,7 +857,7 @@ def build_dataset(model, tok, cfg, out, rows, rank=0):
         samples = answer_and_target(model, tok, [p["prompt_ids"] for p in batch], cfg.max_new_tokens,
                                     groups=[p.get("group", p["id"]) for p in batch])
         new = [dict(id=p["id"], split=p["split"], source=p["source"], task=p["task"], base_model=model.config.name,
-                    fingerprint=fp, prompt_ids=p["prompt_ids"], response_ids=s["response_ids"],
+                    fingerprint=fp, dtype=made_in, prompt_ids=p["prompt_ids"], response_ids=s["response_ids"],
                     **({"group": p["group"]} if "group" in p else {}))
                for p, s in zip(batch, samples)]
         save_batch(out, batch, samples, store)  # the sample files first, then the rows that point to them
@@ -856,14 +942,20 @@ def new_module(model, cfg):
     return module
 
 
-# what the result depends on (--data as given: the same folder under two spellings is refused, never mixed)
-RESUME_KEYS = ("batch", "lr", "epochs", "warmup", "weight_decay", "clip", "seed", "data", "train_rows",
-               "loss_weights")
+# The settings a resume may change, the rest of TrainConfig's fields defining the run: where it reads the model
+# (its weights are compared by fingerprint) and writes, which stage runs, when it stops, checks and saves, the device
+# (its dtype is compared: that changes the numbers), and the data stage's batch size and disk cap (neither changes
+# a row). The module's shape (n_tokens, rank, alpha, targets) is compared from the checkpoint's module itself.
+MAY_CHANGE = ("model", "out", "adapter_out", "stage", "resume", "max_minutes", "eval_every", "save_every", "device",
+              "gen_batch", "store_gb")
+MODULE_KEYS = ("n_tokens", "rank", "alpha", "targets")
+# what the result depends on (--data and --init as given: the same file under two spellings is refused, never mixed)
+RESUME_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in MAY_CHANGE + MODULE_KEYS)
 
 
 def schedule_of(cfg):
-    """The training settings a checkpoint is only good for (--resume with others would train a mix of two
-    runs and record the wrong one in the adapter's .json)."""
+    """The settings a checkpoint is only good for (--resume with others would train a mix of two runs and record
+    one of them in the adapter's .json): every TrainConfig field but MAY_CHANGE's, checked (check_config) first."""
     return {k: getattr(cfg, k) for k in RESUME_KEYS}
 
 
@@ -874,29 +966,61 @@ def save_checkpoint(path, module, opt, step, log, settings=None):
     os.replace(tmp, path)  # atomic: a kill mid-save leaves the previous checkpoint intact
 
 
-def read_checkpoint(path, cfg, now, schedule=None):
-    """OUT/ckpt.pt, checked against the base model (cfg), the module this run would train (now: its
-    n_tokens, rank, alpha, targets) and its training settings (schedule: schedule_of; a checkpoint from
-    before they were saved is not checked for them)."""
+def load_checkpoint(path):
+    """OUT/ckpt.pt's dict, or None if it cannot be read as one (cut short, or not a checkpoint at all)."""
     try:
         ck = torch.load(path, map_location="cpu", weights_only=False)
-        meta = ck["meta"]
-        meta["base_fingerprint"]
-    except Exception as e:
-        raise ValueError(f"--resume: checkpoint {path} is corrupt ({type(e).__name__}): delete it to start over, "
-                         "or drop --resume") from None
-    if meta["base_fingerprint"] != cfg.fingerprint():
-        raise ValueError(f"--resume: {path} was trained for {meta.get('base_model')}, not {cfg.name}: "
+        ck["meta"]["base_fingerprint"]
+        return ck
+    except Exception:
+        return None
+
+
+def checkpoint_differences(ck, cfg, now, schedule=None):
+    """What a readable checkpoint was made with that this run is not, one "FLAG OLD (this run: NEW)" each: the
+    module (now: its n_tokens, rank, alpha, targets) and the settings (schedule: schedule_of; a checkpoint from
+    before a key was saved is not checked for it)."""
+    meta, saved = ck["meta"], ck.get("settings") or {}
+    differ = [f"{flag_of(k)} {json.dumps(meta.get(k))} (this run: {json.dumps(now[k])})"
+              for k in MODULE_KEYS if meta.get(k) != now[k]]
+    return differ + [f"{flag_of(k)} {json.dumps(saved[k])} (this run: {json.dumps(schedule[k])})"
+                     for k in RESUME_KEYS if schedule is not None and k in saved and saved[k] != schedule[k]]
+
+
+def read_checkpoint(path, cfg, now, schedule=None):
+    """OUT/ckpt.pt to resume, checked against the base model (cfg), the module this run would train and its
+    settings (checkpoint_differences): each that differs is named with both values, in one line."""
+    ck = load_checkpoint(path)
+    if ck is None:
+        raise ValueError(f"--resume: checkpoint {path} is corrupt (unreadable): delete it to start over, "
+                         "or drop --resume")
+    if ck["meta"]["base_fingerprint"] != cfg.fingerprint():
+        raise ValueError(f"--resume: {path} was trained for {ck['meta'].get('base_model')}, not {cfg.name}: "
                          "use another --out")
-    differ = [f"{k} {json.dumps(meta.get(k))} (this run: {json.dumps(now[k])})"
-              for k in ("n_tokens", "rank", "alpha", "targets") if meta.get(k) != now[k]]
-    saved = ck.get("settings") or {}
-    differ += [f"{k} {json.dumps(saved[k])} (this run: {json.dumps(schedule[k])})"
-               for k in RESUME_KEYS if schedule is not None and k in saved and saved[k] != schedule[k]]
+    differ = checkpoint_differences(ck, cfg, now, schedule)
     if differ:
         raise ValueError(f"--resume: {path} was made with other settings: {'; '.join(differ)}. It is not corrupt: "
                          "resume with its settings, or pass another --out")
     return ck
+
+
+def check_own_checkpoint(out, cfg, now, schedule):
+    """Without --resume, a run starts at step 0 and replaces OUT/ckpt.pt at its first checkpoint, and appends to
+    OUT/log.jsonl: fine for this run's own checkpoint (the same settings, started over), refused for another run's
+    (other settings or model, or a file it cannot read), which it would destroy and whose log it would mix into."""
+    path = out / "ckpt.pt"
+    ck = load_checkpoint(path)
+    if ck is None:
+        why = "a file train.py cannot read as a checkpoint"
+    elif ck["meta"]["base_fingerprint"] != cfg.fingerprint():
+        why = f"trained for {ck['meta'].get('base_model')}, not {cfg.name}"
+    else:
+        differ = checkpoint_differences(ck, cfg, now, schedule)
+        if not differ:
+            return
+        why = f"made with other settings: {'; '.join(differ)}"
+    raise ValueError(f"--out {out} holds another run's checkpoint ({path}: {why}): pass another --out, continue that "
+                     f"run with its own settings and --resume, or delete {path} to start this one over there")
 
 
 def resume_from(ck, module, opt, path):
@@ -982,14 +1106,40 @@ def adapter_metadata(cfg, train_rows, n_held, step, total, stopped_early, log, i
 
 
 def save_adapter(module, dest):
-    """module.save(dest), an adapter already there kept as NAME.prev.safetensors (+ .json), saying so."""
+    """module.save(dest), an adapter already there kept (keep_previous), saying where."""
     if dest.exists() or dest.with_suffix(".json").exists():
-        prev = dest.with_name(dest.stem + ".prev.safetensors")
-        for src, dst in ((dest, prev), (dest.with_suffix(".json"), prev.with_suffix(".json"))):
-            if src.exists():
-                shutil.copy2(src, dst)
-        print(f"{dest} existed: replaced; the previous one is kept as {prev} (+ .json)")
+        _, kept = keep_previous(dest)
+        print(f"{dest} existed: replaced; the previous one is kept as {' + '.join(str(p) for p in kept)}")
     module.save(dest)
+
+
+def backup_names(dest):
+    """NAME.prev.safetensors, NAME.prev2.safetensors, NAME.prev3...: where keep_previous may keep dest."""
+    n = 1
+    while True:
+        yield dest.with_name(f"{dest.stem}.prev{n if n > 1 else ''}.safetensors")
+        n += 1
+
+
+def keep_previous(dest):
+    """Copy the adapter at dest (+ .json) to the first backup name (backup_names) free of both files: an earlier
+    backup is never replaced (a second run on one --adapter-out replaced .prev, the first adapter with it, while
+    saying it was kept). The first file is made with O_EXCL, so two runs saving at once keep theirs under two names.
+    Returns (the backup's .safetensors path, the files written)."""
+    sources = [src for src in (dest, dest.with_suffix(".json")) if src.exists()]
+    for prev in backup_names(dest):
+        copies = [(src, prev.with_suffix(src.suffix)) for src in sources]
+        if any(p.exists() for p in (prev, prev.with_suffix(".json"))):
+            continue
+        try:
+            with open(copies[0][0], "rb") as first, open(copies[0][1], "xb") as f:  # "xb": the claim
+                shutil.copyfileobj(first, f)
+        except FileExistsError:  # taken meanwhile by another run
+            continue
+        shutil.copystat(*copies[0])
+        for src, dst in copies[1:]:
+            shutil.copy2(src, dst)
+        return prev, [dst for _, dst in copies]
 
 
 # -----------------------------------------------------------------------------

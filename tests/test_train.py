@@ -308,8 +308,8 @@ def test_resume_equals_uninterrupted_run(model_dir, tmp_path, stub_prompts, monk
     ck = torch.load(b / "ckpt.pt", weights_only=False)
     assert ck["step"] == 2
     # a resume with settings the checkpoint was not made with is refused, naming them, and changes nothing
-    with pytest.raises(SystemExit, match=r"^error: --resume: .*ckpt.pt was made with other settings: batch 2 "
-                                         r"\(this run: 4\); lr 0.01 \(this run: 0.02\)"):
+    with pytest.raises(SystemExit, match=r"^error: --resume: .*ckpt.pt was made with other settings: --batch 2 "
+                                         r"\(this run: 4\); --lr 0.01 \(this run: 0.02\)"):
         train.main(argv(model_dir, b, "--resume", "--batch", "4", "--lr", "2e-2"))
     assert torch.load(b / "ckpt.pt", weights_only=False)["step"] == 2 and not (b / "adapter.safetensors").exists()
     capsys.readouterr()
@@ -495,6 +495,168 @@ def test_adapter_out_json_is_refused_and_left_untouched(model_dir, tmp_path):
                     "--device", "cpu"])
     assert error_line(e).startswith(f"error: --adapter-out {weights}") and "\n" not in error_line(e)
     assert weights.read_text() == "{}"
+
+
+# -----------------------------------------------------------------------------
+# issue 53: runs that mixed with another run, data of another dtype, outputs written only at the end
+
+
+def own_checkpoint(model_dir, out, *flags, **recipe):
+    """OUT/ckpt.pt as the run of argv(model_dir, out, *flags, **recipe) saves it (its checked settings), without
+    training; (its path, its bytes)."""
+    cfg = train.get_args(argv(model_dir, out, *flags, **recipe))
+    (out / "ckpt.pt").unlink(missing_ok=True)
+    train.check_config(cfg)
+    module = LookaheadModule(ModelConfig.from_hf_config(model_dir), n_tokens=cfg.n_tokens, rank=cfg.rank,
+                             alpha=cfg.alpha, targets=train.parse_targets(cfg.targets))
+    train.save_checkpoint(out / "ckpt.pt", module, torch.optim.AdamW(module.parameters()), 1, [],
+                          train.schedule_of(cfg))
+    return out / "ckpt.pt", (out / "ckpt.pt").read_bytes()
+
+
+@pytest.mark.parametrize("flags, recipe, says", [
+    (["--micro-batch", "1"], {}, "--micro-batch 2 (this run: 1)"),  # resumed without a word
+    (["--n-train", "8"], {}, "--n-train 6 (this run: 8)"),  # resumed without a word, after answering 2 more prompts
+    (["--dtype", "bfloat16"], {}, '--dtype "float32" (this run: "bfloat16")'),  # a step, then a traceback
+    ([], dict(warmup=0.5), "warmup 0.25 (this run: 0.5)"),  # a recipe key without a flag: named as the key
+    ([], dict(rule="max:7"), 'rule "span:8:1024" (this run: "max:7")'),
+], ids=["micro-batch", "n-train", "dtype", "recipe-key", "rule"])
+def test_resume_with_any_other_setting_is_refused_naming_it(model_dir, tmp_path, monkeypatch, flags, recipe, says):
+    """Issue 53: the checkpoint records every setting that defines the run (train.RESUME_KEYS); --resume with one
+    that differs is one line naming its flag (or recipe key) and both values, before the model loads."""
+    out = tmp_path / "o"
+    write_data(out, model_dir, n_train=6)
+    path, before = own_checkpoint(model_dir, out, "--n-train", "6", "--micro-batch", "2")
+    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    with pytest.raises(SystemExit) as e:
+        train.main(argv(model_dir, out, "--n-train", "6", "--micro-batch", "2", "--resume", *flags, **recipe))
+    assert error_line(e).startswith(f"error: --resume: {path} was made with other settings: {says}. It is not corrupt")
+    assert path.read_bytes() == before and not (out / "log.jsonl").exists()
+
+
+def test_every_setting_that_defines_the_run_is_recorded_and_compared(model_dir, tmp_path, monkeypatch):
+    """The mechanism, key by key: a checkpoint whose recorded value of any RESUME_KEYS field is not this run's is
+    refused naming that field's flag; the fields a resume may change (MAY_CHANGE) are the only others."""
+    import dataclasses
+
+    out = tmp_path / "o"
+    write_data(out, model_dir)
+    path, _ = own_checkpoint(model_dir, out)
+    ck = torch.load(path, weights_only=False)
+    fields = {f.name for f in dataclasses.fields(train.TrainConfig)}
+    assert set(ck["settings"]) == set(train.RESUME_KEYS) == fields - set(train.MAY_CHANGE) - set(train.MODULE_KEYS)
+    assert {"micro_batch", "n_train", "dtype", "rule", "budget", "store_dtype", "init"} <= set(train.RESUME_KEYS)
+    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    for key in train.RESUME_KEYS:
+        torch.save(dict(ck, settings=dict(ck["settings"], **{key: "OTHER"})), path)
+        with pytest.raises(SystemExit) as e:
+            train.main(argv(model_dir, out, "--resume"))
+        assert f'other settings: {train.flag_of(key)} "OTHER" (this run: ' in error_line(e), key
+
+
+def test_out_holding_another_runs_checkpoint_is_refused_without_resume(model_dir, tmp_path, monkeypatch, capsys):
+    """Issue 53: without --resume a run replaced OUT/ckpt.pt at its first checkpoint and appended to OUT/log.jsonl,
+    whoever's they were. Another run's checkpoint (other settings, another model, or not one at all) is refused;
+    this run's own (the same settings) is still started over, as it says."""
+    out = tmp_path / "o"
+    write_data(out, model_dir)
+    path, before = own_checkpoint(model_dir, out, "--lr", "0.05")
+    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    with pytest.raises(SystemExit) as e:
+        train.main(argv(model_dir, out))
+    assert error_line(e) == (f"error: --out {out} holds another run's checkpoint ({path}: made with other settings: "
+                             f"--lr 0.05 (this run: 0.01)): pass another --out, continue that run with its own "
+                             f"settings and --resume, or delete {path} to start this one over there")
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit) as e:
+        train.main(argv(model_dir, out))
+    assert "holds another run's checkpoint" in error_line(e) and "cannot read as a checkpoint" in error_line(e)
+    assert path.read_bytes() == b"not a checkpoint" and not (out / "log.jsonl").exists()
+    own_checkpoint(model_dir, out)  # this run's own: checked, and started over (None: nothing to resume)
+    assert train.check_config(train.get_args(argv(model_dir, out)))[-1] is None
+
+
+def test_a_data_folder_made_in_another_dtype_is_refused(model_dir, tmp_path, monkeypatch, stub_prompts):
+    """Issue 53: --data of a float32 data stage with --dtype bfloat16 failed at step 0 (its held-out ground truth,
+    kept in float32, met a bfloat16 model). The rows record the dtype the model ran in (build_dataset), a folder
+    made before they did is known by its held-out ground truth, and a run in another dtype is refused."""
+    src = tmp_path / "data"
+    write_data(src, model_dir, n_train=4)
+    train.main(argv(model_dir, src, "--stage", "data", "--n-train", "5"))  # one new row: answered here, in float32
+    rows = [json.loads(line) for line in (src / "data.jsonl").read_text().splitlines()]
+    assert [r.get("dtype") for r in rows] == [None] * 5 + ["float32"]  # write_data's rows predate the field
+    old = tmp_path / "old"  # no row says; its held-out ground truth (harness.heldout_ground_truth's file) does
+    write_data(old, model_dir)
+    train.main(argv(model_dir, old, "--stage", "data"))  # the sample files, no new rows
+    (old / "heldout").mkdir()
+    torch.save(dict(k=[torch.zeros(1, 2, 3, 16)], v=[torch.zeros(1, 2, 3, 16)], gt={}, extra={}),
+               old / "heldout" / "0123456789abcdef.pt")
+    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    for folder in (src, old):
+        with pytest.raises(SystemExit) as e:
+            train.main(argv(model_dir, tmp_path / "b", "--stage", "train", "--data", str(folder), "--dtype", "bfloat16"))
+        assert error_line(e).startswith(f"error: --dtype bfloat16: --data {folder} was made with the base model in "
+                                        f"float32 ("), folder
+        assert "--dtype float32" in error_line(e)
+    with pytest.raises(SystemExit) as e:  # a data stage adding bfloat16 rows to float32 ones: refused too
+        train.main(argv(model_dir, src, "--stage", "data", "--n-train", "6", "--dtype", "bfloat16"))
+    assert error_line(e).startswith(f"error: --dtype bfloat16: --out {src} was made with the base model in float32")
+    assert not (tmp_path / "b" / "ckpt.pt").exists()
+
+
+def test_adapter_backups_never_replace_an_earlier_one(model_dir, tmp_path, capsys):
+    """Issue 53: a second run on one --adapter-out copied the first one's adapter over .prev, losing the original,
+    while saying "the previous one is kept". Each backup now takes the first free name, and the line names it."""
+    cfg = ModelConfig.from_hf_config(model_dir)
+    dest = tmp_path / "a.safetensors"
+    for n in range(3):
+        module = LookaheadModule(cfg, n_tokens=8)
+        module.info = dict(run=n)
+        train.save_adapter(module, dest)
+    said = capsys.readouterr().out.splitlines()
+    assert said == [f"{dest} existed: replaced; the previous one is kept as {tmp_path / 'a.prev.safetensors'} + "
+                    f"{tmp_path / 'a.prev.json'}",
+                    f"{dest} existed: replaced; the previous one is kept as {tmp_path / 'a.prev2.safetensors'} + "
+                    f"{tmp_path / 'a.prev2.json'}"]
+    runs = {name: json.loads((tmp_path / name).read_text())["run"] for name in ("a.prev.json", "a.prev2.json", "a.json")}
+    assert runs == {"a.prev.json": 0, "a.prev2.json": 1, "a.json": 2}  # the first adapter is still there
+
+
+def test_an_adapter_out_that_cannot_be_written_stops_before_the_model_loads(model_dir, tmp_path, monkeypatch):
+    """Issue 53: --adapter-out where nothing can be written passed the checks (os.access says yes to root), trained
+    to the end, then failed with nothing saved. A file is made and removed there first, and a folder in the place
+    of a file the save writes (its .json) is named."""
+    out = tmp_path / "o"
+    write_data(out, model_dir)
+    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    if Path("/proc/self").exists():  # procfs: no file can be made in /proc, not even by root
+        with pytest.raises(SystemExit) as e:
+            train.main(argv(model_dir, out, "--adapter-out", "/proc/adapter.safetensors"))
+        assert error_line(e).startswith("error: --adapter-out /proc/adapter.safetensors: this folder is not writable")
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "a.json").mkdir()
+    with pytest.raises(SystemExit) as e:
+        train.main(argv(model_dir, out, "--adapter-out", str(tmp_path / "w" / "a.safetensors")))
+    assert error_line(e) == (f"error: --adapter-out {tmp_path / 'w' / 'a.safetensors'}: {tmp_path / 'w' / 'a.json'}, "
+                             f"which this run writes, is a folder (or not a file): move it away, or pass another "
+                             f"--adapter-out")
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["a.json"] and not (out / "ckpt.pt").exists()
+
+
+def test_a_rule_wider_than_the_context_stops_before_the_model_loads(model_dir, tmp_path, monkeypatch):
+    """Issue 53: "rule": "max:99999999999" passed the checks and hung at the first held-out check (a pooling window
+    that wide). The recipe's rule is read by methods.parse_rule with the model's context."""
+    out = tmp_path / "o"
+    write_data(out, model_dir)
+    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    for rule, says in [("max:99999999999", "context of 512"), ("span:513", "context of 512"),
+                       ("avg:513", "context of 512")]:
+        with pytest.raises(SystemExit) as e:
+            train.main(argv(model_dir, out, rule=rule))
+        assert error_line(e).startswith(f"error: rule '{rule}' (the recipe's selection rule): ") and says in \
+            error_line(e), rule
+    cfg = ModelConfig.from_hf_config(model_dir)
+    train.check_rule("span:512", cfg), train.check_rule("max:511", cfg)  # within TinyLlama's 512: taken
 
 
 def test_a_truncated_sample_is_named_deleted_and_rebuilt(model_dir, tmp_path, stub_prompts):
@@ -1038,7 +1200,7 @@ def test_data_trains_on_another_runs_samples_and_writes_only_out(model_dir, tmp_
     assert meta["train_data"]["folder"] == str(src) and meta["train_data"]["drawn"] == dict(asked=2, seed=0)
     # what the result depends on is a resume key: another draw or another data folder is not resumed into this one
     assert {"data", "train_rows"} <= set(train.RESUME_KEYS)
-    with pytest.raises(SystemExit, match="other settings: train_rows 2 \\(this run: 3\\)"):
+    with pytest.raises(SystemExit, match="other settings: --train-rows 2 \\(this run: 3\\)"):
         train.main(argv(model_dir, out, "--stage", "train", "--data", str(src), "--train-rows", "3", "--resume"))
     # --stage budgets reads --data's samples too, and writes its table into OUT
     table = tmp_path / "table"
