@@ -51,14 +51,14 @@ import time
 
 import torch
 
-import cli
-from cli import check_logits, stream, warn, watch, why_empty
+from support import cli
+from support.cli import check_logits, stream, warn, watch, why_empty
 from baselines import full_answer
 from eviction import EvictConfig, compress, decode, uniform_budgets
 from extensions.chat import chat_loop, check_first_turns, turns_of  # beyond the paper: a chat (--turns)
 from extensions.decode import DECODE_METHODS, DecodeEviction
 from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selection_of
-from metrics import Stopwatch, keep_fraction
+from support.metrics import Stopwatch, keep_fraction
 from model import ModelConfig, Tokenizer, decode_utf8
 
 

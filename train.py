@@ -5,7 +5,7 @@ model frozen: the module learns to attend to the prompt the way the model's own 
 A recipe is a JSON file of TrainConfig fields (below); a flag overrides its file, the file the defaults.
 CPU recipe, the shipped adapter (2 cores, float32; RESULTS.md says how long it took; after a kill, rerun
 the same command with --resume: the data stage keeps what it wrote, the checkpoint has the optimiser):
-    python train.py --config configs/train-cpu.json --out runs/cpu \\
+    python train.py --config research/configs/train-cpu.json --out runs/cpu \\
         --adapter-out weights/SmolLM2-135M-Instruct.lookahead.safetensors
 (the LoRA on all seven projections, --targets all; with --targets q_proj,k_proj: the adapter shipped before
 it, weights/SmolLM2-135M-Instruct.lookahead-qk.safetensors), then a fine-tune on copy-heavy prompts (--init,
@@ -14,11 +14,11 @@ OUT (where its choice decides the answer; RESULTS.md section 4.4) and written in
     python train.py --stage budgets --out runs/cpu --adapter-out weights/SmolLM2-135M-Instruct.lookahead.safetensors
 (the adapter measured: --init, default the shipped weights/<model>.lookahead.safetensors).
 One GPU, paper-like scale (the prompt caches recomputed in the step instead of kept on disk, which
-would take ~430 GB here: configs/train-gpu.json's store_dtype "none"; RESULTS.md section 5):
-    python train.py --config configs/train-gpu.json --out runs/gpu --adapter-out runs/gpu/adapter.safetensors
+would take ~430 GB here: research/configs/train-gpu.json's store_dtype "none"; RESULTS.md section 5):
+    python train.py --config research/configs/train-gpu.json --out runs/gpu --adapter-out runs/gpu/adapter.safetensors
 Several GPUs (data parallel: each rank takes every world_size-th micro-batch; build the samples first):
-    python train.py --config configs/train-gpu.json --out runs/gpu --stage data && \\
-        torchrun --nproc_per_node=8 train.py --config configs/train-gpu.json --out runs/gpu --stage train
+    python train.py --config research/configs/train-gpu.json --out runs/gpu --stage data && \\
+        torchrun --nproc_per_node=8 train.py --config research/configs/train-gpu.json --out runs/gpu --stage train
 CPU smoke run (a few minutes on 2 cores):
     python train.py --out runs/smoke --n-train 8 --n-heldout 4 --max-tokens 600 --max-new-tokens 32 --batch 4 --epochs 1
 
@@ -30,7 +30,7 @@ budgets prints one line per group of layers (layers, answer-KL gain, weight). Ct
 command that resumes. Two `warning:` lines, neither of which stops the run: --stage train on fewer samples
 than the recipe's n_train (a data stage stopped part way?), and, on a CPU, a machine left with less than half
 of the first step's memory (the OOM killer ends a run without a line of its own). The held-out tables of
-adapters side by side: python evaluate.py --heldout.
+adapters side by side: python -m research.evaluate --heldout.
 
 Stages, each resumable (rerun the same command; --resume for the optimiser state: the checkpoint records the
 settings that define the run, RESUME_KEYS, and a resume with any other is refused, as is a run without --resume
@@ -40,7 +40,7 @@ into an OUT that holds another run's checkpoint):
    the answer is decoded: per layer and query head, the mean attention of the answer's tokens over the
    prompt (R x S, never S x S; no second forward over the answer). The prompt's cache (bfloat16) and the
    target are kept on disk, one file per sample (OUT/samples), the rows in OUT/data.jsonl: every epoch
-   reuses them, nothing is prefilled twice. With --group N (configs/train-cpu-5k.json), most training
+   reuses them, nothing is prefilled twice. With --group N (research/configs/train-cpu-5k.json), most training
    prompts come N to a shared context (data.make_training_groups): the context is prefilled once, decoding
    reads its cache once for the N answers (SharedPrefixAttention), and its cache is stored once; a prompt
    then costs about a fifth of what it costs alone (RESULTS.md section 8).
@@ -70,11 +70,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import cli
-import data
-import harness
+from support import cli
+from support import data
+from research import harness
 import methods
-from data import load_batch, sample_bytes, sample_ok, sample_path, save_sample, unreadable_sample
+from support.data import load_batch, sample_bytes, sample_ok, sample_path, save_sample, unreadable_sample
 from eviction import EvictConfig, compress, decode_step
 from extensions import layer_budgets, layer_loss
 from lookaheadkv import LookaheadModule, kl_loss, lookahead_pass
@@ -166,7 +166,7 @@ def parser():
     p = cli.Parser("train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 argument_default=argparse.SUPPRESS)
     a = p.add_argument
-    a("--config", metavar="JSON", help="a recipe: a JSON object of TrainConfig fields, e.g. configs/train-cpu.json")
+    a("--config", metavar="JSON", help="a recipe: a JSON object of TrainConfig fields, e.g. research/configs/train-cpu.json")
     a("--model", help="HF folder of the base model (default: weights/SmolLM2-135M-Instruct)")
     a("--out", help=f"the run's folder: data.jsonl, samples, checkpoint, log (default {D.out})")
     a("--adapter-out", help="where the adapter goes, a .safetensors name (its .json beside it; default "
@@ -207,7 +207,7 @@ def read_config(path):
     file and the key otherwise)."""
     path = cli.input_file("--config", path)
     try:
-        values = read_json(path, "write a JSON object of TrainConfig fields (configs/train-cpu.json is one)")
+        values = read_json(path, "write a JSON object of TrainConfig fields (research/configs/train-cpu.json is one)")
     except ValueError as e:
         raise ValueError(f"--config {e}") from None
     fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}

@@ -36,11 +36,11 @@ from tqdm import tqdm
 
 if __name__ == "__main__":  # python -m extensions.answer_weights, or the file itself
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import cli  # noqa: E402
-import data  # noqa: E402
+from support import cli  # noqa: E402
+from support import data  # noqa: E402
 from eviction import keep_slots  # noqa: E402
 from lookaheadkv import AnswerHook, kl_loss  # noqa: E402
-from metrics import forced_logprobs  # noqa: E402
+from support.metrics import forced_logprobs  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
 N_SINK, WINDOW, FLOOR = 4, 32, 0.25  # what the body-less cache keeps; each token's least share of the mean

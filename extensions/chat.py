@@ -19,7 +19,7 @@ import time
 
 import torch
 
-import cli
+from support import cli
 from eviction import compress, decode
 from extensions.decode import add_turn
 from model import decode_utf8

@@ -21,7 +21,7 @@ import torch
 
 from eviction import fit_to_prompt, keep_slots, select, stack_layers
 from lookaheadkv import kl_loss, lookahead_pass
-from metrics import answer_kl, forced_logprobs
+from support.metrics import answer_kl, forced_logprobs
 
 FLOOR, POWER, GROUP = 0.25, 0.5, 3  # the share every layer keeps, the softening, layers measured together
 

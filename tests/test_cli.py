@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench
-import cli
-import data
-import evaluate
+from research import bench
+from support import cli
+from support import data
+from research import evaluate
 import generate as generate_py
 import model
 import train
@@ -102,14 +102,14 @@ def chat_model(tmp_path_factory):
 @pytest.mark.parametrize("script, argv, needles", [
     ("generate.py", ["--prompt", "{tmp}", "--model", "{model}"], ["--prompt", "is a folder"]),
     ("train.py", ["--model", NOWHERE, "--out", "{tmp}/out"], [f"--model {NOWHERE}: no config.json"]),
-    ("evaluate.py", ["--model", NOWHERE], [f"--model {NOWHERE}: no config.json"]),
-    ("bench.py", ["--quick", "--device", "cpu"], ["--quick is the GPU preset"]),
+    ("-m research.evaluate", ["--model", NOWHERE], [f"--model {NOWHERE}: no config.json"]),
+    ("-m research.bench", ["--quick", "--device", "cpu"], ["--quick is the GPU preset"]),
     ("weights/prepare.py", ["--out", "{tmp}/a-file"], ["a-file is a file"]),
 ], ids=["generate", "train", "evaluate", "bench", "prepare"])
 def test_script_error_is_one_line_on_stderr_with_status_1(script, argv, needles, tmp_path, tiny_model):
     (tmp_path / "a-file").write_text("not a folder")
     argv = [a.format(tmp=tmp_path, model=tiny_model) for a in argv]
-    r = subprocess.run([sys.executable, script, *argv], cwd=ROOT, capture_output=True, timeout=300,
+    r = subprocess.run([sys.executable, *script.split(), *argv], cwd=ROOT, capture_output=True, timeout=300,
                        env={**os.environ, "PIP_NO_INDEX": "1"})  # prepare.py: never the network
     err = r.stderr.decode("utf-8", "replace")
     assert r.returncode == 1, err
@@ -339,7 +339,7 @@ def test_stats_lines(prompt, tiny_model, capsys):
     (["--json", "{tmp}/d.json"], "d.json is a folder"),
     (["--json", "{tmp}/rows.txt"], "must end in .json"),
     (["--methods", "snapkv,oracle"], "--methods oracle"),
-    (["--methods", "full", "--pool"], "unrecognized arguments: --pool (python bench.py --help)"),  # argparse's own
+    (["--methods", "full", "--pool"], "unrecognized arguments: --pool (python -m research.bench --help)"),  # argparse's own
     (["--mode", "decode-cost", "--lengths", "6", "--window", "4"], "decode budget 6 leaves no room"),
     (["--mode", "decode-cost", "--methods", "laq"], "--methods laq: not a row of --mode decode-cost"),
     (["--random-init", "{tmp}"], "--random-init"),
@@ -456,8 +456,8 @@ def test_chat_on_stdin_runs(chat_model, monkeypatch, capsys):
 @pytest.mark.parametrize("script, argv, needle", [
     ("generate", ["--budget", "1.5"], "argument --budget: invalid int value: '1.5' (python generate.py --help)"),
     ("train", ["--epochs", "x"], "argument --epochs: invalid float value: 'x' (python train.py --help)"),
-    ("bench", ["--nope"], "unrecognized arguments: --nope (python bench.py --help)"),
-    ("evaluate", ["--budgets"], "argument --budgets: expected one argument (python evaluate.py --help)"),
+    ("bench", ["--nope"], "unrecognized arguments: --nope (python -m research.bench --help)"),
+    ("evaluate", ["--budgets"], "argument --budgets: expected one argument (python -m research.evaluate --help)"),
 ])
 def test_argparse_errors_are_one_line_too(script, argv, needle, no_loading):
     """A flag argparse itself refuses ends like any other bad input: one `error:` line, exit 1, no usage block."""
@@ -511,7 +511,7 @@ def test_a_shared_folder_lock_waits_for_its_holder_and_is_released_alone(tmp_pat
     """lock.claim_folder(wait=...): weights/prepare.py's download cache, shared by every prepared folder, is
     waited for (said once) while another live process holds it, refused once the wait is over, and
     release_folder frees that one lock, not the others this process holds."""
-    import lock
+    from support import lock
 
     cache, out = tmp_path / "cache", tmp_path / "out"
     cache.mkdir()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import data
+from support import data
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "weights" / "SmolLM2-135M-Instruct" / "tokenizer.json"
 

@@ -534,7 +534,8 @@ def test_the_rest_runs_without_this_extension(tmp_path):
     code = f"""
 import sys, torch
 sys.modules["extensions.decode"] = None  # import extensions.decode now raises ImportError
-import eviction, harness, methods, model, train
+from research import harness
+import eviction, methods, model, train
 from lookaheadkv import LookaheadModule
 torch.manual_seed(0)
 cfg = model.ModelConfig(**{TINY!r})
@@ -562,7 +563,7 @@ def test_the_rest_runs_without_the_chat(chat_model, tmp_path, monkeypatch):
     import generate
 
     root = Path(__file__).resolve().parents[1]
-    files = [*root.glob("*.py"), *root.glob("extensions/*.py"), *root.glob("examples/*.py"), *root.glob("weights/*.py")]
+    files = [*root.glob("*.py"), *root.glob("extensions/*.py"), *root.glob("support/*.py"), *root.glob("research/**/*.py"), *root.glob("weights/*.py")]
     naming = {p.name for p in files if p.name != "chat.py" and ("extensions.chat" in p.read_text()
                                                                    or "extensions import chat" in p.read_text())}
     assert naming == {"generate.py"}, naming

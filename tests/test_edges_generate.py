@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-import cli
+from support import cli
 import generate as generate_py
 import methods
 import model

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-import cli
+from support import cli
 import model
 from model import POSITION_LIMIT, ModelConfig, implied_shapes, load_model
 

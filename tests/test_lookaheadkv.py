@@ -19,7 +19,7 @@ import baselines
 import eviction as ev
 import lookaheadkv as lk
 import methods
-import metrics
+from support import metrics
 from baselines import H2OHook
 from eviction import EvictConfig, Pool, WindowHook, compress, decode, select, stack_layers
 from lookaheadkv import LookaheadHook, LookaheadModule

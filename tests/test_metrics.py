@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import metrics
+from support import metrics
 from eviction import EvictConfig, compress, keep_slots
 from extensions.layer_budgets import swap_gains
 from methods import make_scorer

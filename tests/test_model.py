@@ -1012,7 +1012,7 @@ def test_broken_tokenizer_files_name_the_file(tmp_path, damage):
 def test_cli_load_reads_the_tokenizer_before_the_weights(ckpt):
     """Both tokenizer.json and the weights broken: the tokenizer's error comes first, before the
     (possibly long) weight load."""
-    import cli
+    from support import cli
 
     make_tokenizer(ckpt, CHATML_SPECIALS, PLAIN_CHATML_TEMPLATE)
     (ckpt / "tokenizer.json").write_text('{"trunc')

@@ -13,7 +13,7 @@ gguf = pytest.importorskip("gguf")
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import cli
+from support import cli
 import weights.prepare as prep
 from weights.prepare import DEFAULT_DIR, convert_gguf, permute, unpermute
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import cli
-import data
-import harness
+from support import cli
+from support import data
+from research import harness
 import lookaheadkv as lk
 import methods
 import train
@@ -191,10 +191,10 @@ def test_config_file_and_flags(tmp_path):
     assert (cfg.n_train, cfg.lr, cfg.epochs, cfg.rule, cfg.resume) == (10, 0.25, 2, "max:7", True)  # the flag wins
     assert cfg.batch == train.TrainConfig.batch  # neither: the default
     # the shipped recipes are valid and say what their docstring says
-    cpu = train.get_args(["--config", str(REPO / "configs" / "train-cpu.json")])
+    cpu = train.get_args(["--config", str(REPO / "research" / "configs" / "train-cpu.json")])
     assert (cpu.n_train, cpu.n_heldout, cpu.max_new_tokens, cpu.long_frac, cpu.gen_batch, cpu.epochs,
             cpu.eval_every, cpu.save_every) == (1000, 64, 128, 0.05, 16, 2, 25, 5)
-    gpu = train.get_args(["--config", str(REPO / "configs" / "train-gpu.json")])
+    gpu = train.get_args(["--config", str(REPO / "research" / "configs" / "train-gpu.json")])
     assert (gpu.n_train, gpu.n_heldout, gpu.max_tokens, gpu.max_new_tokens, gpu.gen_batch, gpu.micro_batch,
             gpu.epochs, gpu.store_dtype) == (8000, 128, 4096, 256, 64, 32, 2, "none")
     # a bad file: one line naming the file and the key
@@ -395,7 +395,7 @@ def test_checkpoint_corrupt_or_of_other_settings(model_dir, tmp_path, monkeypatc
 
 
 def cli_load_guard():
-    import cli
+    from support import cli
 
     return cli
 
@@ -903,7 +903,8 @@ WRAPPER = """
 import os, sys
 sys.path.insert(0, os.environ["LKV_REPO"])
 import torch
-import data, train
+from support import data
+import train
 sys.path.insert(0, os.environ["LKV_TESTS"])
 from test_train import fake_prompts
 data.make_training_prompts = fake_prompts

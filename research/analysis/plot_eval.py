@@ -2,7 +2,7 @@
 Draw one recall / answer-KL / accuracy plot from several evaluate.py runs over the same prompts,
 e.g. the baselines of one run next to the lookahead rows of a run with another selection rule:
 
-    python examples/plot_eval.py --out examples/eval-plot.png \
+    python research/analysis/plot_eval.py --out research/figures/eval-plot.png \
         "runs/eval2k:full,snapkv,pyramidkv,h2o,laq,streaming,oracle,lookahead=lookahead unpooled" \
         "runs/eval2k-avg:lookahead=lookahead (avg:5),lookahead-untrained=untrained (avg:5)"
 
@@ -17,8 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from harness import plot_results, results_table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from research.harness import plot_results, results_table  # noqa: E402
 
 TABLES = {"answer_kl": ("answer KL: mean KL(FullKV || method) along FullKV's answer, nats", "{:.4f}"),
           "recall": ("recall@C against the true future attention", "{:.3f}"),

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import lock
+from support import lock
 from model import ModelConfig, Tokenizer, load_model
 
 # -----------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def load(model_dir=None, device="cpu", dtype=None, tokenizer=True):
 
 def default_adapter_path(cfg):
     """The adapter shipped for a model: weights/<model folder name>.lookahead.safetensors."""
-    return Path(__file__).resolve().parent / "weights" / f"{cfg.name}.lookahead.safetensors"
+    return Path(__file__).resolve().parents[1] / "weights" / f"{cfg.name}.lookahead.safetensors"
 
 
 # -----------------------------------------------------------------------------

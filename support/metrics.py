@@ -86,6 +86,6 @@ class Stopwatch:
 
 def keep_fraction(kept, S):
     """(S,) per prompt token of batch row 0, the share of (layer, KV head) pairs that kept it
-    (generate.py --show and examples/plot_kept.py draw it). kept: per layer (B, H_kv, C_l)."""
+    (generate.py --show and research/analysis/plot_kept.py draw it). kept: per layer (B, H_kv, C_l)."""
     slots = torch.cat([k[0].flatten() for k in kept])  # row 0's kept slots, every layer and KV head
     return (torch.bincount(slots, minlength=S) / (len(kept) * kept[0].shape[1])).cpu()

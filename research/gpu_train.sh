@@ -3,7 +3,7 @@
 # out), one epoch of training on it, and the adapter, its .json and the logs back through $OUT. It stops itself
 # in time: the data stage gets a fixed window, and train.py's --max-minutes ends training early if it must. So an
 # adapter is always saved before DEADLINE (540 s), trained on whatever data was made by then.
-#   TINY=1 bash gpu_train.sh   the same steps on this CPU with a handful of prompts (2 workers x 6 prompts + 2
+#   TINY=1 bash research/gpu_train.sh   the same steps on this CPU with a handful of prompts (2 workers x 6 prompts + 2
 #                              held out, 600-token prompts, 16-token answers, --device cpu), the prepared
 #                              weights/SmolLM2-135M-Instruct, into a fresh /tmp/gpu_train_out.* unless OUT is set
 #
@@ -22,7 +22,7 @@
 #   call 1:  run(command="mkdir -p /root/stash && cp .dev/a/part /root/stash/partA", carry=[".dev/a"],
 #                timeout_s=60)
 #   call 2, at once (a warm machine is given back 30 s after a call returns, and the stash with it):
-#            run(command="bash gpu_train.sh", carry=[".dev/b", ".dev/whl", "data/.cache"], timeout_s=600)
+#            run(command="bash research/gpu_train.sh", carry=[".dev/b", ".dev/whl", "data/.cache"], timeout_s=600)
 #   The machine's start (minutes) + call 1 (seconds) + call 2 (<= ~550 s) fit the 15 minutes if the start takes
 #   under ~4 minutes; there is no time for a second try, and a later call gets a fresh machine without the stash.
 #
@@ -33,12 +33,12 @@
 # prompt ids: id, split, source, task, group, prompt length, the answer's ids), summary.txt (each step's wall
 # time), env.txt, gpu.csv (GPU use and memory every 5 s: whether the data stage is CPU- or GPU-bound), prepare.log.
 #
-# The recipe, configs/train-gpu-20k.json, and why (measured here with /tmp scripts, 2 shared CPU cores):
+# The recipe, research/configs/train-gpu-20k.json, and why (measured here with /tmp scripts, 2 shared CPU cores):
 #   n_train 20160        >= 20,000, and 8 workers x 2,520
-#   n_heldout 64         as configs/train-cpu-5k.json; made by worker 0 only (held-out rows are answered first)
+#   n_heldout 64         as research/configs/train-cpu-5k.json; made by worker 0 only (held-out rows are answered first)
 #   max_tokens 2048, long_frac 0.05 (long_max 4096)  the shipped and 5K recipes' lengths (the 2K suite, 4K
 #                        tests); 600 prompts of this recipe average 1,362 tokens
-#   group 6, first_frac 0.1   as configs/train-cpu-5k.json: one prefill per context of six prompts (on the GPU
+#   group 6, first_frac 0.1   as research/configs/train-cpu-5k.json: one prefill per context of six prompts (on the GPU
 #                        it saves ~5x of the data stage's prefill FLOPs) and the same data mix as that job
 #   max_new_tokens 128   the shipped recipe's answers; RESULTS.md 8.1: a 64-token cut moved the target by about a
 #                        quarter of the shipped adapter's held-out KL, too much to cut blind
@@ -83,7 +83,7 @@
 # the carried wheel (installed into /tmp/site). Nothing is installed from the network. Exit status 0 iff the
 # adapter was saved.
 set -uo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."  # the repository root
 START=$SECONDS
 PY=$(command -v python || command -v python3)
 CONFIG=${CONFIG:-configs/train-gpu-20k.json}

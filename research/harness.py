@@ -25,7 +25,7 @@ from baselines import full_answer
 from eviction import EvictConfig, keep_slots, prefill_and_score, uniform_budgets
 from lookaheadkv import answer_attention, kl_loss, lookahead_pass
 from methods import adapter_selection, make_scorer, parse_rule
-from metrics import answer_kl, forced_logprobs, gap_closed, recall_of_kept
+from support.metrics import answer_kl, forced_logprobs, gap_closed, recall_of_kept
 from model import KVCache
 
 # row -> (method, rule, budgets): None = the method's own (lookahead: its adapter's rule and budgets)
@@ -235,7 +235,7 @@ def tables(table, budgets, n):
 
 # -----------------------------------------------------------------------------
 # evaluate.py's results (one dict per prompt, method and budget): means, tables and plots, shared with
-# examples/plot_eval.py, which merges several runs
+# research/analysis/plot_eval.py, which merges several runs
 
 
 def mean_of(results, metric, method, budget):

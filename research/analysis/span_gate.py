@@ -16,7 +16,7 @@ standard-library files; the last 2K tokens of each, with a question after) and p
   (one dot product per token), fitted by least squares on 2K tokens of each of seven other texts, and
   how often it agrees with the exact surprisal.
 
-    python examples/span_gate.py --first 256,1024 --probe
+    python research/analysis/span_gate.py --first 256,1024 --probe
 """
 
 import argparse
@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import cli  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from support import cli  # noqa: E402
 from eviction import EvictConfig, Pool, prefill_and_score  # noqa: E402
 from extensions.span import SURPRISE_NATS, HiddenStates, SpanRule, shortlist, token_surprisal  # noqa: E402
 from methods import load_adapter, make_scorer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 QUESTION = "\n\nWhat are the most important points of the text above? Quote any numbers or names exactly."
 
 

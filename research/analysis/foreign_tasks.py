@@ -9,8 +9,8 @@ Each prompt is one document cut to about --max-chars at a paragraph end, with a 
 after it (summaries, lists, explanations, questions about conditions). There is no expected
 answer: evaluate.py compares every method with FullKV's own answer (answer KL, fidelity, recall).
 
-    python examples/foreign_tasks.py --out runs/foreign/tasks.jsonl
-    python evaluate.py --tasks runs/foreign/tasks.jsonl --methods snapkv,pyramidkv,h2o,lookahead,lookahead-untrained \
+    python research/analysis/foreign_tasks.py --out runs/foreign/tasks.jsonl
+    python -m research.evaluate --tasks runs/foreign/tasks.jsonl --methods snapkv,pyramidkv,h2o,lookahead,lookahead-untrained \
         --budgets 64,128,256 --max-new-tokens 48 --out runs/foreign
 
 With --facts, other documents of the same two kinds each get one planted fact instead (a five-digit
@@ -18,8 +18,8 @@ code, a seven-digit number or a made-up full name, drawn from a fixed seed, at a
 each) and a question about it at the end: an exact answer that survives eviction only if every one
 of its tokens does. evaluate.py scores these by string match (accuracy), as the 2K suite:
 
-    python examples/foreign_tasks.py --facts --out runs/facts/tasks.jsonl
-    python evaluate.py --tasks runs/facts/tasks.jsonl --budgets 64,128,256 --max-new-tokens 24 --out runs/facts
+    python research/analysis/foreign_tasks.py --facts --out runs/facts/tasks.jsonl
+    python -m research.evaluate --tasks runs/facts/tasks.jsonl --budgets 64,128,256 --max-new-tokens 24 --out runs/facts
 """
 
 import argparse

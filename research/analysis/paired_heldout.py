@@ -3,7 +3,7 @@ Two adapters of one held-out run, prompt by prompt: is the difference between th
 tell apart? It reads what `evaluate.py --heldout ... --answer-kl --out DIR` kept (DIR/heldout.json and
 DIR/heldout-prompts.jsonl, each prompt's values per module); it runs no model:
 
-    python examples/paired_heldout.py --heldout runs/curve/heldout --a runs/curve/n2500-lw.safetensors \
+    python research/analysis/paired_heldout.py --heldout runs/curve/heldout --a runs/curve/n2500-lw.safetensors \
         --b runs/curve/n5040-lw.safetensors
 
 Per budget C: each adapter's mean answer KL and the share of the SnapKV-to-oracle gap it closes (that run's
@@ -21,8 +21,8 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from metrics import gap_closed  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from support.metrics import gap_closed  # noqa: E402
 
 DRAWS, SEED = 10_000, 0
 

@@ -14,7 +14,7 @@ on the real model, the fastest of several calls (a piece's work is fixed; noise 
 The norms, RoPE and SiLU of the M rows are left out (M / S of a few % of the prefill). The sum is a
 floor for what bench.py's overhead rows measure, with no noise in it.
 
-    python examples/overhead_parts.py --lengths 2048,4096
+    python research/analysis/overhead_parts.py --lengths 2048,4096
 """
 
 import argparse
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import bench  # noqa: E402
-import cli  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from research import bench  # noqa: E402
+from support import cli  # noqa: E402
 from eviction import EvictConfig, Pool, prefill_and_score, uniform_budgets  # noqa: E402
 from lookaheadkv import LookaheadHook  # noqa: E402
 from methods import load_adapter, make_scorer  # noqa: E402

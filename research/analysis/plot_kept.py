@@ -1,6 +1,6 @@
 """Which prompt tokens each KV-eviction method keeps: one heat strip per method.
 
-    python examples/plot_kept.py --prompt examples/needle.txt --budget 128 --out examples/kept.png
+    python research/analysis/plot_kept.py --prompt examples/needle.txt --budget 128 --out research/figures/kept.png
 
 Runs FullKV once (its greedy answer is the future the oracle sees and recall is measured against),
 then every method at budget C. Prints the FullKV answer, then per method: recall@C (the share of
@@ -14,16 +14,16 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 import matplotlib
 import torch
 
-import cli
+from support import cli
 from eviction import EvictConfig, compress, greedy
 from lookaheadkv import answer_attention, untrained_module
 from methods import load_adapter, make_scorer, selecting_like
-from metrics import keep_fraction, recall_of_kept
+from support.metrics import keep_fraction, recall_of_kept
 
 ALL = "streaming,random,snapkv,pyramidkv,h2o,laq,oracle,lookahead,lookahead-untrained"
 
@@ -39,7 +39,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", default="examples/needle.txt", help="a text file with one planted 'magic number'")
     p.add_argument("--budget", type=int, default=128, help="C: KV slots kept per (layer, KV head)")
-    p.add_argument("--out", default="examples/kept.png")
+    p.add_argument("--out", default="research/figures/kept.png")
     p.add_argument("--max-new-tokens", type=int, default=64, help="length of the FullKV answer (the future)")
     p.add_argument("--methods", default=ALL, help=f"comma-separated, from {ALL}")
     args = p.parse_args()

@@ -6,12 +6,12 @@ true future attention the kept slots hold (recall@C), and what scoring costs.
 The README's run: 24 RULER-style prompts at 2K tokens (6 tasks x 4), every method, C = 64..512
 (--threads 1 when other jobs share the CPU: a multi-threaded torch waits for busy cores at every op):
 
-    python evaluate.py --untrained --threads 1 --plot runs/eval/plot.png
+    python -m research.evaluate --untrained --threads 1 --plot runs/eval/plot.png
 
-    python evaluate.py --tasks my.jsonl --methods snapkv,lookahead --budgets 128   # your own prompts
-    python evaluate.py --limit 3 ...        # the first 3 prompts only, for a quick look
-    python evaluate.py --methods lookahead,lookahead-untrained --uniform-budgets --out runs/eval-uniform
-    python evaluate.py --methods snapkv,lookahead --pool max:7 --out runs/eval-max7   # another selection rule
+    python -m research.evaluate --tasks my.jsonl --methods snapkv,lookahead --budgets 128   # your own prompts
+    python -m research.evaluate --limit 3 ...        # the first 3 prompts only, for a quick look
+    python -m research.evaluate --methods lookahead,lookahead-untrained --uniform-budgets --out runs/eval-uniform
+    python -m research.evaluate --methods snapkv,lookahead --pool max:7 --out runs/eval-max7   # another selection rule
 
 Tasks: --tasks (JSON lines {"id", "task", "prompt", "answers": [...]}; "id" a string or a whole
 number; empty answers: no accuracy, the other metrics still) or data.make_eval_suite (RULER-style,
@@ -30,7 +30,7 @@ runs/ruler8k); "lookahead" is the shipped adapter as it selects (its rule and pe
 "lookahead-paper" the same adapter in the paper's form (its mean scores max-pooled, width 7, as
 KVCache-Factory pools (the paper states no kernel), then the top C in every layer):
 
-    python evaluate.py --suite ruler --lengths 4096 --per-task 5 --budgets 64,128,256,512 --threads 2 \
+    python -m research.evaluate --suite ruler --lengths 4096 --per-task 5 --budgets 64,128,256,512 --threads 2 \
         --methods full,streaming,snapkv,pyramidkv,h2o,laq,oracle,lookahead,lookahead-paper \
         --out runs/ruler4k --plot runs/ruler4k/plot.png
 
@@ -78,11 +78,11 @@ The held-out check (the adapters against the untrained module on the held-out ro
 run, OUT/data.jsonl): recall@C per method and, with --answer-kl, the answer KL and the share of the
 SnapKV-to-oracle gap each closes (harness.py; the ground truth is kept in OUT/heldout):
 
-    python evaluate.py --heldout runs/cpu --adapters weights/SmolLM2-135M-Instruct.lookahead.safetensors \
+    python -m research.evaluate --heldout runs/cpu --adapters weights/SmolLM2-135M-Instruct.lookahead.safetensors \
         --budgets 64,128,256 --answer-kl
 
 With --out FOLDER it also keeps every number in FOLDER/heldout.json (and the tables in heldout.md), for a
-script that gathers several runs (examples/learning_curve.py); an existing heldout.json is never overwritten.
+script that gathers several runs (research/analysis/learning_curve.py); an existing heldout.json is never overwritten.
 Each prompt's values go into FOLDER/heldout-prompts.jsonl as they are measured, so the same command, run
 again after an interruption, measures only the prompts left (and one with another adapter added, after the
 last heldout.json is moved away, measures only the new adapter).
@@ -91,9 +91,9 @@ Beyond the paper, two modes hold the cache to C after the prefill too (extension
 each time it holds C + --every slots, every slot is re-scored and the last --window always kept;
 methods full, streaming, snapkv, h2o, lookahead, lookahead-untrained):
 
-    python evaluate.py --mode decode --untrained --threads 2 --lengths 1024,2048 --per-task 1 \
+    python -m research.evaluate --mode decode --untrained --threads 2 --lengths 1024,2048 --per-task 1 \
         --budgets 128,256 --every 32 --max-new-tokens 384 --plot runs/eval-decode/plot.png
-    python evaluate.py --mode conversation --untrained --threads 2 --lengths 1024 --per-task 6 \
+    python -m research.evaluate --mode conversation --untrained --threads 2 --lengths 1024 --per-task 6 \
         --budgets 128,256,512 --every 32 --first-answer-tokens 96 --max-new-tokens 24 \
         --plot runs/eval-conversation/plot.png
 
@@ -125,17 +125,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import cli
-import data
-import harness
-import ruler
+from support import cli
+from support import data
+from research import harness
+from research import ruler
 from baselines import FullKV, Unpooled, answer_from, full_answer
 from eviction import EvictConfig, Prefilled, decode, greedy, keep_slots, prefill_and_score, uniform_budgets
 from extensions.decode import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
-from harness import mean_of, results_table, task_means
+from research.harness import mean_of, results_table, task_means
 from lookaheadkv import answer_attention
 from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selection_of, untrained
-from metrics import Stopwatch, answer_kl, forced_logprobs, gap_closed, recall_of_kept
+from support.metrics import Stopwatch, answer_kl, forced_logprobs, gap_closed, recall_of_kept
 from model import ModelConfig
 
 UNTRAINED = "lookahead-untrained"
@@ -750,7 +750,7 @@ def check_heldout_out(out):
 
 def save_heldout(out, args, budgets, paths, table, n):
     """OUT/heldout.json: every number of the held-out tables, per row (the untrained module, then each adapter
-    with its path and its .json), for scripts that gather runs (examples/learning_curve.py); OUT/heldout.md: the
+    with its path and its .json), for scripts that gather runs (research/analysis/learning_curve.py); OUT/heldout.md: the
     tables as printed."""
     rows = [dict(label=label, adapter=None if i == 0 else str(paths[i - 1]), info=m.info, metrics=r)
             for i, (label, m, r) in enumerate(table)]
@@ -846,7 +846,7 @@ def run_heldout(args, budgets, paths):
 
 
 def get_args(argv=None):
-    p = cli.Parser("evaluate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser("-m research.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--mode", default="prefill", choices=list(MODE_METRICS),
       help="prefill: evict once after the prompt (the paper); decode: long answers with the cache held to C "
@@ -1294,7 +1294,7 @@ def write_reports(args, out, results, methods, budgets, selected=None):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     # results.json keeps every finished prompt (the held-out ground truth every finished row): the same command resumes
-    return cli.run(lambda: evaluate(get_args(argv)), resume=shlex.join(["python", "evaluate.py", *argv]))
+    return cli.run(lambda: evaluate(get_args(argv)), resume=shlex.join(["python", "-m", "research.evaluate", *argv]))
 
 
 def evaluate(args):

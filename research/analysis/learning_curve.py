@@ -3,14 +3,14 @@ The learning curve (issue 36): adapters trained by one recipe on more and more p
 one table and one plot of each measure against the prompts the adapter saw. It reads what evaluate.py
 kept; it runs no model:
 
-    python evaluate.py --heldout runs/heldout5k --adapters runs/curve/n300-lw.safetensors,... \
+    python -m research.evaluate --heldout runs/heldout5k --adapters runs/curve/n300-lw.safetensors,... \
         --budgets 64,128,256 --answer-kl --out runs/curve/heldout
-    python evaluate.py --tasks runs/foreign/tasks.jsonl --adapters runs/curve/n300-lw.safetensors,... \
+    python -m research.evaluate --tasks runs/foreign/tasks.jsonl --adapters runs/curve/n300-lw.safetensors,... \
         --methods snapkv,oracle,lookahead --budgets 64,128,256 --max-new-tokens 48 --out runs/curve/foreign
-    python evaluate.py --suite ruler --lengths 4096 --per-task 5 --adapters runs/curve/n300-lw.safetensors,... \
+    python -m research.evaluate --suite ruler --lengths 4096 --per-task 5 --adapters runs/curve/n300-lw.safetensors,... \
         --methods full,snapkv,lookahead --budgets 128 --out runs/curve/ruler4k
-    python examples/learning_curve.py --heldout runs/curve/heldout --foreign runs/curve/foreign \
-        --ruler runs/curve/ruler4k --out examples/learning-curve.png
+    python research/analysis/learning_curve.py --heldout runs/curve/heldout --foreign runs/curve/foreign \
+        --ruler runs/curve/ruler4k --out research/figures/learning-curve.png
 
 Each adapter is a row: the prompts it trained on (its .json's train_data.n_train), the held-out answer KL at
 each budget with the share of the SnapKV-to-oracle gap closed, recall@C at the middle budget, and at C = 128
@@ -23,9 +23,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from harness import mean_of, task_means  # noqa: E402
-from metrics import gap_closed  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from research.harness import mean_of, task_means  # noqa: E402
+from support.metrics import gap_closed  # noqa: E402
 
 ADAPTER_ROW = "lookahead@"  # evaluate.py's row of one adapter among several: lookahead@<file stem>
 

@@ -2,12 +2,12 @@
 Speed of LookaheadKV and the baselines, printed as RATIOS: medians over --repeats rounds after
 one warm-up round (CUDA: torch.cuda.Event; CPU: wall time, or --clock cpu). Five modes:
 
-    python bench.py --mode overhead --lengths 1024,2048 --budget 128  # eviction cost / prefill
-    python bench.py --mode decode --methods snapkv,lookahead  # decode tok/s, evicted vs full cache
-    python bench.py --mode prefill-vs-hf               # our prefill / transformers' (SDPA)
-    python bench.py --mode train-cost                  # training: M-row pass vs whole sequence
-    python bench.py --mode decode-cost --lengths 128,512 --every 32   # beyond the paper: below
-    python bench.py --quick --json out/bench.json      # the H200 preset, about 2-3 minutes
+    python -m research.bench --mode overhead --lengths 1024,2048 --budget 128  # eviction cost / prefill
+    python -m research.bench --mode decode --methods snapkv,lookahead  # decode tok/s, evicted vs full cache
+    python -m research.bench --mode prefill-vs-hf               # our prefill / transformers' (SDPA)
+    python -m research.bench --mode train-cost                  # training: M-row pass vs whole sequence
+    python -m research.bench --mode decode-cost --lengths 128,512 --every 32   # beyond the paper: below
+    python -m research.bench --quick --json out/bench.json      # the H200 preset, about 2-3 minutes
 
 overhead: each row is one method's compress() (prefill, scoring, eviction) on a prompt of the standard
 library's source (text_ids; random ids with --random-init) at each prompt length, and
@@ -28,7 +28,7 @@ Rows (--methods): full, snapkv, h2o, laq, and
 an untrained module of the same shapes (timing does not depend on training) selecting by the shipped
 adapter's rule. The run's first lines say which adapter, rule and budgets the lookahead rows use.
 
-Without --model it loads weights/SmolLM2-135M-Instruct; --random-init configs/llama-3.1-8b.json
+Without --model it loads weights/SmolLM2-135M-Instruct; --random-init research/configs/llama-3.1-8b.json
 builds that shape with random weights (bf16 on CUDA): timing needs no trained weights. --quick
 (CUDA only): overhead, repeats 5, Llama-3.1-8B shape at 8K and 32K, Qwen3-8B at 8K; h2o skipped
 above 16K (it scores with every prompt query: S x S work in row chunks). Rows print as they are
@@ -37,7 +37,7 @@ kept, each row saying its torch); --markdown prints markdown.
 On a shared CPU, --threads 1 --clock cpu counts only this process's CPU time. On CPU, freed memory is kept
 for reuse (keep_freed_memory), so no round pays page faults an earlier one already paid.
 RESULTS.md gives each measured table with the command that made it; the issue 27 row:
-    python bench.py --mode overhead --lengths 2048 --budget 128 --threads 1 --clock cpu --repeats 5
+    python -m research.bench --mode overhead --lengths 2048 --budget 128 --threads 1 --clock cpu --repeats 5
 
 decode: greedy steps per second on the evicted cache of each --methods row (default snapkv) against
 the full cache, at batch sizes --batches.
@@ -49,7 +49,7 @@ C_d each time it holds C_d + every slots, so its forwards see C_d + 1 .. C_d + e
 "plain" is decode() without eviction over one such period (every tokens from C_d slots): the same cache
 sizes, no scoring. overhead per token = method's ms per token - plain's; per eviction = that x every.
 The lookahead refresh is one M-row forward per eviction (lookahead_pass). On the GPU with the 8B shapes:
-    python bench.py --mode decode-cost --random-init configs/llama-3.1-8b.json --lengths 512,4096
+    python -m research.bench --mode decode-cost --random-init research/configs/llama-3.1-8b.json --lengths 512,4096
 
 Every flag is checked, and every row's scorer made, before a model loads: a bad one is one `error:` line. So
 are --lengths, with what each mode appends after them (lookahead rows, decode steps), against the model's
@@ -68,7 +68,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import cli
+from support import cli
 from eviction import EvictConfig, Pool, compress, decode, uniform_budgets
 from extensions.decode import DECODE_METHODS, DecodeEviction
 from extensions.span import SpanRule
@@ -77,7 +77,7 @@ import methods
 from methods import METHODS, load_adapter, make_scorer, parse_rule
 from model import ModelConfig, Tokenizer, Transformer, default_dtype
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
 KEPT_MEMORY = False  # keep_freed_memory() took: set when run as a script
 # row name -> EvictConfig fields; any other name in methods.METHODS runs as itself
 VARIANTS = {
@@ -97,7 +97,7 @@ DEFAULT_METHODS = {"overhead": OVERHEAD_ROWS, "decode": "snapkv", "decode-cost":
 DEFAULT_LENGTHS = {"overhead": ([1024, 2048], [8192, 32768]), "decode": ([1024], [8192]),  # (CPU, CUDA)
                    "prefill-vs-hf": ([1024, 2048], [1024, 2048]), "train-cost": ([1024], [1024]),
                    "decode-cost": ([128, 512], [512, 4096])}  # decode-cost: the decode budgets C_d
-CONFIGS = ROOT / "configs"
+CONFIGS = ROOT / "research" / "configs"
 QUICK = [(CONFIGS / "llama-3.1-8b.json", [8192, 32768]), (CONFIGS / "qwen3-8b.json", [8192])]
 QUICK_ROWS = ["full", "full-1chunk", "snapkv", "h2o", "laq", "lookahead", "lookahead-unpooled", "lookahead-2pass"]
 # the shipped adapter's .json: its rule is what an untrained module (a model without an adapter) selects by
@@ -519,7 +519,7 @@ def run_train_cost(model, module, scorers, args, lengths, emit):
 
 
 def get_args(argv=None):
-    p = cli.Parser("bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser("-m research.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--mode", default="overhead", choices=list(DEFAULT_LENGTHS))
     a("--model", default=None, help="HF folder (default: weights/SmolLM2-135M-Instruct, prepared if missing)")
@@ -560,7 +560,7 @@ def check_args(args):
     cuda = torch.device(args.device).type == "cuda"
     if args.quick and not cuda:
         raise ValueError("--quick is the GPU preset (8B shapes at 8K-32K); on CPU run e.g. "
-                         "python bench.py --mode overhead --lengths 1024,2048")
+                         "python -m research.bench --mode overhead --lengths 1024,2048")
     for flag, value, lo in [("--budget", args.budget, 1), ("--chunk-size", args.chunk_size, 1),
                             ("--repeats", args.repeats, 1), ("--every", args.every, 1), ("--window", args.window, 0),
                             ("--threads", args.threads, 1)]:

@@ -4,7 +4,7 @@ row of a data-stage run (OUT/data.jsonl and its sample files), the target of the
 against the stored target of the whole answer, KL(whole || first N) per (layer, query head) as
 lookaheadkv.kl_loss computes it, for rows whose answer is longer than N (shorter ones are the same).
 
-    python examples/answer_length.py --out runs/cost-g6 --tokens 32,64,96
+    python research/analysis/answer_length.py --out runs/cost-g6 --tokens 32,64,96
 
 Prints, per N, the mean and quartiles of that KL over the rows, and for scale the KL of the whole answer's
 target against a uniform guess over the prompt (the trained adapter's held-out loss is in train.py's log).
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import cli  # noqa: E402
-import data  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from support import cli  # noqa: E402
+from support import data  # noqa: E402
 from lookaheadkv import answer_attention, kl_loss  # noqa: E402
 
 

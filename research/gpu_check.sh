@@ -12,7 +12,7 @@
 # weights/.cache/SmolLM2-135M-Instruct.Q4_1.gguf (98 MB; its sha256 is checked) and data/.cache/*.whl
 # along, and the gguf package: section 2 converts the GGUF first (python weights/prepare.py).
 set -uo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."  # the repository root
 OUT=${OUT:-out/gpu_check}
 WORK=${WORK:-/tmp/gpu20}
 mkdir -p "$OUT"
@@ -60,7 +60,7 @@ assert math.isfinite(last["kl"]) and last["kl"] < first["kl"], "training did not
 EOF
 
 # 3. the GPU benchmark preset (bench.py's docstring: about 2-3 minutes on an H200)
-section bench 210 python bench.py --quick --json "$OUT/bench.json"
+section bench 210 python -m research.bench --quick --json "$OUT/bench.json"
 
 echo "done: $OUT/summary.txt" && cat "$OUT/summary.txt"
 exit $status

