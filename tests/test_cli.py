@@ -491,7 +491,7 @@ def test_one_writer_per_output_folder(tmp_path):
     cli.claim_folder("--out", out)  # the holder is dead: its lock is stale, and replaced
     assert (out / ".lock").read_text() == str(os.getpid())
     cli.claim_folder("--out", out)  # this process again: fine
-    code = f"import cli; cli.claim_folder('--out', {str(out)!r}); print('held')"
+    code = f"from support import cli; cli.claim_folder('--out', {str(out)!r}); print('held')"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 1 and "another run" in r.stderr  # a second live process is refused
     cli.release_folders()  # what run() does when a script's work ends
