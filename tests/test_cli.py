@@ -24,6 +24,7 @@ from support import data
 from research import evaluate
 import generate as generate_py
 import model
+from support import tokenizer
 import train
 from extensions import chat
 from weights import prepare
@@ -370,15 +371,15 @@ def test_library_functions_raise_not_exit(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         model.load_model(tmp_path / "nothing")
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
-        model.Tokenizer(tmp_path)
+        tokenizer.Tokenizer(tmp_path)
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\nnot json\n')
     with pytest.raises(ValueError, match="bad.jsonl line 2: not valid JSON") as e:
         data.read_jsonl(tmp_path / "bad.jsonl")
     assert not str(e.value).startswith("error:")  # the script adds it
     with pytest.raises(ValueError, match=r"^here is not UTF-8 text \(byte 0xfe at offset 1\)"):
-        model.decode_utf8(b"a\xfe", "here")
-    assert model.decode_utf8("\ufeffé".encode(), "x") == "é"  # a BOM dropped
-    assert data.decode_utf8 is model.decode_utf8  # data files are read as the prompts are
+        tokenizer.decode_utf8(b"a\xfe", "here")
+    assert tokenizer.decode_utf8("\ufeffé".encode(), "x") == "é"  # a BOM dropped
+    assert data.decode_utf8 is tokenizer.decode_utf8  # data files are read as the prompts are
     assert cli.resolve_model(tmp_path) == tmp_path  # a given folder as it is: nothing prepared
 
 
@@ -470,7 +471,7 @@ def test_a_prompt_file_too_big_for_the_context_is_refused_by_its_size(tiny_model
     or tokenized (a 200 MB prompt once took all the memory in the tokenizer)."""
     big = tmp_path / "big.txt"
     big.write_text("what is two ? " * 400)  # 5.6 KB
-    monkeypatch.setattr(model.Tokenizer, "encode", lambda *a: pytest.fail("the prompt was tokenized"))
+    monkeypatch.setattr(tokenizer.Tokenizer, "encode", lambda *a: pytest.fail("the prompt was tokenized"))
     one_line(error_of(generate_py.main, "--prompt", big, "--model", tiny_model, "--method", "full"),
              f"the prompt (prompt file {big}) is over 4 KB", "shorten it")
 

@@ -12,7 +12,7 @@ TOKENIZER = Path(__file__).resolve().parents[1] / "weights" / "SmolLM2-135M-Inst
 
 
 class WordTokenizer:
-    """Stand-in for model.Tokenizer: words, punctuation marks and runs of spaces are tokens
+    """Stand-in for tokenizer.Tokenizer: words, punctuation marks and runs of spaces are tokens
     (about as many as a BPE tokenizer makes), and decode(encode(t)) == t exactly."""
 
     def __init__(self):

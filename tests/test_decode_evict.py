@@ -26,7 +26,8 @@ from eviction import EvictConfig, decode, stack_layers
 from extensions.decode import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting, form_of
 from extensions.span import SpanRule
 from methods import METHODS, make_scorer
-from model import Hook, ModelConfig, Tokenizer, Transformer, attention_mask, load_model
+from model import Hook, ModelConfig, Transformer, attention_mask, load_model
+from support.tokenizer import Tokenizer
 from test_lookaheadkv import compress_by, method_kwargs, rand_ids, random_module, tiny_model
 from test_lookaheadkv import _no_grad  # noqa: F401 (autouse)
 

@@ -11,7 +11,7 @@ import torch
 from support import cli
 import generate as generate_py
 import methods
-import model
+from support import tokenizer
 from extensions import chat
 from lookaheadkv import LookaheadModule
 from test_cli import chat_model, error_of, no_loading, one_line, tiny_model  # noqa: F401 (fixtures)
@@ -113,7 +113,7 @@ def test_a_turns_file_too_big_for_the_context_is_refused_by_its_size(tmp_path, c
     """A 50 MB --turns file was tokenized for 68 s before it was refused: now, as a --prompt file, its size says
     it: the turns of one conversation (between two /reset) over 64 x 64 bytes cannot fit 64 tokens."""
     big = turns_file(tmp_path, ["user ? " * 300, "user ? " * 400])  # 2.1 KB, then 4.9 KB (2.8 KB alone)
-    monkeypatch.setattr(model.Tokenizer, "encode", lambda *a: pytest.fail("the turns were tokenized"))
+    monkeypatch.setattr(tokenizer.Tokenizer, "encode", lambda *a: pytest.fail("the turns were tokenized"))
     monkeypatch.setattr(cli, "printable", lambda *a: pytest.fail("every character was read"))
     one_line(gen("--turns", big, "--model", chat_model, "--method", "full"),
              f"turns file {big}: turns 1-2 of one conversation hold over 4 KB", "context of 64 tokens", "/reset")

@@ -14,7 +14,8 @@ import torch
 
 from support import cli
 import model
-from model import POSITION_LIMIT, ModelConfig, implied_shapes, load_model
+from model import ModelConfig, load_model
+from weights.checks import POSITION_LIMIT, implied_shapes
 
 
 @pytest.fixture

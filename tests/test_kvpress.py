@@ -49,7 +49,8 @@ from kvpress.utils import compute_n_kept  # noqa: E402
 from baselines import pyramid_budgets  # noqa: E402
 from eviction import EvictConfig, Pool, prefill_and_score  # noqa: E402
 from methods import make_scorer  # noqa: E402
-from model import Tokenizer, load_model  # noqa: E402
+from model import load_model  # noqa: E402
+from support.tokenizer import Tokenizer  # noqa: E402
 
 # kvpress's hook is driven through past_key_values=, which transformers >= 5.3 still takes (deprecated)
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")

@@ -14,7 +14,8 @@ import pytest
 from conftest import REORDER_ATOL
 import torch
 
-from model import Hook, KVCache, ModelConfig, Tokenizer, attention_mask, load_model, rope_inv_freq
+from model import Hook, KVCache, ModelConfig, attention_mask, load_model, rope_inv_freq
+from support.tokenizer import Tokenizer
 
 ATOL = 1e-4
 V = 128  # vocab of the tiny checkpoints
@@ -1083,7 +1084,7 @@ def test_a_tokenizer_bigger_than_the_vocabulary_is_refused(tmp_path, tiny_hf_mod
 
 
 def test_utf16_with_a_bom_is_read_and_other_bytes_named():
-    from model import decode_utf8
+    from support.tokenizer import decode_utf8
 
     text = "Ärger über 2 + 2?"
     assert decode_utf8(text.encode("utf-16"), "f") == text  # the BOM says which byte order

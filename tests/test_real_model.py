@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import generate
-from model import Tokenizer, load_model
+from model import load_model
+from support.tokenizer import Tokenizer
 
 FOLDER = Path(__file__).resolve().parents[1] / "weights" / "SmolLM2-135M-Instruct"
 ADAPTER = FOLDER.parent / "SmolLM2-135M-Instruct.lookahead.safetensors"  # shipped in the repo

@@ -15,6 +15,380 @@ import torch
 
 # -----------------------------------------------------------------------------
 # --- model checkpoints
+# config.json (ModelConfig.from_hf_config calls check_config) and the *.safetensors files (load_model calls
+# open_checkpoint, check_headers, check_tensor_names, read_tensor, check_shape, check_finite, check_tied_head).
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# The largest size (vocab, hidden, layers, heads, ...) config.json may state: a 32-bit signed index's reach
+# (many CUDA kernels index with int32, the tokenizers library's ids are 32-bit). The largest dimension of any real
+# model, a vocabulary, is ~2**18: past the limit it is a typo such as vocab_size 1e11. Within it, load_model
+# still checks every size against the tensors' shapes before it builds anything.
+SIZE_LIMIT = 2**31 - 1
+# Positions reach RoPE as float32 (as in HF), which holds every whole number only up to 2**24: past it,
+# neighbouring positions get the same rotation, so no context can be longer.
+POSITION_LIMIT = 2**24
+# rms_norm_eps is added to the mean square of activations of order 1 before the rsqrt: real models use
+# 1e-6 .. 1e-5; near 1 it swamps the mean square and every norm's output shrinks towards 0 (issue 53:
+# 1e30 answered nothing, with exit 0). 1e-2 leaves a wide margin above any real value.
+EPS_LIMIT = 1e-2
+
+
+def read_json(file, fix):
+    """A JSON object from `file`; ValueError naming the file and `fix` (what to do) if it is not one."""
+    try:
+        d = json.loads(Path(file).read_bytes())
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
+        raise ValueError(f"{file} is not valid JSON ({short_reason(e)}): {fix}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{file} holds a JSON {type(d).__name__}, not an object: {fix}")
+    return d
+
+
+def short_reason(e):
+    return " ".join(str(e).split())[:200] or type(e).__name__
+
+
+def redo(path):
+    """What to do about a broken file in the model folder `path`."""
+    if (Path(path) / ".prepared").exists():  # made by weights/prepare.py
+        return f"delete the folder {path} and rerun python weights/prepare.py"
+    return "re-download the checkpoint"
+
+
+class ConfigCheck:
+    """Checks typed fields of a config dict; a wrong one is a ValueError naming file, key, value and fix.
+    A key that is absent or null (HF writes null for "not set") passes unless `required`: the reader's
+    default applies."""
+
+    def __init__(self, file, d, prefix=""):
+        self.file, self.d, self.prefix = file, d, prefix
+
+    def fail(self, key, want):
+        value = json.dumps(self.d.get(key))[:60]
+        raise ValueError(f"{self.file}: {self.prefix}{key} is {value}, it must be {want}: fix that key, "
+                         f"or use the config.json that came with these weights")
+
+    def unset(self, key, required):
+        if required and key not in self.d:
+            self.fail(key, "present")
+        return not required and self.d.get(key) is None
+
+    def whole(self, key, required=True, limit=SIZE_LIMIT):
+        """A whole number from 1 to `limit`; JSON's 1e11 or 64.0 is a float, refused (no size is one)."""
+        v = self.d.get(key)
+        if not self.unset(key, required) and not (isinstance(v, int) and not isinstance(v, bool) and 0 < v <= limit):
+            self.fail(key, f"a whole number from 1 to {limit} (digits only, no decimal point or exponent)")
+
+    def positive(self, key, required=True, above=0, at_most=math.inf, why=""):
+        """A finite number > `above` and <= `at_most`; `why` says where the bounds come from."""
+        v = self.d.get(key)
+        if not self.unset(key, required) and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                  and math.isfinite(v) and above < v <= at_most):
+            self.fail(key, f"a finite number > {above}" + (f" and <= {at_most}" if at_most < math.inf else "")
+                      + (f" ({why})" if why else ""))
+
+    def flag(self, key):
+        if not self.unset(key, False) and not isinstance(self.d[key], bool):
+            self.fail(key, "true or false")
+
+
+def check_config(file):
+    """config.json as a dict, every field ModelConfig.from_hf_config reads checked (type and range), in the
+    order it reads them; null values dropped (HF writes null for "not set": the reader's default applies)."""
+    check = ConfigCheck(file, read_json(file, redo(file.parent)))
+    model_type = check_family(check)
+    check_sizes(check)
+    check_rope(check)
+    check_eos(check)
+    if model_type != "mistral":
+        check.flag("use_sliding_window")  # Qwen's switch for its window; Mistral v0.1 always has one
+    if model_type == "mistral" or check.d.get("use_sliding_window"):
+        check.whole("sliding_window", required=False)
+    check.positive("rms_norm_eps", required=False, at_most=EPS_LIMIT,
+                   why="it is added to a mean square of order 1; real models use 1e-6 .. 1e-5")
+    check.whole("max_position_embeddings", required=False, limit=POSITION_LIMIT)
+    check.flag("tie_word_embeddings")
+    check.flag("attention_bias")
+    return {k: v for k, v in check.d.items() if v is not None}
+
+
+def check_family(check):
+    """model_type, and the MLP activation every supported family shares (any other would compute silently wrong)."""
+    model_type = check.d.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} in {check.file} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if check.d.get("hidden_act") not in (None, "silu", "swish"):  # transformers: two names for one function
+        check.fail("hidden_act", "\"silu\", the SwiGLU activation of every family this file implements")
+    return model_type
+
+
+def check_sizes(check):
+    """The dimensions: vocab, hidden, MLP, layers, query heads, key/value heads and the head size."""
+    names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in names if k not in check.d]
+    if missing:
+        raise ValueError(f"{check.file} lacks {', '.join(missing)}: not a complete Hugging Face model config")
+    for k in names:
+        check.whole(k)
+    hidden, heads = check.d["hidden_size"], check.d["num_attention_heads"]
+    check.whole("num_key_value_heads", required=False)
+    if heads % (check.d.get("num_key_value_heads") or heads):
+        check.fail("num_key_value_heads", f"a divisor of num_attention_heads ({heads}; each key/value "
+                   f"head serves a whole group of query heads)")
+    # head_dim if config.json says it (Qwen3, newer Mistral), else hidden // heads; even, as RoPE needs
+    if check.d.get("head_dim") is not None:
+        check.whole("head_dim")
+        if check.d["head_dim"] % 2:
+            check.fail("head_dim", "an even number (RoPE rotates pairs of channels)")
+    elif hidden % heads:
+        check.fail("num_attention_heads", f"a divisor of hidden_size ({hidden}) when config.json has no head_dim")
+    elif hidden // heads % 2:
+        check.fail("num_attention_heads", f"such that hidden_size / num_attention_heads (the head size, "
+                   f"{hidden // heads}) is even (RoPE rotates pairs of channels)")
+
+
+def check_rope(check):
+    """rope_theta and rope_scaling (llama3 only), or transformers >= 4.56's rope_parameters (theta included)."""
+    d = check.d
+    rope_key = "rope_parameters" if d.get("rope_parameters") not in (None, {}) else "rope_scaling"
+    rope = d.get(rope_key)
+    if rope is None:
+        rope = {}
+    elif not isinstance(rope, dict):
+        check.fail(rope_key, "an object such as {\"rope_type\": \"llama3\", \"factor\": 8.0, ...} or null")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} in {check.file} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    rope_check = ConfigCheck(check.file, rope, prefix=rope_key + ".")
+    # theta > 1: RoPE's wavelengths 2 pi theta^(2i / head_dim) must grow along the channels; theta 1 makes them
+    # all equal, below 1 they shrink (real models: 1e4 .. 1e6)
+    why = "RoPE's wavelengths 2 pi theta^(2i / head_dim) grow along the channels only then; real models use 1e4 .. 1e6"
+    if "rope_theta" in rope:
+        rope_check.positive("rope_theta", above=1, why=why)
+    else:
+        check.positive("rope_theta", required=False, above=1, why=why)
+    if rope_type == "llama3":
+        for k in ("factor", "low_freq_factor", "high_freq_factor"):
+            rope_check.positive(k)
+        rope_check.whole("original_max_position_embeddings")
+        if not rope["high_freq_factor"] > rope["low_freq_factor"]:
+            rope_check.fail("high_freq_factor", f"greater than low_freq_factor ({rope['low_freq_factor']})")
+
+
+def check_eos(check):
+    """eos_token_id: one id, a list or null (HF writes each); each one a token the model can produce."""
+    eos = check.d.get("eos_token_id")
+    eos = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos):
+        check.fail("eos_token_id", "a token id (a whole number >= 0), a list of them, or null")
+    vocab_size = check.d["vocab_size"]
+    if any(e >= vocab_size for e in eos):  # the LM head could never produce it: decoding would never stop on it
+        check.fail("eos_token_id", f"below vocab_size ({vocab_size})")
+
+
+def check_folder(path):
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json there; pass a Hugging Face folder (config.json, "
+                                f"*.safetensors, tokenizer.json)")
+
+
+def open_checkpoint(path):
+    """The checkpoint's files opened, [(file name, safe_open)], and tensor name -> file name. Its files are
+    model.safetensors, or the shards model.safetensors.index.json names: each must be there and readable."""
+    from safetensors import safe_open
+
+    fix = redo(path)
+    files, weight_map = weight_files(path, fix)
+    opened = []
+    for fname in files:
+        if not (path / fname).exists():
+            raise FileNotFoundError(f"{path / fname} is missing: {fix}")
+        try:
+            opened.append((fname, safe_open(path / fname, framework="pt", device="cpu")))
+        except Exception as e:
+            raise ValueError(f"{path / fname} is not a readable safetensors file ({short_reason(e)}): {fix}") from None
+    return opened, stored_tensors(path, opened, weight_map, fix)
+
+
+def weight_files(path, fix):
+    """model.safetensors, or the shards model.safetensors.index.json names, with that index's weight_map
+    (tensor name -> file; {} for a single file)."""
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        return ["model.safetensors"], {}
+    weight_map = read_json(index, fix).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"{index} has no \"weight_map\" object (tensor name -> file): {fix}")
+    return sorted(set(weight_map.values())), weight_map
+
+
+def stored_tensors(path, opened, weight_map, fix):
+    """tensor name -> the file that holds it. Refused: a tensor in two files (which one would load?), and
+    shards that disagree with the index about where a tensor is (shards of two downloads, or a stale
+    index: the model would be part one checkpoint, part another)."""
+    stored = {}
+    for fname, f in opened:
+        for name in f.keys():
+            if name in stored:
+                raise ValueError(f"tensor {name} is stored twice, in {path / stored[name]} and {path / fname}: {fix}")
+            stored[name] = fname
+    for name in sorted(set(weight_map) | set(stored)) if weight_map else []:
+        if weight_map.get(name) != stored.get(name):
+            where = f"{stored[name]} holds it" if name in stored else "no file holds it"
+            raise ValueError(f"{path / 'model.safetensors.index.json'} puts tensor {name} in "
+                             f"{weight_map.get(name, 'no file')}, but {where}: the index and the shards come from "
+                             f"different downloads; {fix}")
+    # buffers some HF checkpoints carry and transformers ignores: RoPE's inv_freq is recomputed from config.json
+    return {name: fname for name, fname in stored.items() if not name.endswith("rotary_emb.inv_freq")}
+
+
+def check_headers(path, cfg, opened, stored):
+    """config.json against the tensors' headers (no tensor read), before anything is built: a layer count or a
+    size the weights do not have would build for hours or allocate terabytes before the names are compared."""
+    has = {int(m.group(1)) for n in stored if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    if has and len(has) != cfg.num_hidden_layers:
+        raise ValueError(f"{path / 'config.json'} says num_hidden_layers {cfg.num_hidden_layers} but the checkpoint "
+                         f"has {len(has)} layers: is {path / 'config.json'} from another model? Use the config.json "
+                         f"that came with these weights")
+    # each stored tensor's shape against the shape config.json implies: vocab, hidden, MLP, head and key/value
+    # head sizes all show in them. Names config.json does not imply are left to check_tensor_names
+    shapes = implied_shapes(cfg)
+    for fname, f in opened:
+        for name in f.keys():
+            want = shapes.get(re.sub(r"^model\.layers\.\d+\.", "", name))
+            if want is None:
+                continue
+            try:
+                shape = tuple(f.get_slice(name).get_shape())
+            except Exception as e:
+                raise ValueError(f"{path / fname}: tensor {name} cannot be read ({short_reason(e)}): "
+                                 f"{redo(path)}") from None
+            check_shape(path / fname, name, shape, want, cfg)
+
+
+def implied_shapes(cfg):
+    """The shape config.json implies for each tensor, by name; a layer's names without their
+    "model.layers.<i>." prefix. What model.Transformer(cfg) builds, stated without building it
+    (tests/test_edges_model.py checks the two agree)."""
+    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, H), "lm_head.weight": (cfg.vocab_size, H),
+              "model.norm.weight": (H,), "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+              "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
+              "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
+              "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)}
+    if cfg.attention_bias:
+        shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    if cfg.qk_norm:
+        shapes.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    return shapes
+
+
+def check_shape(file, name, shape, want, cfg):
+    """Tensor `name` of `file` has `shape`; the model wants `want`, as config.json's sizes imply."""
+    if tuple(shape) != tuple(want):
+        raise ValueError(f"{file}: tensor {name} has shape {tuple(shape)}, but {file.parent / 'config.json'} "
+                         f"({shape_fields(name, cfg)}) implies {tuple(want)}: the checkpoint does not match "
+                         f"its config; use the config.json that came with these weights")
+
+
+def shape_fields(name, cfg):
+    """The config.json fields a tensor's shape follows from, e.g. "vocab_size 128, hidden_size 64"."""
+    kv = ("num_key_value_heads", "head_dim", "hidden_size")
+    fields = dict(embed_tokens=("vocab_size", "hidden_size"), lm_head=("vocab_size", "hidden_size"),
+                  q_proj=("num_attention_heads", "head_dim", "hidden_size"), k_proj=kv, v_proj=kv,
+                  o_proj=("hidden_size", "num_attention_heads", "head_dim"), q_norm=("head_dim",),
+                  k_norm=("head_dim",), gate_proj=("intermediate_size", "hidden_size"),
+                  up_proj=("intermediate_size", "hidden_size"), down_proj=("hidden_size", "intermediate_size"))
+    return ", ".join(f"{k} {getattr(cfg, k)}" for k in fields.get(name.split(".")[-2], ("hidden_size",)))
+
+
+def check_tensor_names(path, cfg, stored, params):
+    """Every parameter stored, nothing else stored. A tied checkpoint may hold its head too (check_tied_head)."""
+    names = set(stored) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    missing, unexpected = sorted(set(params) - names), sorted(names - set(params))
+    if missing or unexpected:
+        raise ValueError(mismatch_message(path, cfg, missing, unexpected, stored, redo(path)))
+
+
+def mismatch_message(path, cfg, missing, unexpected, stored, fix):
+    """Why the checkpoint's tensor names differ from those config.json implies. Where another model_type
+    would explain the difference, blame config.json, not the download (another layer count was refused before
+    the model was built: check_headers). A head missing from an untied checkpoint is refused too: its
+    embedding would stand in for a head it was never trained as."""
+    file = path / "config.json"
+    bias = lambda names: [n for n in names if re.search(r"self_attn\.[qkv]_proj\.bias$", n)]
+    qk_norm = lambda names: [n for n in names if re.search(r"self_attn\.[qk]_norm\.weight$", n)]
+    other = f": is {file} from another model? Use the config.json that came with these weights"
+    if bias(missing) and len(bias(missing)) == 3 * cfg.num_hidden_layers:
+        return (f"{file} says model_type {cfg.model_type} with q/k/v biases (attention_bias) but the checkpoint "
+                f"has none{other}")
+    if bias(unexpected):
+        return (f"the checkpoint has q/k/v biases (e.g. {bias(unexpected)[0]}, as in Qwen2) but {file} says "
+                f"model_type {cfg.model_type} without attention_bias{other}")
+    if qk_norm(missing) and len(qk_norm(missing)) == 2 * cfg.num_hidden_layers:
+        return f"{file} says model_type {cfg.model_type} (q/k norms) but the checkpoint has none{other}"
+    if qk_norm(unexpected):
+        return (f"the checkpoint has q/k norms (e.g. {qk_norm(unexpected)[0]}, as in Qwen3) but {file} says "
+                f"model_type {cfg.model_type}{other}")
+    if missing == ["lm_head.weight"]:
+        return (f"{file} says tie_word_embeddings false (a head of its own) but the checkpoint has no lm_head.weight: "
+                f"set it to true if this model's head is its embedding, else {fix}")
+    if unexpected:
+        return (f"unexpected tensor {unexpected[0]} in {stored[unexpected[0]]}"
+                f"{f' (and {len(unexpected) - 1} more)' if len(unexpected) > 1 else ''}: "
+                f"not a {cfg.model_type} checkpoint we support")
+    return f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[0]}: {fix}"
+
+
+def read_tensor(path, fname, f, name):
+    """Tensor `name` of f, the open file `fname` of the model folder `path`; refused unless floating point."""
+    try:
+        t = f.get_tensor(name)
+    except Exception as e:
+        raise ValueError(f"{path / fname}: tensor {name} cannot be read ({short_reason(e)}): {redo(path)}") from None
+    if not t.is_floating_point():  # an int8 or bool tensor cast to float would load as garbage, silently
+        raise ValueError(f"{path / fname}: tensor {name} is stored as {t.dtype}, not a floating type: "
+                         f"a quantised or damaged checkpoint we cannot load; {redo(path)}")
+    return t
+
+
+def check_finite(path, stored, params, sums, dtype):
+    """A NaN or inf in any weight is refused, naming the tensor: in the file (damaged), or made by the cast to
+    dtype. sums: tensor name -> the float32 sum of its copy, not finite if any value is not."""
+    from safetensors import safe_open
+
+    finite = torch.isfinite(torch.stack(list(sums.values()))).tolist()  # one device sync, not one per tensor
+    for name, ok in zip(sums, finite):
+        if ok or torch.isfinite(params[name]).all():  # a sum can overflow on finite values
+            continue
+        what, file = ("NaN" if torch.isnan(params[name]).any() else "inf"), path / stored[name]
+        with safe_open(file, framework="pt", device="cpu") as f:
+            if torch.isfinite(f.get_tensor(name)).all():  # finite in the file: too large for `dtype`
+                raise ValueError(f"tensor {name} in {file} holds values too large for {dtype} ({what} after "
+                                 f"conversion): load the model in float32 or bfloat16")
+        raise ValueError(f"tensor {name} in {file} holds {what}: the file is damaged; {redo(path)}")
+
+
+def check_tied_head(path, stored, embedding):
+    """Some tied checkpoints store the head too: it must be the embedding, or config.json's
+    tie_word_embeddings (true, or absent: true for all but Mistral) contradicts the weights."""
+    from safetensors import safe_open
+
+    if "lm_head.weight" not in stored:
+        return
+    file = path / stored["lm_head.weight"]
+    with safe_open(file, framework="pt", device="cpu") as f:
+        head = f.get_tensor("lm_head.weight")
+    if head.shape != embedding.shape or not torch.equal(head.to(embedding.device, embedding.dtype), embedding):
+        raise ValueError(f"{path / 'config.json'} says tie_word_embeddings true (the head is the embedding), but "
+                         f"{file} holds an lm_head.weight that differs from model.embed_tokens.weight: set "
+                         f"tie_word_embeddings to false in config.json, or {redo(path)}")
+
+
 
 # -----------------------------------------------------------------------------
 # --- adapter files

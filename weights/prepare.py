@@ -191,7 +191,7 @@ def convert_gguf(gguf_path, out_dir):
 def not_whole(out_dir):
     """Why the folder is not a whole prepared model (a short reason), or None if it is. Cheap (ms): the
     safetensors header is read and its size checked against the file's, the small JSON files are parsed,
-    tokenizer.json is checked for truncation (model.Tokenizer reads it in full, naming the fix)."""
+    tokenizer.json is checked for truncation (support.tokenizer.Tokenizer reads it in full, naming the fix)."""
     out_dir = Path(out_dir)
     marker = out_dir / MARKER
     if not marker.is_file() or marker.read_text().strip() != GGUF_SHA256:

@@ -248,7 +248,8 @@ def test_overhead_prompts_are_text_when_there_is_a_tokenizer():
     """The span rule's gate reads the LM-head rows of the prompt's distinct tokens, so the overhead rows time a
     prompt of real text (the standard library's source, the same every run), not random ids, which hold about
     as many distinct tokens as tokens; without a tokenizer (--random-init) random ids."""
-    from model import ModelConfig, Tokenizer
+    from model import ModelConfig
+    from support.tokenizer import Tokenizer
 
     if not (SMOL / "tokenizer.json").exists():
         pytest.skip("run python weights/prepare.py")

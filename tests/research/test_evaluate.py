@@ -26,7 +26,7 @@ from eviction import compress, greedy
 from lookaheadkv import LookaheadModule
 from methods import load_adapter, make_scorer
 from support.metrics import forced_logprobs
-import model as model_module
+from support import tokenizer
 from model import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -908,7 +908,7 @@ def test_conversation_turns_must_be_two_messages(tiny):
 
 
 def test_built_in_long_answer_and_conversation_suites(tiny):
-    from model import Tokenizer
+    from support.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny / "tiny-llama")
     rng = random.Random(2)
@@ -962,7 +962,7 @@ def test_ruler_suite_end_to_end_and_resume(tiny, monkeypatch, capsys):
     method answer in the task's tokens_to_generate, the score is ruler.score with the sample's metric
     (string_match_all), the tables per task print, --plot draws the score against the share of the prompt kept,
     and a rerun finds nothing left to do."""
-    from model import Tokenizer
+    from support.tokenizer import Tokenizer
 
     monkeypatch.setattr(evaluate.ruler, "make_suite", ruler_samples)
     refs, caps, scored = [], [], []
@@ -1065,7 +1065,7 @@ def test_a_task_prompt_past_the_context_is_refused_by_its_bytes(tiny, tmp_path, 
     default model not prepared yet), once it has loaded, still before the tokenizer."""
     tasks = tmp_path / "big.jsonl"
     data.write_jsonl([dict(id="big", task="t", prompt="word " * 8_000, answers=[])], tasks)  # 39 KB > 64 x 512 bytes
-    monkeypatch.setattr(model_module.Tokenizer, "encode", lambda *a: pytest.fail("the prompt was tokenized"))
+    monkeypatch.setattr(tokenizer.Tokenizer, "encode", lambda *a: pytest.fail("the prompt was tokenized"))
     args = argv(tiny, str(tmp_path / "out"), "--tasks", str(tasks), "--methods", "full")
     with monkeypatch.context() as m:
         m.setattr(cli, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
@@ -1081,7 +1081,7 @@ def test_a_conversation_past_the_context_is_refused_by_its_bytes(tiny, tmp_path,
     context: their bytes together are checked, before the model loads and again before the tokenizer."""
     tasks = tmp_path / "conv.jsonl"
     data.write_jsonl([dict(id="c", task="t", turns=["ba be", "word " * 8_000], answers=["ba"])], tasks)
-    monkeypatch.setattr(model_module.Tokenizer, "encode", lambda *a: pytest.fail("a turn was tokenized"))
+    monkeypatch.setattr(tokenizer.Tokenizer, "encode", lambda *a: pytest.fail("a turn was tokenized"))
     args = decode_argv(tiny, "conversation", str(tmp_path / "out"), "--tasks", str(tasks))
     with monkeypatch.context() as m:
         m.setattr(cli, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))

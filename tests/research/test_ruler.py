@@ -20,7 +20,7 @@ NIAH_TASKS = [t for t in ruler.TASKS if ruler.TASKS[t]["task"] == "niah"]
 def tok():
     if not (WEIGHTS / "tokenizer.json").exists():
         pytest.skip("no SmolLM2-135M-Instruct tokenizer: run python weights/prepare.py")
-    from model import Tokenizer
+    from support.tokenizer import Tokenizer
     return Tokenizer(WEIGHTS)
 
 
