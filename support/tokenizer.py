@@ -32,15 +32,7 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception
             raise ValueError(f"{path / 'tokenizer.json'} is not a tokenizer we can read ({short_reason(e)}): "
                              f"{fix}") from None
-        tc_file = path / "tokenizer_config.json"
-        tc = read_json(tc_file, fix) if tc_file.exists() else {}
-        template = tc.get("chat_template") or ""
-        if isinstance(template, list):  # several named templates: [{"name": "default", "template": "..."}, ...]
-            template = next((t.get("template") for t in template
-                             if isinstance(t, dict) and t.get("name") == "default"), "")
-        if not isinstance(template, str):
-            raise ValueError(f"{tc_file}: chat_template is {json.dumps(template)[:60]}, it must be a string "
-                             f"(a jinja template): {fix}")
+        template = chat_template(path, fix)
         vocab = self.tk.get_vocab(with_added_tokens=True)
         if cfg is not None and vocab and max(vocab.values()) >= cfg.vocab_size:  # two files, one model: they agree
             raise ValueError(f"{path / 'tokenizer.json'} makes token ids up to {max(vocab.values())} but "
@@ -61,15 +53,7 @@ class Tokenizer:
         else:
             self.format, self.default_system, stop = None, None, []
         ids = [vocab[s] for s in stop if s in vocab] + (list(cfg.eos_token_id) if cfg else [])
-        gen = path / "generation_config.json"
-        if gen.exists():
-            e = read_json(gen, fix).get("eos_token_id")
-            e = e if isinstance(e, list) else ([] if e is None else [e])
-            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in e):
-                raise ValueError(f"{gen}: eos_token_id must be a token id (a whole number >= 0) or a list of "
-                                 f"them: {fix}")
-            ids += e
-        self.stop_ids = sorted(set(ids))
+        self.stop_ids = sorted(set(ids + generation_eos(path, fix)))
         if cfg is not None and self.stop_ids and self.stop_ids[-1] >= cfg.vocab_size:
             raise ValueError(f"stop token id {self.stop_ids[-1]} (config.json or generation_config.json's "
                              f"eos_token_id) is outside vocab_size {cfg.vocab_size} in {path}: {fix}")
@@ -104,6 +88,33 @@ class Tokenizer:
             h = lambda role: f"<|start_header_id|>{role}<|end_header_id|>\n\n"
             return "<|eot_id|>" + h("user") + user + "<|eot_id|>" + h("assistant")
         raise ValueError("this tokenizer has no chat format we know (ChatML or Llama-3): a conversation needs one")
+
+
+def chat_template(path, fix):
+    """tokenizer_config.json's chat_template ("" if none): only read for the default system message."""
+    tc_file = path / "tokenizer_config.json"
+    tc = read_json(tc_file, fix) if tc_file.exists() else {}
+    template = tc.get("chat_template") or ""
+    if isinstance(template, list):  # several named templates: [{"name": "default", "template": "..."}, ...]
+        template = next((t.get("template") for t in template
+                         if isinstance(t, dict) and t.get("name") == "default"), "")
+    if not isinstance(template, str):
+        raise ValueError(f"{tc_file}: chat_template is {json.dumps(template)[:60]}, it must be a string "
+                         f"(a jinja template): {fix}")
+    return template
+
+
+def generation_eos(path, fix):
+    """generation_config.json's eos_token_id as a list ([] if none): more ids that stop decoding."""
+    gen = path / "generation_config.json"
+    if not gen.exists():
+        return []
+    e = read_json(gen, fix).get("eos_token_id")
+    e = e if isinstance(e, list) else ([] if e is None else [e])
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in e):
+        raise ValueError(f"{gen}: eos_token_id must be a token id (a whole number >= 0) or a list of "
+                         f"them: {fix}")
+    return e
 
 
 def decode_utf8(raw, where):

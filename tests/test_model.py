@@ -1,5 +1,6 @@
-"""Tests of model.py: parity with transformers, the loader's errors, and the cache behaviour
-that KV eviction relies on (cached decode, left padding, gather, positions != slots, Hook).
+"""Tests of model.py: parity with transformers, the loader's errors (weights/checks.py), and the cache
+behaviour that KV eviction relies on (cached decode, left padding, gather, positions != slots, Hook);
+and of support/tokenizer.py's chat formats.
 
 Everything runs on CPU in float32 on tiny random checkpoints (see tiny_hf_model in conftest.py).
 """
@@ -869,7 +870,7 @@ def test_fingerprint_is_stable_and_tells_architectures_apart(tiny_hf_model):
 
 
 # -----------------------------------------------------------------------------
-# 10. Tokenizer and chat formats
+# 10. Tokenizer and chat formats (support/tokenizer.py)
 
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 # verbatim from HuggingFaceTB/SmolLM2-*-Instruct tokenizer_config.json (after JSON decoding: the
