@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from support import cli
-from support import data
+from support import data, recipe
 from research import harness
 import lookaheadkv as lk
 import methods
@@ -66,11 +66,11 @@ def write_samples(model, rows, folder):
 
 
 def test_parse_targets():
-    assert train.parse_targets("all") == LookaheadModule.TARGETS and len(train.parse_targets("all")) == 7
-    assert train.parse_targets("q_proj, k_proj") == ("q_proj", "k_proj")
-    assert train.parse_targets("none") == () == train.parse_targets("")
+    assert recipe.parse_targets("all") == LookaheadModule.TARGETS and len(recipe.parse_targets("all")) == 7
+    assert recipe.parse_targets("q_proj, k_proj") == ("q_proj", "k_proj")
+    assert recipe.parse_targets("none") == () == recipe.parse_targets("")
     with pytest.raises(ValueError, match="--targets: unknown qq"):
-        train.parse_targets("q_proj,qq")
+        recipe.parse_targets("q_proj,qq")
 
 
 # -----------------------------------------------------------------------------
@@ -258,7 +258,7 @@ def argv(model_dir, out, *extra, **recipe):
     prompt lengths that fit the tiny model's context of 512 (train.check_fit)."""
     path = Path(out).parent / f"recipe-{Path(out).name}.json"
     fit = dict(min_tokens=16, max_tokens=64, long_max=128)
-    path.write_text(json.dumps({**dict(n_tokens=8, warmup=0.25, budget=16, window=4), **fit, **recipe}))
+    path.write_text(json.dumps({**dict(n_tokens=8, warmup=0.25), **fit, **recipe}))
     return ["--config", str(path), "--model", str(model_dir), "--out", str(out), "--n-train", "4", "--n-heldout",
             "1", "--batch", "2", "--epochs", "2", "--lr", "1e-2", "--micro-batch", "1", "--eval-every", "100",
             "--save-every", "100", "--device", "cpu", *extra]
@@ -293,17 +293,17 @@ def test_resume_equals_uninterrupted_run(model_dir, tmp_path, stub_prompts, monk
     assert meta_a["steps"] == 4 and meta_a["rule"] == "span:8:1024"
 
     # run B: checkpoint every step, killed right after step 2's checkpoint
-    orig_save = train.save_checkpoint
+    orig_save = recipe.save_checkpoint
 
     def save_then_die(path, module, opt, step, log, settings=None):
         orig_save(path, module, opt, step, log, settings)
         if step == 2:
             raise Interrupted
 
-    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(recipe, "save_checkpoint", save_then_die)
     with pytest.raises(Interrupted):
         train.main(argv(model_dir, b, "--save-every", "1"))
-    monkeypatch.setattr(train, "save_checkpoint", orig_save)
+    monkeypatch.setattr(recipe, "save_checkpoint", orig_save)
     assert not (b / "adapter.safetensors").exists()
     ck = torch.load(b / "ckpt.pt", weights_only=False)
     assert ck["step"] == 2
@@ -323,9 +323,9 @@ def test_resume_equals_uninterrupted_run(model_dir, tmp_path, stub_prompts, monk
     # the comparison means something: steps 3-4 moved the parameters away from the checkpoint
     moved = max((pa[k] - ck["module"][k]).abs().max().item() for k in pa)
     assert moved > 1e-3
-    # and the logged held-out check ran on the untrained module (step 0) and at the end (harness.heldout_metrics)
+    # and the logged validation KL ran on the untrained module (step 0) and at the end
     log = [json.loads(line) for line in (a / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == [0, 4] and all(0 <= r["recall_lookahead@16"] <= 1 for r in log)
+    assert [r["step"] for r in log] == [0, 4] and all(r["kl"] >= 0 for r in log)
     assert meta_a["heldout"] == log[-1] and meta_a["untrained"] == log[0]
     # a rerun without --resume says it replaces the checkpoint, and that it replaces the adapter (kept as .prev)
     capsys.readouterr()
@@ -358,10 +358,9 @@ def test_stage_train_without_samples_says_to_run_the_data_stage(model_dir, tmp_p
     with pytest.raises(SystemExit, match=r"^error: --n-train 0: must be a number >= 1$"):  # before the model loads
         train.main(argv(model_dir, tmp_path / "o", "--n-train", "0", "--n-heldout", "0"))
     write_data(tmp_path / "o", model_dir)  # rows, but no sample file written yet
-    for stage in ("train", "budgets"):
-        with pytest.raises(SystemExit) as e:
-            train.main(argv(model_dir, tmp_path / "o", "--stage", stage, "--adapter-out", str(tmp_path / "x.safetensors")))
-        assert "no training samples" in error_line(e) and "--stage data" in error_line(e)
+    with pytest.raises(SystemExit) as e:
+        train.main(argv(model_dir, tmp_path / "o", "--stage", "train", "--adapter-out", str(tmp_path / "x.safetensors")))
+    assert "no training samples" in error_line(e) and "--stage data" in error_line(e)
 
 
 def test_data_from_another_base_model_is_refused(model_dir, tmp_path, stub_prompts):
@@ -380,13 +379,13 @@ def test_checkpoint_corrupt_or_of_other_settings(model_dir, tmp_path, monkeypatc
     assert "is corrupt" in error_line(e) and "ckpt.pt" in error_line(e)
     # a checkpoint of another model's module
     other = LookaheadModule(ModelConfig(**{**TINY, "hidden_size": 32}), n_tokens=8)
-    train.save_checkpoint(out / "ckpt.pt", other, torch.optim.AdamW(other.parameters()), 1, [])
+    recipe.save_checkpoint(out / "ckpt.pt", other, torch.optim.AdamW(other.parameters()), 1, [])
     with pytest.raises(SystemExit, match="was trained for tiny"):
         train.main(argv(model_dir, out, "--resume"))
     # a valid checkpoint made with another rank and targets: named, and not called corrupt
     cfg = ModelConfig.from_hf_config(model_dir)
     mine = LookaheadModule(cfg, n_tokens=8, rank=8, targets=("q_proj", "k_proj"))
-    train.save_checkpoint(out / "ckpt.pt", mine, torch.optim.AdamW(mine.parameters()), 1, [])
+    recipe.save_checkpoint(out / "ckpt.pt", mine, torch.optim.AdamW(mine.parameters()), 1, [])
     with pytest.raises(SystemExit) as e:
         train.main(argv(model_dir, out, "--resume", "--targets", "q_proj"))
     line = error_line(e)
@@ -419,12 +418,7 @@ def test_bad_flags_and_paths_stop_before_the_model_loads(model_dir, tmp_path, mo
         (["--adapter-out", str(weights)], "must end in .safetensors"),
         (["--adapter-out", str(a_file / "a.safetensors")], "--adapter-out (its folder)"),
         (["--out", str(a_file)], f"--out {a_file} is a file"),
-        (["--stage", "budgets"], "--stage budgets needs --adapter-out"),
-        (["--init", str(tmp_path / "none.safetensors")], "--init"),
         (["--targets", "q_proj,nope"], "--targets"),
-        (["--loss-weights", str(tmp_path / "none.json")], "--loss-weights"),
-        (["--loss-weights", str(weights)], f"--loss-weights {weights}: not a readable JSON file"),
-        (["--loss-weights", str(weights), "--stage", "data"], "--loss-weights is read when training"),
     ]
     for extra, says in cases:
         with pytest.raises(SystemExit) as e:
@@ -439,12 +433,10 @@ def test_bad_flags_and_paths_stop_before_the_model_loads(model_dir, tmp_path, mo
 
 
 @pytest.mark.parametrize("recipe, flags, says", [
-    (dict(init=""), [], "--init '' is empty: give a value, or leave it out"),  # trained from scratch, before
     (dict(adapter_out=""), [], "--adapter-out '' is empty"),  # wrote OUT/adapter.safetensors, before
     (dict(), ["--out", ""], "--out '' is empty"),  # wrote into the current folder, before
     (dict(seed=2**64), [], "--seed 18446744073709551616: must be a whole number"),  # "Overflow when unpacking"
     (dict(), ["--batch", "10", "--micro-batch", "8"], "--batch 10 is not a whole number of micro-batches of 8"),
-    (dict(budget=16, window=16), [], "budget 16, window 16 (the held-out check's): budget 16 is too small for snapkv"),
     (dict(rank=10**6), [], "rank 1000000: at most TinyLlama's hidden size 64"),  # the memory, when training began
     (dict(long_max=4096), ["--n-train", "5"], "long_max 4096 + 64 (the chat template) + --max-new-tokens 256 is 4416 "
                                                "tokens, past TinyLlama's context of 512: lower long_max"),
@@ -454,8 +446,7 @@ def test_bad_flags_and_paths_stop_before_the_model_loads(model_dir, tmp_path, mo
                                         "held-out ground truth would take at least "),  # once every prompt was made
     (dict(), ["--n-heldout", str(10**9)], "--n-heldout 1000000000: the training samples and the held-out ground "
                                           "truth would take at least "),  # (days), before
-], ids=["init-empty", "adapter-out-empty", "out-empty", "seed-too-large", "batch-not-micro-batches",
-        "window-fills-budget", "rank-past-hidden", "prompts-past-context", "lookahead-past-context",
+], ids=["adapter-out-empty", "out-empty", "seed-too-large", "batch-not-micro-batches", "rank-past-hidden", "prompts-past-context", "lookahead-past-context",
         "n-train-past-disk", "n-heldout-past-disk"])
 def test_recipe_values_that_failed_late_or_silently_stop_before_the_model_loads(model_dir, tmp_path, monkeypatch,
                                                                               recipe, flags, says):
@@ -479,9 +470,9 @@ def test_recipe_values_that_failed_late_or_silently_stop_before_the_model_loads(
 def test_a_batch_below_the_micro_batch_is_one_micro_batch_of_it():
     """The docstring's smoke run (--batch 4, micro_batch 8 by default) trained on 8 samples a step: now 4."""
     cfg = train.TrainConfig(batch=4)
-    train.check_numbers(cfg)
+    recipe.check_numbers(cfg)
     assert (cfg.batch, cfg.micro_batch) == (4, 4)
-    train.check_numbers(cfg := train.TrainConfig(batch=32, micro_batch=8))
+    recipe.check_numbers(cfg := train.TrainConfig(batch=32, micro_batch=8))
     assert (cfg.batch, cfg.micro_batch) == (32, 8)
 
 
@@ -506,11 +497,11 @@ def own_checkpoint(model_dir, out, *flags, **recipe):
     training; (its path, its bytes)."""
     cfg = train.get_args(argv(model_dir, out, *flags, **recipe))
     (out / "ckpt.pt").unlink(missing_ok=True)
-    train.check_config(cfg)
+    train.check(cfg)
     module = LookaheadModule(ModelConfig.from_hf_config(model_dir), n_tokens=cfg.n_tokens, rank=cfg.rank,
-                             alpha=cfg.alpha, targets=train.parse_targets(cfg.targets))
-    train.save_checkpoint(out / "ckpt.pt", module, torch.optim.AdamW(module.parameters()), 1, [],
-                          train.schedule_of(cfg))
+                             alpha=cfg.alpha, targets=train.recipe.parse_targets(cfg.targets))
+    train.recipe.save_checkpoint(out / "ckpt.pt", module, torch.optim.AdamW(module.parameters()), 1, [],
+                          train.recipe.schedule_of(cfg))
     return out / "ckpt.pt", (out / "ckpt.pt").read_bytes()
 
 
@@ -522,7 +513,7 @@ def own_checkpoint(model_dir, out, *flags, **recipe):
     ([], dict(rule="max:7"), 'rule "span:8:1024" (this run: "max:7")'),
 ], ids=["micro-batch", "n-train", "dtype", "recipe-key", "rule"])
 def test_resume_with_any_other_setting_is_refused_naming_it(model_dir, tmp_path, monkeypatch, flags, recipe, says):
-    """Issue 53: the checkpoint records every setting that defines the run (train.RESUME_KEYS); --resume with one
+    """Issue 53: the checkpoint records every setting that defines the run (recipe.resume_keys(train.TrainConfig)); --resume with one
     that differs is one line naming its flag (or recipe key) and both values, before the model loads."""
     out = tmp_path / "o"
     write_data(out, model_dir, n_train=6)
@@ -544,14 +535,14 @@ def test_every_setting_that_defines_the_run_is_recorded_and_compared(model_dir, 
     path, _ = own_checkpoint(model_dir, out)
     ck = torch.load(path, weights_only=False)
     fields = {f.name for f in dataclasses.fields(train.TrainConfig)}
-    assert set(ck["settings"]) == set(train.RESUME_KEYS) == fields - set(train.MAY_CHANGE) - set(train.MODULE_KEYS)
-    assert {"micro_batch", "n_train", "dtype", "rule", "budget", "store_dtype", "init"} <= set(train.RESUME_KEYS)
+    assert set(ck["settings"]) == set(recipe.resume_keys(train.TrainConfig)) == fields - set(recipe.MAY_CHANGE) - set(recipe.MODULE_KEYS)
+    assert {"micro_batch", "n_train", "dtype", "rule", "store_dtype"} <= set(recipe.resume_keys(train.TrainConfig))
     monkeypatch.setattr(cli_load_guard(), "load", no_model)
-    for key in train.RESUME_KEYS:
+    for key in recipe.resume_keys(train.TrainConfig):
         torch.save(dict(ck, settings=dict(ck["settings"], **{key: "OTHER"})), path)
         with pytest.raises(SystemExit) as e:
             train.main(argv(model_dir, out, "--resume"))
-        assert f'other settings: {train.flag_of(key)} "OTHER" (this run: ' in error_line(e), key
+        assert f'other settings: {recipe.flag_of(key, train.parser())} "OTHER" (this run: ' in error_line(e), key
 
 
 def test_out_holding_another_runs_checkpoint_is_refused_without_resume(model_dir, tmp_path, monkeypatch, capsys):
@@ -573,35 +564,7 @@ def test_out_holding_another_runs_checkpoint_is_refused_without_resume(model_dir
     assert "holds another run's checkpoint" in error_line(e) and "cannot read as a checkpoint" in error_line(e)
     assert path.read_bytes() == b"not a checkpoint" and not (out / "log.jsonl").exists()
     own_checkpoint(model_dir, out)  # this run's own: checked, and started over (None: nothing to resume)
-    assert train.check_config(train.get_args(argv(model_dir, out)))[-1] is None
-
-
-def test_a_data_folder_made_in_another_dtype_is_refused(model_dir, tmp_path, monkeypatch, stub_prompts):
-    """Issue 53: --data of a float32 data stage with --dtype bfloat16 failed at step 0 (its held-out ground truth,
-    kept in float32, met a bfloat16 model). The rows record the dtype the model ran in (build_dataset), a folder
-    made before they did is known by its held-out ground truth, and a run in another dtype is refused."""
-    src = tmp_path / "data"
-    write_data(src, model_dir, n_train=4)
-    train.main(argv(model_dir, src, "--stage", "data", "--n-train", "5"))  # one new row: answered here, in float32
-    rows = [json.loads(line) for line in (src / "data.jsonl").read_text().splitlines()]
-    assert [r.get("dtype") for r in rows] == [None] * 5 + ["float32"]  # write_data's rows predate the field
-    old = tmp_path / "old"  # no row says; its held-out ground truth (harness.heldout_ground_truth's file) does
-    write_data(old, model_dir)
-    train.main(argv(model_dir, old, "--stage", "data"))  # the sample files, no new rows
-    (old / "heldout").mkdir()
-    torch.save(dict(k=[torch.zeros(1, 2, 3, 16)], v=[torch.zeros(1, 2, 3, 16)], gt={}, extra={}),
-               old / "heldout" / "0123456789abcdef.pt")
-    monkeypatch.setattr(cli_load_guard(), "load", no_model)
-    for folder in (src, old):
-        with pytest.raises(SystemExit) as e:
-            train.main(argv(model_dir, tmp_path / "b", "--stage", "train", "--data", str(folder), "--dtype", "bfloat16"))
-        assert error_line(e).startswith(f"error: --dtype bfloat16: --data {folder} was made with the base model in "
-                                        f"float32 ("), folder
-        assert "--dtype float32" in error_line(e)
-    with pytest.raises(SystemExit) as e:  # a data stage adding bfloat16 rows to float32 ones: refused too
-        train.main(argv(model_dir, src, "--stage", "data", "--n-train", "6", "--dtype", "bfloat16"))
-    assert error_line(e).startswith(f"error: --dtype bfloat16: --out {src} was made with the base model in float32")
-    assert not (tmp_path / "b" / "ckpt.pt").exists()
+    assert train.check(train.get_args(argv(model_dir, out)))[-1] is None
 
 
 def test_adapter_backups_never_replace_an_earlier_one(model_dir, tmp_path, capsys):
@@ -612,7 +575,7 @@ def test_adapter_backups_never_replace_an_earlier_one(model_dir, tmp_path, capsy
     for n in range(3):
         module = LookaheadModule(cfg, n_tokens=8)
         module.info = dict(run=n)
-        train.save_adapter(module, dest)
+        recipe.save_adapter(module, dest)
     said = capsys.readouterr().out.splitlines()
     assert said == [f"{dest} existed: replaced; the previous one is kept as {tmp_path / 'a.prev.safetensors'} + "
                     f"{tmp_path / 'a.prev.json'}",
@@ -656,7 +619,7 @@ def test_a_rule_wider_than_the_context_stops_before_the_model_loads(model_dir, t
         assert error_line(e).startswith(f"error: rule '{rule}' (the recipe's selection rule): ") and says in \
             error_line(e), rule
     cfg = ModelConfig.from_hf_config(model_dir)
-    train.check_rule("span:512", cfg), train.check_rule("max:511", cfg)  # within TinyLlama's 512: taken
+    recipe.check_rule("span:512", cfg, methods.parse_rule), recipe.check_rule("max:511", cfg, methods.parse_rule)  # within TinyLlama's 512: taken
 
 
 def test_a_truncated_sample_is_named_deleted_and_rebuilt(model_dir, tmp_path, stub_prompts):
@@ -685,94 +648,6 @@ def test_a_truncated_sample_is_named_deleted_and_rebuilt(model_dir, tmp_path, st
         with pytest.raises(SystemExit) as e:
             train.main(argv(model_dir, out, "--stage", "train"))
     assert "training sample" in error_line(e) and "deleted" in error_line(e)
-
-
-def test_stage_budgets_writes_weights_into_the_adapter(model_dir, tmp_path, stub_prompts, monkeypatch, capsys):
-    """--stage budgets on a tiny run: per group of layers a gain and a weight (mean 1, a larger gain a larger
-    weight), OUT/layer_weights.json, and the adapter at --adapter-out: the same tensors, its .json with
-    layer_weights and how they were measured; an adapter it replaces is kept as .prev."""
-    out = tmp_path / "s"
-    write_data(out, model_dir)
-    train.main(argv(model_dir, out))
-    trained = out / "adapter.safetensors"
-    # without --init: the default adapter for this model (weights/TinyLlama.lookahead.safetensors), missing here
-    with pytest.raises(SystemExit) as e:
-        train.main(argv(model_dir, out, "--stage", "budgets", "--adapter-out", str(tmp_path / "lb.safetensors")))
-    assert "TinyLlama.lookahead.safetensors" in error_line(e)
-    monkeypatch.setattr(layer_budgets, "GROUP", 1)  # 2 layers: one group each
-    capsys.readouterr()
-    before = trained.read_bytes(), (out / "adapter.json").read_text()
-    train.main(argv(model_dir, out, "--stage", "budgets", "--init", str(trained), "--adapter-out", str(trained),
-                    budget=6))
-    said = capsys.readouterr().out
-    assert "layers  answer-KL gain  weight" in said and "adapter.prev.safetensors" in said
-    got = json.loads((out / "layer_weights.json").read_text())
-    L = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
-    assert got["rows"] == 4 and got["C"] == 6 and len(got["weights"]) == len(got["gain"]) == L
-    assert sum(got["weights"]) / L == pytest.approx(1.0, abs=1e-3) and len(set(got["weights"])) > 1
-    order = sorted(range(L), key=lambda l: got["gain"][l])
-    assert [got["weights"][l] for l in order] == sorted(got["weights"])
-    meta = json.loads((out / "adapter.json").read_text())
-    assert meta["layer_weights"] == got["weights"] and meta["rule"] == "span:8:1024"
-    assert meta["layer_weights_from"] == dict(rows=4, C=6, group=1, floor=layer_budgets.FLOOR,
-                                              power=layer_budgets.POWER)
-    assert (out / "adapter.prev.safetensors").read_bytes() == before[0]
-    assert (out / "adapter.prev.json").read_text() == before[1]
-    a, b = adapter(out / "adapter.prev.safetensors"), adapter(trained)
-    assert all(torch.equal(a[k], b[k]) for k in a)  # the same weights: only the .json is new
-    m = methods.load_adapter(trained, ModelConfig.from_hf_config(model_dir))  # usable as it ships
-    assert m.info["layer_weights"] == got["weights"]
-    # --init with per-layer weights: the weights are dropped (measured for the init's tensors), and said so
-    capsys.readouterr()
-    b_out = tmp_path / "b"
-    write_data(b_out, model_dir)
-    train.main(argv(model_dir, b_out, "--init", str(trained)))
-    assert "per-layer weights are dropped" in capsys.readouterr().out
-    meta_b = json.loads((b_out / "adapter.json").read_text())
-    assert "layer_weights" not in meta_b and "layer_weights_from" not in meta_b
-
-
-def test_init_continues_an_adapter_and_keeps_its_untrained_reference(model_dir, tmp_path, stub_prompts):
-    """--init: step 0 of the new run is the init adapter (not a fresh module), its shape wins over
-    the recipe's, and the saved metadata keeps the original untrained reference."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    for out in (a, b):
-        write_data(out, model_dir)
-    train.main(argv(model_dir, a))
-    meta_a = json.loads((a / "adapter.json").read_text())
-    train.main(argv(model_dir, b, "--init", str(a / "adapter.safetensors"), n_tokens=4))
-    meta_b = json.loads((b / "adapter.json").read_text())
-    log_b = [json.loads(line) for line in (b / "log.jsonl").read_text().splitlines()]
-    assert meta_b["n_tokens"] == 8 and meta_b["steps"] == 4
-    assert log_b[0]["kl"] == pytest.approx(meta_a["heldout"]["kl"])  # step 0 = the init adapter
-    assert meta_b["untrained"] == meta_a["untrained"]
-    assert meta_b["init"] == dict(path="adapter.safetensors", steps=4, heldout=log_b[0])
-    pa, pb = adapter(a / "adapter.safetensors"), adapter(b / "adapter.safetensors")
-    assert max((pa[k] - pb[k]).abs().max().item() for k in pa) > 1e-3  # and it trained further
-
-
-def test_loss_weights_train_on_the_layer_weighted_loss_and_say_so(model_dir, tmp_path, stub_prompts):
-    """--loss-weights (extensions/layer_loss.py, beyond the paper): equal weights train exactly the paper's loss,
-    unequal ones another adapter; the .json names the weights' file, and a file for another layer count is refused."""
-    L = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
-    equal, tilted, wrong = tmp_path / "equal.json", tmp_path / "tilted.json", tmp_path / "wrong.json"
-    equal.write_text(json.dumps(dict(layer_weights=[1.3] * L)))
-    tilted.write_text(json.dumps(dict(layer_weights=[0.2] + [1.8] * (L - 1))))
-    wrong.write_text(json.dumps(dict(layer_weights=[1.0] * (L + 1))))
-    runs = {}
-    for name, extra in (("paper", []), ("equal", ["--loss-weights", str(equal)]),
-                        ("tilted", ["--loss-weights", str(tilted)])):
-        write_data(tmp_path / name, model_dir)
-        train.main(argv(model_dir, tmp_path / name, *extra))
-        runs[name] = adapter(tmp_path / name / "adapter.safetensors")
-    assert all(torch.allclose(runs["paper"][k], runs["equal"][k], atol=1e-5) for k in runs["paper"])
-    assert max((runs["paper"][k] - runs["tilted"][k]).abs().max().item() for k in runs["paper"]) > 1e-3
-    assert json.loads((tmp_path / "tilted" / "adapter.json").read_text())["loss"] == dict(
-        layer_weights_from="tilted.json")
-    assert "loss" not in json.loads((tmp_path / "paper" / "adapter.json").read_text())
-    with pytest.raises(SystemExit) as e:
-        train.main(argv(model_dir, tmp_path / "paper", "--loss-weights", str(wrong)))
-    assert f"{L + 1} layer weights for a model of {L} layers" in error_line(e)
 
 
 def test_embeddings_alone_without_lora_train(model_dir, tmp_path, stub_prompts):
@@ -807,51 +682,12 @@ def test_a_killed_data_stage_resumes_and_rebuilds_missing_samples(model_dir, tmp
         train.main(argv(model_dir, tmp_path / "e", store_gb=0.00001))
 
 
-def test_stage_train_only_reads_and_trains_on_the_rows_with_samples(model_dir, tmp_path, monkeypatch, capsys):
-    """--stage train never writes data (a data stage may be appending to OUT): no prompt made, no sample
-    rebuilt, data.jsonl untouched; it trains on the training rows whose sample files exist, and says in one
-    warning that they are fewer than the recipe's n_train (a data stage stopped part way); a machine short of
-    memory after the first step is said too, once (the OOM killer leaves no line)."""
-    out = tmp_path / "t"
-    write_data(out, model_dir)
-    monkeypatch.setattr(data, "make_training_prompts", fake_prompts)
-    train.main(argv(model_dir, out, "--stage", "data"))
-    files = sorted((out / "samples").glob("*.safetensors"))
-    files[0].unlink()  # its row is in data.jsonl, its sample not (yet)
-    jsonl, left = (out / "data.jsonl").read_bytes(), {f: f.read_bytes() for f in files[1:]}
-    monkeypatch.setattr(data, "make_training_prompts", lambda *a, **k: pytest.fail("no prompt may be made"))
-    read, load_batch = [], train.load_batch
-    monkeypatch.setattr(train, "load_batch", lambda paths, *a: (read.extend(paths), load_batch(paths, *a))[1])
-    capsys.readouterr()
-    train.main(argv(model_dir, out, "--stage", "train", "--n-train", "9"))
-    warned = re.findall(r"warning: [^\r\n]*", capsys.readouterr().err)  # a bar left by an earlier test moves the cursor
-    assert len(warned) == 1 and f"{out} holds 3 training samples, fewer than n_train 9" in warned[0], warned
-    monkeypatch.setattr(cli, "free_memory_gib", lambda device: 2**-10)  # 1 MiB left: under half of any step's peak
-    train.main(argv(model_dir, out, "--stage", "train", "--n-train", "3", "--out", str(tmp_path / "t2"),
-                    "--data", str(out)))
-    warned = re.findall(r"warning: [^\r\n]*", capsys.readouterr().err)
-    assert len(warned) == 1 and "0.0 GiB left" in warned[0] and "--micro-batch" in warned[0], warned  # once a run
-    assert (out / "data.jsonl").read_bytes() == jsonl and not files[0].exists()
-    assert sorted((out / "samples").glob("*.safetensors")) == files[1:]
-    assert all(f.read_bytes() == b for f, b in left.items())
-    assert set(read) == set(files[1:])  # every epoch: the three samples there are, never the missing one
-    meta = json.loads((out / "adapter.json").read_text())
-    assert meta["train_data"]["n_train"] == 3 and meta["steps"] == 2  # 3 micro-batches of 1, 2 a step, 2 epochs
-    # the data as its rows are (lengths, copy share), whatever this command's data flags say
-    rows = [json.loads(l) for l in (out / "data.jsonl").read_text().splitlines()]
-    train_rows = [r for r in rows if r["split"] == "train" and data.sample_path(out, r["id"]).exists()]
-    lengths = [len(r["prompt_ids"]) for r in train_rows]
-    assert meta["train_data"]["prompt_tokens"] == [min(lengths), max(lengths)]
-    assert meta["train_data"]["answer_tokens_max"] == max(len(r["response_ids"]) for r in train_rows)
-    assert 0 <= meta["train_data"]["copy_share"] <= 1
-
-
 def test_memory_warning_when_less_than_half_the_first_steps_peak_is_left():
-    assert train.memory_warning(12, 7) is None  # 12.9 GB alone on this 24 GiB machine: no warning
-    said = train.memory_warning(13, 5)  # beside the data job (5-6 GB): RESULTS 8.3's OOM kills
+    assert recipe.memory_warning(12, 7) is None  # 12.9 GB alone on this 24 GiB machine: no warning
+    said = recipe.memory_warning(13, 5)  # beside the data job (5-6 GB): RESULTS 8.3's OOM kills
     assert "13.0 GiB" in said and "5.0 GiB left" in said
     assert cli.free_memory_gib("cpu") is None or cli.free_memory_gib("cpu") > 0
-    assert train.peak_memory_gib() > 0
+    assert recipe.peak_memory_gib() > 0
 
 
 def test_copy_frac_reaches_the_training_prompts_only(model_dir, tmp_path, monkeypatch):
@@ -1093,61 +929,6 @@ def test_batched_loss_equals_the_mean_of_per_sample_losses(tmp_path):
 
 
 
-@pytest.mark.parametrize("gpu_form", [False, True])
-def test_grouped_prompts_share_one_prefill_and_give_each_its_own_sample(tmp_path, monkeypatch, gpu_form):
-    """answer_and_target with groups: prompts of a group share their prefix's prefill (and the decode reads it
-    once: SharedPrefixAttention), yet each row's answer, target and cache equal a forward of it alone; the
-    data stage stores the prefix once (save_batch) and load_batch puts each sample back together whole.
-    gpu_form: the decode-time attention a GPU runs (TargetAttention, one batched matmul), here on the CPU."""
-    if gpu_form:
-        made = []
-        monkeypatch.setattr(train, "SharedPrefixAttention", lambda P, groups, S: made.append(1) or train.TargetAttention(S))
-    model = tiny_model()
-    base = rand_list(40, 7)
-    prompts = [base + rand_list(n, 50 + n) for n in (3, 9, 5)] + [rand_list(33, 8)]  # a group of 3 and a single
-    groups = ["a", "a", "a", "b"]
-    alone = [train.answer_and_target(model, StubTok(set()), [p], 6)[0]["response_ids"] for p in prompts]
-    stop = alone[1][2]
-    samples = train.answer_and_target(model, StubTok({stop}), prompts, 6, groups=groups)
-    assert [s["shared"] for s in samples][3] == 32 and all(s["shared"] >= 40 for s in samples[:3])
-    assert samples[1]["response_ids"][-1] == stop
-    for p, s, a in zip(prompts, samples, alone):
-        assert s["response_ids"] == a[:len(s["response_ids"])]
-        cache, gt, _ = ground_truth(model, dict(prompt_ids=p, response_ids=s["response_ids"]))
-        assert torch.allclose(s["target"], torch.cat([gt[l] for l in range(len(gt))]), atol=1e-5)
-        assert torch.allclose(s["k"], torch.cat(cache.k), atol=1e-5) and torch.allclose(s["v"], torch.cat(cache.v), atol=1e-5)
-    rows = [dict(id=f"r{i}", split="train", group=g) for i, g in enumerate(groups)]
-    train.save_batch(tmp_path, rows, samples, torch.float32)
-    files = sorted((tmp_path / "samples").iterdir())
-    assert len(files) == 5  # four samples and the group's one prefix file
-    for r, s in zip(rows, samples):
-        path = data.sample_path(tmp_path, r["id"])
-        assert data.sample_ok(path)
-        cache, gt, lengths = data.load_batch([path], "cpu", torch.float32)
-        assert lengths.tolist() == [s["target"].shape[-1]]
-        assert torch.equal(torch.cat(cache.k), s["k"]) and torch.equal(gt[0][0], s["target"][0])
-    data.prefix_path(tmp_path, "a").unlink()  # a member without its prefix file is not a whole sample
-    assert not data.sample_ok(data.sample_path(tmp_path, "r0")) and data.sample_ok(data.sample_path(tmp_path, "r3"))
-    assert not gpu_form or made  # the batched form is the one that ran
-
-
-def test_roomy_cache_holds_what_a_plain_cache_holds():
-    """RoomyCache: decoding writes into reserved room; the keys, values and validity it shows are a plain
-    KVCache's, and past its room it goes on as a plain cache does."""
-    model = tiny_model()
-    ids, pad = train.left_pad([rand_list(12, 1), rand_list(9, 2)], "cpu")
-    cache = train.full_cache(model, ids, pad)[0]
-    plain, roomy = cache.copy(), train.RoomyCache(cache.copy(), 2)
-    for t in range(4):  # two steps in the room, two past it
-        tok = torch.tensor([[3 + t], [5 + t]])
-        pos = torch.tensor([[12 + t], [9 + t]])
-        a = model(tok, positions=pos, cache=plain)
-        b = model(tok, positions=pos, cache=roomy)
-        assert torch.allclose(a, b, atol=1e-6)
-        for l in range(len(plain.k)):
-            assert torch.equal(plain.k[l], roomy.k[l]) and torch.equal(plain.valid[l], roomy.valid[l])
-
-
 def test_a_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(model_dir, tmp_path, stub_prompts,
                                                                          monkeypatch):
     """A step whose loss is nan (a bad adapter, a bad sample) steps nothing: one error line, exit 1, the last
@@ -1168,72 +949,6 @@ def test_a_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(model_
     ck = torch.load(out / "ckpt.pt", weights_only=False)
     assert ck["step"] == 2 and all(torch.isfinite(t).all() for t in ck["module"].values())
     assert not (out / "adapter.safetensors").exists()
-
-
-def test_draw_rows_takes_whole_groups_and_nests_the_smaller_draws():
-    rows = [dict(id=f"g{g}-{i}", group=f"g{g}") for g in range(10) for i in range(3)] + \
-           [dict(id=f"single-{i}") for i in range(5)]
-    small, large = train.draw_rows(rows, 7, seed=0), train.draw_rows(rows, 20, seed=0)
-    for drawn in (small, large):
-        groups = {r.get("group", r["id"]) for r in drawn}
-        # every drawn group whole: all its members, in data.jsonl's order
-        assert drawn == [r for r in rows if r.get("group", r["id"]) in groups]
-    assert 7 <= len(small) < 7 + 3 and 20 <= len(large) < 20 + 3
-    assert {r["id"] for r in small} <= {r["id"] for r in large}  # a learning curve adds data, never swaps it
-    assert train.draw_rows(rows, 7, seed=1) != small  # the seed draws (the same seed: the same rows)
-    assert train.draw_rows(rows, 7, seed=0) == small and train.draw_rows(rows, 10**6, seed=0) == rows
-
-
-def test_data_trains_on_another_runs_samples_and_writes_only_out(model_dir, tmp_path, stub_prompts, capsys):
-    """--data: one data stage, several training runs (the learning curve). The data folder is read, never changed
-    (but for its held-out ground truth cache); OUT gets the checkpoint, log and adapter; --train-rows draws."""
-    src, out = tmp_path / "data", tmp_path / "curve"
-    write_data(src, model_dir)
-    train.main(argv(model_dir, src, "--stage", "data"))
-    before = {f: f.read_bytes() for f in src.rglob("*") if f.is_file() and "heldout" not in f.parts}
-    train.main(argv(model_dir, out, "--stage", "train", "--data", str(src), "--train-rows", "2"))
-    after = {f: f.read_bytes() for f in src.rglob("*") if f.is_file() and "heldout" not in f.parts}
-    assert after == before
-    assert not (out / "data.jsonl").exists() and not (out / "samples").exists()
-    assert (out / "ckpt.pt").exists() and (out / "log.jsonl").exists()
-    meta = json.loads((out / "adapter.json").read_text())
-    assert meta["train_data"]["n_train"] == 2 and meta["steps"] == 2  # 2 samples, batch 2, 2 epochs
-    assert meta["train_data"]["folder"] == str(src) and meta["train_data"]["drawn"] == dict(asked=2, seed=0)
-    # what the result depends on is a resume key: another draw or another data folder is not resumed into this one
-    assert {"data", "train_rows"} <= set(train.RESUME_KEYS)
-    with pytest.raises(SystemExit, match="other settings: --train-rows 2 \\(this run: 3\\)"):
-        train.main(argv(model_dir, out, "--stage", "train", "--data", str(src), "--train-rows", "3", "--resume"))
-    # --stage budgets reads --data's samples too, and writes its table into OUT
-    table = tmp_path / "table"
-    train.main(argv(model_dir, table, "--stage", "budgets", "--data", str(src), "--init", str(out / "adapter.safetensors"),
-                    "--adapter-out", str(table / "measured.safetensors")))
-    assert (table / "layer_weights.json").exists() and "layer_weights" in json.loads((table / "measured.json").read_text())
-    assert {f: f.read_bytes() for f in src.rglob("*") if f.is_file() and "heldout" not in f.parts} == before
-
-
-@pytest.mark.parametrize("extra, said", [
-    (["--stage", "data", "--data", "DATA"], "--data is read by --stage train and budgets"),
-    (["--stage", "train", "--data", "NOWHERE"], "--data NOWHERE: no data.jsonl there"),
-    (["--stage", "train", "--data", "DATA", "--train-rows", "99"], "--train-rows 99: .* holds 4 training samples"),
-    (["--stage", "train", "--data", "DATA", "--train-rows", "0"], "--train-rows"),
-    (["--stage", "data", "--train-rows", "2"], "--train-rows is read when training"),
-])
-def test_data_and_train_rows_mistakes_stop_before_the_model_loads(model_dir, tmp_path, monkeypatch, extra, said):
-    src, out = tmp_path / "data", tmp_path / "curve"
-    write_data(src, model_dir)
-    for r in data.read_jsonl(src / "data.jsonl", required=("id",)):  # samples for the four training rows (no model needed: any file)
-        if r["split"] == "train":
-            data.sample_path(src, r["id"]).parent.mkdir(parents=True, exist_ok=True)
-            data.sample_path(src, r["id"]).write_bytes(b"x")
-    monkeypatch.setattr(train, "sample_ok", lambda path: True)
-    monkeypatch.setattr(cli, "load", no_model)
-    before = {f: f.read_bytes() for f in src.rglob("*") if f.is_file()}
-    extra = [str(src) if e == "DATA" else str(tmp_path / e) if e == "NOWHERE" else e for e in extra]
-    said = said.replace("NOWHERE", str(tmp_path / "NOWHERE"))
-    with pytest.raises(SystemExit) as e:
-        train.main(argv(model_dir, out, *extra))
-    assert re.search(said, error_line(e)), error_line(e)
-    assert {f: f.read_bytes() for f in src.rglob("*") if f.is_file()} == before
 
 
 # -----------------------------------------------------------------------------
@@ -1264,40 +979,6 @@ def test_answer_weights_of_uniform_tokens_are_the_papers_target_and_the_body_dec
     assert torch.equal(aw.token_weights(torch.zeros(4)), torch.ones(4))
     w = aw.token_weights(torch.tensor([0.0, 1.0, 3.0, 0.0]))
     assert torch.allclose(w, torch.tensor([0.25, 1.0, 2.5, 0.25])) and w.mean() == 1
-
-
-def test_answer_weights_folder_trains_like_its_source_and_never_changes_it(model_dir, tmp_path, stub_prompts,
-                                                                           capsys):
-    """The new folder's samples hold a target and point to the source's cache: --weights uniform on every row
-    trains the very adapter the source trains; dependence makes other targets, of the same shapes."""
-    from extensions import answer_weights as aw
-
-    src = tmp_path / "data"
-    write_data(src, model_dir)
-    train.main(argv(model_dir, src, "--stage", "data"))
-    before = {f: f.read_bytes() for f in src.rglob("*") if f.is_file() and "heldout" not in f.parts}
-    paper, dep = tmp_path / "paper", tmp_path / "dep"
-    aw.main(["--data", str(src), "--out", str(paper), "--weights", "uniform", "--model", str(model_dir)])
-    aw.main(["--data", str(src), "--out", str(dep), "--first", "2", "--model", str(model_dir)])
-    assert "2 training rows (2 made now" in capsys.readouterr().out
-    train.main(argv(model_dir, tmp_path / "a", "--stage", "train", "--data", str(src)))
-    train.main(argv(model_dir, tmp_path / "b", "--stage", "train", "--data", str(paper)))
-    a, b = adapter(tmp_path / "a" / "adapter.safetensors"), adapter(tmp_path / "b" / "adapter.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    rows = [r for r in data.read_jsonl(dep / "data.jsonl", required=("id",)) if r["split"] == "train"]
-    assert [r["id"] for r in rows] == [r["id"] for r in data.read_jsonl(src / "data.jsonl", required=("id",))][:2]
-    for r in rows:
-        mine, theirs = data.sample_path(dep, r["id"]), data.sample_path(src, r["id"])
-        assert set(load_file(str(mine))) == {"target"} and mine.stat().st_size < theirs.stat().st_size
-        t, t0 = load_file(str(mine))["target"], load_file(str(theirs))["target"]
-        assert t.shape == t0.shape and not torch.allclose(t, t0)
-    train.main(argv(model_dir, tmp_path / "c", "--stage", "train", "--data", str(dep)))
-    assert json.loads((tmp_path / "c" / "adapter.json").read_text())["train_data"]["n_train"] == 2
-    assert {f: f.read_bytes() for f in src.rglob("*") if f.is_file() and "heldout" not in f.parts} == before
-    aw.main(["--data", str(src), "--out", str(dep), "--first", "2", "--model", str(model_dir)])  # resumed: all done
-    assert "(0 made now" in capsys.readouterr().out
-    theirs.unlink()  # a sample whose cache is gone is not whole
-    assert not data.sample_ok(mine)
 
 
 @pytest.mark.parametrize("change, said", [

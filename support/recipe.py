@@ -1,0 +1,548 @@
+"""
+train.py's bookkeeping, kept out of its reading path: the checks on a recipe (TrainConfig) that stop a bad
+value before the model loads, the checkpoint that --resume continues (and the settings it must agree on),
+the adapter's backups and .json metadata, and the memory warning. research/train_lab.py's extra settings
+(--data, --train-rows, --init, --loss-weights, budget, window) are read here too when its config has them.
+Every check raises ValueError with one line: what is wrong, and what to do.
+"""
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+
+from support import cli, data
+from support.data import sample_bytes, sample_ok, sample_path, unreadable_sample
+from lookaheadkv import LookaheadModule
+from model import ModelConfig, default_dtype
+from weights.checks import read_json
+
+STORE_DTYPES = ("bfloat16", "float16", "float32", "none")
+BUDGET_SAMPLES = 32  # --stage budgets (research/train_lab.py) measures on this many training samples
+CHAT_ROOM = 64  # tokens a chat template adds around a prompt (SmolLM2's, with its system message: 30)
+
+# -----------------------------------------------------------------------------
+# The recipe: a JSON file of the config's fields, and the values that name a choice
+
+
+def read_config(path, Config):
+    """A recipe file: a JSON object of Config's fields, each of its field's type (ValueError naming the
+    file and the key otherwise)."""
+    path = cli.input_file("--config", path)
+    try:
+        values = read_json(path, "write a JSON object of TrainConfig fields (research/configs/train-cpu.json is one)")
+    except ValueError as e:
+        raise ValueError(f"--config {e}") from None
+    fields = {f.name: f.type for f in dataclasses.fields(Config)}
+    for key, value in values.items():
+        if key not in fields:
+            raise ValueError(f"--config {path}: unknown key {key!r}; the keys are TrainConfig's fields: "
+                             f"{', '.join(fields)}")
+        kinds = fields[key].__args__ if isinstance(fields[key], types.UnionType) else (fields[key],)
+        ok = any(value is None if k is type(None) else
+                 (isinstance(value, bool) if k is bool else
+                  isinstance(value, (int, float) if k is float else k) and not isinstance(value, bool))
+                 for k in kinds)
+        if not ok:
+            want = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+            raise ValueError(f"--config {path}: {key!r} must be {want}, got {json.dumps(value)}")
+    return values
+
+
+def flag_of(key, parser):
+    """How a config field is given: its flag (--micro-batch) if it has one, else its --config key (warmup)."""
+    flag = "--" + key.replace("_", "-")
+    return flag if flag in parser._option_string_actions else key
+
+
+def parse_targets(text):
+    """"q_proj,k_proj" -> the tuple; "all" -> all seven; "" or "none" -> () (the embeddings alone, no LoRA)."""
+    if text.strip() == "all":
+        return LookaheadModule.TARGETS
+    targets = tuple(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none")
+    bad = [t for t in targets if t not in LookaheadModule.TARGETS]
+    if bad:
+        raise ValueError(f"--targets: unknown {', '.join(bad)}; use all, none, or any of "
+                         f"{', '.join(LookaheadModule.TARGETS)}")
+    return targets
+
+
+# -----------------------------------------------------------------------------
+# Every check that needs no model weights, so a bad value stops at once, not after an hour of answering
+
+
+def check_run(cfg, parser, parse_rule, read_adapter=None):
+    """Returns what the run reads: (out, src: where its samples are, dest, model config, rows of src/data.jsonl,
+    adapter or None, checkpoint or None). read_adapter(cfg, model_cfg): the adapter the run starts from or
+    measures (research/train_lab.py's --init), else none. parse_rule: methods.parse_rule (support sits below
+    methods)."""
+    check_choices(cfg, parser._option_string_actions["--stage"].choices)
+    check_given(cfg)
+    cfg.device = cfg.device or cli.default_device()
+    cli.check_device(cfg.device)
+    # the dtype the model will load in, named now: a checkpoint and a data folder record it (compared on --resume)
+    cfg.dtype = cfg.dtype or str(default_dtype(cfg.device)).removeprefix("torch.")
+    cli.check_model_dir(cfg.model)
+    check_numbers(cfg)
+    parse_targets(cfg.targets)
+    parse_rule(cfg.rule)
+    out, dest = output_paths(cfg)
+    src = data_folder(cfg, out)
+    model_cfg = ModelConfig.from_hf_config(cli.resolve_model(cfg.model))
+    check_rule(cfg.rule, model_cfg, parse_rule)
+    rows = read_rows(src, model_cfg, trim=cfg.stage in ("data", "all"))
+    check_data_dtype(cfg, src, rows)
+    check_samples(cfg, src, rows)
+    adapter = read_adapter(cfg, model_cfg) if read_adapter else None
+    check_fit(cfg, model_cfg, src, rows, adapter)
+    check_disk(cfg, model_cfg, rows)
+    ckpt = checkpoint_to_resume(cfg, out, model_cfg, adapter, parser)
+    return out, src, dest, model_cfg, rows, adapter, ckpt
+
+
+def data_folder(cfg, out):
+    """Where the samples are read: --data (another run's data stage; --stage train and budgets), else OUT.
+    --train-rows draws from them, so it too belongs to training (--stage train and all)."""
+    src, train_rows = getattr(cfg, "data", None), getattr(cfg, "train_rows", None)
+    if train_rows is not None:
+        if cfg.stage not in ("train", "all"):
+            raise ValueError(f"--train-rows is read when training: it has no use with --stage {cfg.stage}")
+        cli.at_least("--train-rows", train_rows, 1)
+    if src is None:
+        return out
+    if cfg.stage not in ("train", "budgets"):
+        raise ValueError(f"--data is read by --stage train and budgets (--stage {cfg.stage} makes OUT's own data): "
+                         "add --stage train, or drop --data")
+    if not (Path(src) / "data.jsonl").is_file():
+        raise ValueError(f"--data {src}: no data.jsonl there: pass the --out folder of a data stage "
+                         "(python train.py --stage data --out DIR)")
+    return Path(src)
+
+
+def check_given(cfg):
+    """A path or device given as "" is a slip, not the default: --init "" trained from scratch, --adapter-out ""
+    wrote OUT/adapter.safetensors and --out "" the current folder, each without a word."""
+    for flag in ("--model", "--out", "--adapter-out", "--init", "--device", "--loss-weights"):
+        value = getattr(cfg, flag[2:].replace("-", "_"), None)
+        if value is not None and not value.strip():
+            raise ValueError(f"{flag} {value!r} is empty: give a value, or leave it out (in a --config file: drop "
+                             f"the key) for the default")
+
+
+def check_choices(cfg, stages):
+    """The settings that name one of a few choices (stages: the script's, its parser's --stage choices)."""
+    for name, value, choices in (("--stage", cfg.stage, stages), ("store_dtype", cfg.store_dtype, STORE_DTYPES),
+                                 ("--dtype", cfg.dtype, (None, "float32", "bfloat16"))):
+        if value not in choices:
+            raise ValueError(f"{name} {value!r}: choose from {', '.join(map(str, choices))}")
+
+
+def check_numbers(cfg):
+    """Every number in its range: counts, rates and shares, and the prompt lengths in order."""
+    makes_data = cfg.stage in ("data", "all")
+    lab = [(flag, getattr(cfg, key), lo) for flag, key, lo in (("--group", "group", 1), ("budget", "budget", 1),
+                                                               ("window", "window", 0)) if hasattr(cfg, key)]
+    for flag, value, lo in [("--n-train", cfg.n_train, 1 if makes_data else 0), ("--n-heldout", cfg.n_heldout, 0),
+                            ("min_tokens", cfg.min_tokens, 1), ("--max-new-tokens", cfg.max_new_tokens, 1),
+                            ("gen_batch", 1 if cfg.gen_batch is None else cfg.gen_batch, 1), ("n_tokens", cfg.n_tokens, 1),
+                            ("rank", cfg.rank, 1), ("--batch", cfg.batch, 1), ("--micro-batch", cfg.micro_batch, 1),
+                            ("--eval-every", cfg.eval_every, 1), ("--save-every", cfg.save_every, 1),
+                            ("weight_decay", cfg.weight_decay, 0)] + lab:
+        cli.at_least(flag, value, lo)
+    minutes = [("--max-minutes", cfg.max_minutes)] if cfg.max_minutes is not None else []
+    for flag, value in [("--lr", cfg.lr), ("alpha", cfg.alpha), ("--epochs", cfg.epochs), ("clip", cfg.clip),
+                        ("store_gb", cfg.store_gb)] + minutes:
+        cli.positive(flag, value)
+    shares = [("first_frac", cfg.first_frac)] if hasattr(cfg, "first_frac") else []
+    for flag, value in [("warmup", cfg.warmup), ("long_frac", cfg.long_frac)] + shares + \
+            ([("copy_frac", cfg.copy_frac)] if cfg.copy_frac is not None else []):
+        cli.fraction(flag, value)
+    if not cfg.min_tokens <= cfg.max_tokens <= cfg.long_max:
+        raise ValueError(f"min_tokens {cfg.min_tokens}, --max-tokens {cfg.max_tokens}, long_max {cfg.long_max}: "
+                         "need min <= max <= long_max")
+    # a step is batch // micro_batch micro-batches, at least one: --batch 4 with the default micro-batch of 8 trained
+    # on 8 samples a step, and --batch 10 on 8; the first is one micro-batch of 4, the second is refused
+    cfg.micro_batch = min(cfg.micro_batch, cfg.batch)
+    if cfg.batch % cfg.micro_batch:
+        step = cfg.micro_batch * max(1, cfg.batch // cfg.micro_batch)
+        raise ValueError(f"--batch {cfg.batch} is not a whole number of micro-batches of {cfg.micro_batch} "
+                         f"(--micro-batch): each step would train on {step} samples; use --batch {step}, or a "
+                         f"--micro-batch that divides {cfg.batch}")
+    if not -2**63 <= cfg.seed < 2**63:  # torch.manual_seed's range; past it, an OverflowError that named no flag
+        raise ValueError(f"--seed {cfg.seed}: must be a whole number from -2**63 to 2**63 - 1")
+
+
+def check_fit(cfg, model_cfg, out, rows, adapter):
+    """The module and the prompts fit the model, said before the data stage rather than after it (rank 10**6
+    filled the memory when training began) or never (a prompt past the context runs on RoPE positions the model
+    never saw): a LoRA rank at most its hidden size (a higher one adds nothing), every prompt with its answer
+    and the M lookahead rows after it within its context. The recipe's longest prompt counts when this run
+    makes prompts; the longest OUT/data.jsonl holds always. M and rank are --init's adapter's when there is one."""
+    ctx, name = model_cfg.max_context, model_cfg.name
+    M = adapter.n_tokens if adapter is not None else cfg.n_tokens
+    if adapter is None and cfg.rank > model_cfg.hidden_size:
+        raise ValueError(f"rank {cfg.rank}: at most {name}'s hidden size {model_cfg.hidden_size} (a LoRA of higher "
+                         f"rank adds nothing)")
+    have = {split: sum(r.get("split") == split for r in rows) for split in ("train", "heldout")}
+    if cfg.stage in ("data", "all") and (have["train"] < cfg.n_train or have["heldout"] < cfg.n_heldout):
+        key, longest = ("long_max", cfg.long_max) if cfg.long_frac > 0 else ("--max-tokens", cfg.max_tokens)
+        after, room = ("--max-new-tokens", cfg.max_new_tokens) if cfg.max_new_tokens >= M else ("n_tokens", M)
+        if longest + CHAT_ROOM + room > ctx:
+            raise ValueError(f"{key} {longest} + {CHAT_ROOM} (the chat template) + {after} {room} is "
+                             f"{longest + CHAT_ROOM + room} tokens, past {name}'s context of {ctx}: lower {key} or "
+                             f"{after}")
+    longest = max((len(r["prompt_ids"]) for r in rows), default=0)
+    if longest + M > ctx:
+        raise ValueError(f"n_tokens {M}: {out / 'data.jsonl'}'s longest prompt ({longest} tokens) with the M "
+                         f"lookahead rows after it is past {name}'s context of {ctx}: lower n_tokens")
+
+
+def check_rule(rule, model_cfg, parse_rule):
+    """The recipe's selection rule (the adapter's .json names it) as methods.parse_rule reads it for this model: a
+    width within its context ("max:99999999999" passed the syntax check alone and then hung in the first held-out
+    check, pooling over a window that size). Its vocabulary is not passed: a span shortlist past it is the whole
+    vocabulary (extensions/span.shortlist clamps it), and the default span:8:1024 would refuse every small model."""
+    try:
+        parse_rule(rule, context=model_cfg.max_context)
+    except ValueError as e:
+        raise ValueError(f"rule {rule!r} (the recipe's selection rule): {e}") from None
+
+
+def data_dtypes(src, rows):
+    """[(dtype, what says so)]: the dtype the base model ran in when src's data was made, as its rows record it
+    (build_dataset), and as the held-out ground truth kept there holds it (harness.heldout_ground_truth saves the
+    cache in the model's dtype and loads it back as it is: a float32 one in a bfloat16 model failed at step 0).
+    A folder made before the rows recorded it is known by the second alone; [] when neither is there."""
+    found = [(d, f"its rows in {src / 'data.jsonl'}") for d in sorted({r["dtype"] for r in rows if "dtype" in r})]
+    for path in sorted((Path(src) / "heldout").glob("*.pt"))[:1]:  # one file says: one model made them all
+        try:
+            kept = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["k"][0].dtype
+        except Exception:  # cut short by a kill: the held-out check makes it again (harness)
+            continue
+        found.append((str(kept).removeprefix("torch."), f"its held-out ground truth {path.parent}"))
+    return found
+
+
+def check_data_dtype(cfg, src, rows):
+    """One data folder, one dtype: the answers and targets there are the base model's in the dtype it ran in, and
+    its held-out ground truth is kept in that dtype; a run in another dtype (--dtype, or the device's default) is
+    refused rather than mixing two models' data or failing at its first held-out check. --stage budgets reads the
+    samples alone (load_batch casts their cache to the model's dtype): an adapter measured on another machine's data."""
+    if cfg.stage == "budgets":
+        return
+    for made, where in data_dtypes(src, rows):
+        if made != cfg.dtype:
+            flag = "--data" if getattr(cfg, "data", None) else "--out"
+            raise ValueError(f"--dtype {cfg.dtype}: {flag} {src} was made with the base model in {made} ({where}): "
+                             f"run in its dtype (--dtype {made}), or make a data stage of your own in {cfg.dtype} "
+                             f"(python train.py --stage data --dtype {cfg.dtype} --out NEW)")
+
+
+def check_disk(cfg, model_cfg, rows):
+    """build_dataset's store_gb check on the least the new rows can take, with S >= min_tokens: a training row keeps
+    its target (L x H x S floats), a held-out row its ground truth in OUT/heldout (the float32 cache too, made by
+    the held-out check): --n-train or --n-heldout 10**9 is refused now, not once their prompts have all been made."""
+    if cfg.stage not in ("data", "all"):
+        return
+    have = {split: sum(r.get("split") == split for r in rows) for split in ("train", "heldout")}
+    new_train, new_held = max(0, cfg.n_train - have["train"]), max(0, cfg.n_heldout - have["heldout"])
+    least = (new_train * sample_bytes(model_cfg, cfg.min_tokens, None)
+             + new_held * sample_bytes(model_cfg, cfg.min_tokens, torch.float32))
+    if least > cfg.store_gb * 2**30:
+        raise ValueError(f"--n-train {cfg.n_train}, --n-heldout {cfg.n_heldout}: the training samples and the held-out "
+                         f"ground truth would take at least {least / 2**30:.1f} GiB on disk, over store_gb "
+                         f"{cfg.store_gb}: raise it in the --config file, or use fewer prompts")
+
+
+def check_data_made(cfg, out, rows):
+    """Under torchrun the ranks but rank 0 only read the data: a data stage with work left runs on one process."""
+    have = {split: sum(r.get("split") == split for r in rows) for split in ("train", "heldout")}
+    if have["train"] < cfg.n_train or have["heldout"] < cfg.n_heldout or not all(
+            sample_ok(sample_path(out, r["id"])) for r in rows if r["split"] == "train"):
+        raise ValueError("build the dataset first on one process (python train.py --stage data)")
+
+
+def check_store(n_bytes, cfg):
+    """The data stage's disk, counted on the prompts it made (check_disk counted the least they could take)."""
+    if n_bytes > cfg.store_gb * 2**30:
+        raise ValueError(f"the training samples would take {n_bytes / 2**30:.1f} GiB on disk, over store_gb "
+                         f"{cfg.store_gb}: raise it in the --config file, or use fewer/shorter prompts "
+                         "(--n-train, --max-tokens)")
+
+
+def output_paths(cfg):
+    """(OUT, where the adapter goes), both writable now (check_writable); --stage budgets must be told where (it
+    rewrites an adapter)."""
+    out = cli.output_folder("--out", cfg.out)
+    if cfg.stage == "budgets" and not cfg.adapter_out:
+        raise ValueError("--stage budgets needs --adapter-out: where the adapter with its layer weights goes "
+                         "(it may be the measured adapter itself; the old pair is kept as NAME.prev.safetensors)")
+    dest = cli.output_file("--adapter-out", cfg.adapter_out, ".safetensors") if cfg.adapter_out \
+        else out / "adapter.safetensors"
+    check_writable("--out", out, out, [out / "ckpt.pt", out / "ckpt.tmp", out / "log.jsonl"])
+    if cfg.stage != "data":  # the data stage writes no adapter
+        # what LookaheadModule.save writes: the pair, each through a temporary name
+        files = [dest, dest.with_suffix(".json"), dest.with_suffix(".safetensors.tmp"), dest.with_suffix(".json.tmp")]
+        check_writable("--adapter-out" if cfg.adapter_out else "--out", dest, dest.parent, files)
+    return out, dest
+
+
+def check_writable(flag, path, folder, files):
+    """That this run can write `files` into `folder` at its end, said now rather than after training: a file is made
+    there and removed (os.access says yes to root everywhere, and to a read-only mount), and none of `files` is a
+    folder or other non-file that a file cannot replace."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: this folder is not writable (making a file in {folder} failed: "
+                         f"{e.strerror}): pass another") from None
+    for f in files:
+        if f.exists() and not f.is_file():
+            raise ValueError(f"{flag} {path}: {f}, which this run writes, is a folder (or not a file): move it "
+                             f"away, or pass another {flag}")
+
+
+def check_samples(cfg, out, rows):
+    """--stage train and budgets read the samples OUT holds: there must be some, and those read must open."""
+    if cfg.stage not in ("train", "budgets"):
+        return
+    train_rows = getattr(cfg, "train_rows", None)
+    have = [r for r in rows if r.get("split") == "train" and sample_path(out, r["id"]).exists()]
+    if not have:
+        raise ValueError(f"--stage {cfg.stage}: {out} holds no training samples yet: build them first with "
+                         f"python train.py --stage data --out {out} (and this run's --config)")
+    if train_rows is not None and train_rows > len(have):
+        raise ValueError(f"--train-rows {train_rows}: {out} holds {len(have)} training samples: ask for at "
+                         "most that many, or make more with its data stage")
+    if cfg.stage == "train" and len(have) < cfg.n_train:
+        # a data stage stopped part way trains without a word otherwise, and a --train-rows draw among the rows
+        # there is not the draw of the finished folder (draw_rows shuffles the groups it finds)
+        cli.warn(f"{out} holds {len(have)} training samples, fewer than n_train {cfg.n_train}: if its data stage "
+                 f"has not finished, rerun it first (python train.py --stage data --out {out} and its --config); "
+                 f"training on these {len(have)}" + (", --train-rows drawing among them" if train_rows else ""))
+    for r in have[:BUDGET_SAMPLES] if cfg.stage == "budgets" else have:
+        if not sample_ok(sample_path(out, r["id"])):
+            raise unreadable_sample(sample_path(out, r["id"]))
+
+
+def read_rows(out, model_cfg, trim=False):
+    """The rows of OUT/data.jsonl ([] if none), all made by this base model. trim: drop a partial last line
+    (a run killed mid-write), before this run appends to the file."""
+    path = out / "data.jsonl"
+    if not path.exists():
+        return []
+    text = path.read_text()
+    if trim and text and not text.endswith("\n"):
+        path.write_text(text[: text.rfind("\n") + 1])
+    rows = data.read_jsonl(path, required=("id", "prompt_ids", "response_ids"), allow_empty=True)
+    for r in rows:
+        if r.get("fingerprint") != model_cfg.fingerprint():
+            raise ValueError(f"{path} was made with another base model ({r.get('base_model')}): use another --out")
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# The checkpoint: what --resume continues, and the settings it must agree on
+
+# The settings a resume may change, the rest of the config's fields defining the run: where it reads the model
+# (its weights are compared by fingerprint) and writes, which stage runs, when it stops, checks and saves, the device
+# (its dtype is compared: that changes the numbers), and the data stage's batch size and disk cap (neither changes
+# a row). The module's shape (n_tokens, rank, alpha, targets) is compared from the checkpoint's module itself.
+MAY_CHANGE = ("model", "out", "adapter_out", "stage", "resume", "max_minutes", "eval_every", "save_every", "device",
+              "gen_batch", "store_gb")
+MODULE_KEYS = ("n_tokens", "rank", "alpha", "targets")
+
+
+def resume_keys(Config):
+    """What the result depends on (--data and --init as given: the same file under two spellings is refused)."""
+    return tuple(f.name for f in dataclasses.fields(Config) if f.name not in MAY_CHANGE + MODULE_KEYS)
+
+
+def schedule_of(cfg):
+    """The settings a checkpoint is only good for (--resume with others would train a mix of two runs and record
+    one of them in the adapter's .json): every config field but MAY_CHANGE's, checked (check_run) first."""
+    return {k: getattr(cfg, k) for k in resume_keys(type(cfg))}
+
+
+def checkpoint_to_resume(cfg, out, model_cfg, adapter, parser):
+    """OUT/ckpt.pt checked against this run (read_checkpoint) when --resume trains and one is there, else None;
+    without --resume, one there must be this run's own (check_own_checkpoint): training replaces it."""
+    if not (cfg.stage in ("train", "all") and (out / "ckpt.pt").exists()):
+        return None
+    shape = adapter.metadata() if adapter is not None else dict(
+        n_tokens=cfg.n_tokens, rank=cfg.rank, alpha=cfg.alpha, targets=list(parse_targets(cfg.targets)))
+    if not cfg.resume:
+        return check_own_checkpoint(out, model_cfg, shape, schedule_of(cfg), parser)
+    return read_checkpoint(out / "ckpt.pt", model_cfg, shape, schedule_of(cfg), parser)
+
+
+def save_checkpoint(path, module, opt, step, log, settings=None):
+    tmp = path.with_suffix(".tmp")
+    torch.save(dict(module=module.state_dict(), meta=module.metadata(), opt=opt.state_dict(), step=step, log=log,
+                    rng=torch.get_rng_state(), settings=settings), tmp)
+    os.replace(tmp, path)  # atomic: a kill mid-save leaves the previous checkpoint intact
+
+
+def load_checkpoint(path):
+    """OUT/ckpt.pt's dict, or None if it cannot be read as one (cut short, or not a checkpoint at all)."""
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=False)
+        ck["meta"]["base_fingerprint"]
+        return ck
+    except Exception:
+        return None
+
+
+def checkpoint_differences(ck, now, schedule, parser):
+    """What a readable checkpoint was made with that this run is not, one "FLAG OLD (this run: NEW)" each: the
+    module (now: its n_tokens, rank, alpha, targets) and the settings (schedule: schedule_of; a checkpoint from
+    before a key was saved is not checked for it)."""
+    meta, saved = ck["meta"], ck.get("settings") or {}
+    differ = [f"{flag_of(k, parser)} {json.dumps(meta.get(k))} (this run: {json.dumps(now[k])})"
+              for k in MODULE_KEYS if meta.get(k) != now[k]]
+    return differ + [f"{flag_of(k, parser)} {json.dumps(saved[k])} (this run: {json.dumps(schedule[k])})"
+                     for k in schedule if k in saved and saved[k] != schedule[k]]
+
+
+def read_checkpoint(path, model_cfg, now, schedule, parser):
+    """OUT/ckpt.pt to resume, checked against the base model, the module this run would train and its
+    settings (checkpoint_differences): each that differs is named with both values, in one line."""
+    ck = load_checkpoint(path)
+    if ck is None:
+        raise ValueError(f"--resume: checkpoint {path} is corrupt (unreadable): delete it to start over, "
+                         "or drop --resume")
+    if ck["meta"]["base_fingerprint"] != model_cfg.fingerprint():
+        raise ValueError(f"--resume: {path} was trained for {ck['meta'].get('base_model')}, not {model_cfg.name}: "
+                         "use another --out")
+    differ = checkpoint_differences(ck, now, schedule, parser)
+    if differ:
+        raise ValueError(f"--resume: {path} was made with other settings: {'; '.join(differ)}. It is not corrupt: "
+                         "resume with its settings, or pass another --out")
+    return ck
+
+
+def check_own_checkpoint(out, model_cfg, now, schedule, parser):
+    """Without --resume, a run starts at step 0 and replaces OUT/ckpt.pt at its first checkpoint, and appends to
+    OUT/log.jsonl: fine for this run's own checkpoint (the same settings, started over), refused for another run's
+    (other settings or model, or a file it cannot read), which it would destroy and whose log it would mix into."""
+    path = out / "ckpt.pt"
+    ck = load_checkpoint(path)
+    if ck is None:
+        why = "a file train.py cannot read as a checkpoint"
+    elif ck["meta"]["base_fingerprint"] != model_cfg.fingerprint():
+        why = f"trained for {ck['meta'].get('base_model')}, not {model_cfg.name}"
+    else:
+        differ = checkpoint_differences(ck, now, schedule, parser)
+        if not differ:
+            return
+        why = f"made with other settings: {'; '.join(differ)}"
+    raise ValueError(f"--out {out} holds another run's checkpoint ({path}: {why}): pass another --out, continue that "
+                     f"run with its own settings and --resume, or delete {path} to start this one over there")
+
+
+def resume_from(ck, module, opt, path):
+    """Load a checked checkpoint into the module and optimiser: (step, log)."""
+    try:
+        module.load_state_dict(ck["module"])
+        opt.load_state_dict(ck["opt"])
+        torch.set_rng_state(ck["rng"])
+    except Exception as e:
+        raise ValueError(f"--resume: checkpoint {path} is corrupt ({type(e).__name__}): delete it to start over, "
+                         "or drop --resume") from None
+    return ck["step"], ck["log"]
+
+
+# -----------------------------------------------------------------------------
+# The adapter: its .json metadata, and the backups of one it replaces
+
+
+def describe_rows(train_rows, n_held):
+    """The training data as its rows are, not as this command's flags say (with --stage train or --init the
+    data stage ran earlier, maybe with other flags): sources, prompt and answer lengths, the copy tasks' share."""
+    prompt = [len(r["prompt_ids"]) for r in train_rows] or [0]
+    answer = [len(r["response_ids"]) for r in train_rows] or [0]
+    return dict(sources=sorted({r.get("source", "?") for r in train_rows}), n_train=len(train_rows), n_heldout=n_held,
+                prompt_tokens=[min(prompt), max(prompt)], answer_tokens_max=max(answer),
+                copy_share=round(sum(r.get("task") in data.COPY_TASKS for r in train_rows) / max(1, len(train_rows)),
+                                 3), python=data.PYTHON)
+
+
+def adapter_metadata(cfg, train_rows, n_held, step, total, stopped_early, log):
+    """What the shipped .json says about how the adapter was made (and how it selects: its rule)."""
+    info = dict(rule=cfg.rule, train_data=describe_rows(train_rows, n_held), steps=step, planned_steps=total,
+                stopped_early=stopped_early, batch=cfg.batch, lr=cfg.lr, epochs=cfg.epochs,
+                heldout=log[-1] if log else None, untrained=log[0] if log else None)
+    info["train_data"].update(folder=getattr(cfg, "data", None) or cfg.out)  # the data stage's folder it trained on
+    return info
+
+
+def save_adapter(module, dest):
+    """module.save(dest), an adapter already there kept (keep_previous), saying where."""
+    if dest.exists() or dest.with_suffix(".json").exists():
+        _, kept = keep_previous(dest)
+        print(f"{dest} existed: replaced; the previous one is kept as {' + '.join(str(p) for p in kept)}")
+    module.save(dest)
+
+
+def backup_names(dest):
+    """NAME.prev.safetensors, NAME.prev2.safetensors, NAME.prev3...: where keep_previous may keep dest."""
+    n = 1
+    while True:
+        yield dest.with_name(f"{dest.stem}.prev{n if n > 1 else ''}.safetensors")
+        n += 1
+
+
+def keep_previous(dest):
+    """Copy the adapter at dest (+ .json) to the first backup name (backup_names) free of both files: an earlier
+    backup is never replaced (a second run on one --adapter-out replaced .prev, the first adapter with it, while
+    saying it was kept). The first file is made with O_EXCL, so two runs saving at once keep theirs under two names.
+    Returns (the backup's .safetensors path, the files written)."""
+    sources = [src for src in (dest, dest.with_suffix(".json")) if src.exists()]
+    for prev in backup_names(dest):
+        copies = [(src, prev.with_suffix(src.suffix)) for src in sources]
+        if any(p.exists() for p in (prev, prev.with_suffix(".json"))):
+            continue
+        try:
+            with open(copies[0][0], "rb") as first, open(copies[0][1], "xb") as f:  # "xb": the claim
+                shutil.copyfileobj(first, f)
+        except FileExistsError:  # taken meanwhile by another run
+            continue
+        shutil.copystat(*copies[0])
+        for src, dst in copies[1:]:
+            shutil.copy2(src, dst)
+        return prev, [dst for _, dst in copies]
+
+
+# -----------------------------------------------------------------------------
+# The machine
+
+
+def peak_memory_gib():
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    import resource  # Unix only: called where /proc/meminfo exists
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def memory_warning(peak, available):
+    """After the first step on a CPU (GiB): a warning when what the machine has left is under half of the step's
+    peak, else None. A step grows with its batch's prompt lengths (RESULTS.md 8.3: 12.9 GB at step 3 of the 5K
+    recipe, 16-17 GB later), and the kernel's OOM killer ends a run without a line in its log; half is that growth
+    with room to spare, a rule of thumb, not a measurement of this run's longest batch."""
+    if available is None or available >= peak / 2:
+        return None
+    return (f"the first training step held {peak:.1f} GiB and the machine has {available:.1f} GiB left: a batch "
+            "of longer prompts may get this run killed for memory (no line in the log says so); stop the other "
+            "jobs (a data stage resumes), or lower --micro-batch")
+
+
+def warn_memory(device):
+    """memory_warning after this process's first training step on a CPU, as a `warning:` line."""
+    warning = memory_warning(peak_memory_gib(), cli.free_memory_gib("cpu")) if device == "cpu" else None
+    if warning:
+        cli.warn(warning)
