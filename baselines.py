@@ -15,22 +15,17 @@ adds to the prefill and how it scores; its docstring cites its paper.
 
 import torch
 
-from eviction import (EvictConfig, Hooks, Pool, RecentQueries, Scorer, WindowHook, fit_to_prompt, greedy,
-                      group_attention, keep_slots, prefill_and_score, stack_layers)
+from eviction import (EvictConfig, Hooks, Pool, Scorer, greedy, group_attention, keep_slots, prefill_and_score,
+                      stack_layers)
 from lookaheadkv import answer_attention
 from model import Hook
 
 
 class Unpooled(Scorer):
-    """A method that selects by its own scores alone (position, chance, the truth): no smoothing."""
+    """A method that selects by its own scores alone (position, chance, the truth): no smoothing, and no
+    selection rule applies to it (methods.make_scorer refuses one)."""
 
     default_rule = Pool("none")
-
-    def __init__(self, eviction, module=None, response=None):
-        if eviction.rule is not None:
-            raise ValueError(f"method {eviction.method} selects by its own scores alone: a selection rule "
-                             f"(--pool {eviction.rule}) does not apply to it")
-        super().__init__(eviction)
 
 
 class FullKV(Unpooled):
@@ -42,20 +37,20 @@ class FullKV(Unpooled):
 @torch.no_grad()
 def full_answer(model, ids, max_new_tokens, stop_ids, pad_mask=None, clock=None):
     """FullKV's greedy answer to the prompt ids (B, S): the reference every method is judged by, and the future
-    whose attention LookaheadKV learns. Returns (run, answers): run is FullKV's prefill (its cache holds the
+    whose attention LookaheadKV learns. Returns (prefilled, answers): FullKV's Prefilled (its cache holds the
     prompt alone: the answer is decoded on a copy), answers one id list per row, each ending at its stop token.
     generate.py's oracle calls it, evaluate.py its two steps (its prefill watched by every method: answer_from);
-    train.py's data stage decodes this same answer while it sums
-    the target (tests/test_train.py holds the two equal), and the held-out harness reads that answer back."""
-    run = prefill_and_score(model, ids, FullKV(EvictConfig("full")), pad_mask, clock)
-    return run, answer_from(model, run, max_new_tokens, stop_ids)
+    train.py's data stage decodes this same answer while it sums the target (tests/test_train.py holds the two
+    equal), and the held-out harness reads that answer back."""
+    prefilled = prefill_and_score(model, ids, FullKV(EvictConfig("full")), pad_mask, clock)
+    return prefilled, answer_from(model, prefilled, max_new_tokens, stop_ids)
 
 
-def answer_from(model, run, max_new_tokens, stop_ids):
-    """FullKV's greedy answer from its prefill `run` (the whole prompt cache and the first-token logits), decoded
-    on a copy of the cache so that run.cache stays the prompt's: full_answer's second step, and evaluate.py's,
+def answer_from(model, prefilled, max_new_tokens, stop_ids):
+    """FullKV's greedy answer from its Prefilled (the whole prompt cache and the first-token logits), decoded on
+    a copy of the cache so that prefilled.cache stays the prompt's: full_answer's second step, and evaluate.py's,
     which makes the prefill with every other method watching it (one prefill per prompt)."""
-    return greedy(model, run.cache.copy(), run.logits, run.next_pos, max_new_tokens, stop_ids)
+    return greedy(model, prefilled.cache.copy(), prefilled.logits, prefilled.next_pos, max_new_tokens, stop_ids)
 
 
 class StreamingLLM(Unpooled):
@@ -63,28 +58,38 @@ class StreamingLLM(Unpooled):
     arXiv 2309.17453): keep the first n_sink tokens, which soak up attention whatever they say,
     and the most recent C - n_sink. No attention is looked at."""
 
-    settings = dict(n_sink=4)  # the first tokens, always kept (attention sinks)
+    default_options = dict(n_sink=4)  # the first tokens, always kept (attention sinks)
 
     @property
     def sinks(self):  # what Scorer.protect keeps
-        return self.own["n_sink"]
+        return self.options["n_sink"]
 
-    def score(self, model, run):
-        S, L, Hkv = run.positions.shape[1], len(run.cache.k), run.cache.k[0].shape[1]
-        slot = torch.arange(S, device=run.positions.device).float()
-        return slot.expand(L, run.positions.shape[0], Hkv, S)  # recency
-
+    def score(self, model, prefilled):
+        (B, S), L, Hkv = prefilled.positions.shape, len(prefilled.cache.k), prefilled.cache.k[0].shape[1]
+        return torch.arange(S, device=prefilled.positions.device).float().expand(L, B, Hkv, S)  # recency
 
 
 class RandomKV(Unpooled):
     """Random scores: the floor any method must beat."""
 
-    settings = dict(seed=0)
+    default_options = dict(seed=0)
 
-    def score(self, model, run):
-        (B, S), L, Hkv = run.positions.shape, len(run.cache.k), run.cache.k[0].shape[1]
-        g = torch.Generator(device="cpu").manual_seed(self.own["seed"])
-        return torch.rand(L, B, Hkv, S, generator=g).to(run.positions.device)
+    def score(self, model, prefilled):
+        (B, S), L, Hkv = prefilled.positions.shape, len(prefilled.cache.k), prefilled.cache.k[0].shape[1]
+        g = torch.Generator(device="cpu").manual_seed(self.options["seed"])
+        return torch.rand(L, B, Hkv, S, generator=g).to(prefilled.positions.device)
+
+
+class WindowHook(Hook):
+    """SnapKV's prefill score: the mean attention of the chunk's last `n` queries over the first S keys, per
+    layer and KV head (B, H_kv, S): the mean over those queries and the GQA group."""
+
+    def __init__(self, n, S):
+        self.n, self.S, self.scores = n, S, {}
+
+    def attn(self, layer, q, k, key_valid):
+        probs = group_attention(q[:, :, -self.n:], k, key_valid)  # (B, H_kv, G*n, Tk)
+        self.scores[layer] = probs[..., : self.S].mean(dim=2)  # (B, H_kv, S)
 
 
 class SnapKV(Scorer):
@@ -100,12 +105,8 @@ class SnapKV(Scorer):
     def prefill_hook(self, ids):
         return WindowHook(self.window, ids.shape[1])
 
-    def score(self, model, run):
-        return stack_layers(run.hook.scores)
-
-    # after the prefill: the queries of the last `window` tokens run (the generated ones, or a new turn's
-    # last ones) over every slot; those tokens are the last slots (the window is always kept), so causal
-    # alignment holds
+    def score(self, model, prefilled):
+        return stack_layers(prefilled.hook.scores)
 
 
 class PyramidKV(SnapKV):
@@ -113,17 +114,15 @@ class PyramidKV(SnapKV):
     Information Funneling", arXiv 2406.02069): SnapKV's scores, but early layers (broad attention)
     get more slots than late ones (focused attention): budgets fall linearly, mean C."""
 
-    settings = dict(beta=20)  # KVCache-Factory's pyramid: prefix budgets fall from hi to lo = (C - window) // beta
+    default_options = dict(beta=20)  # KVCache-Factory's pyramid: prefix budgets fall to (C - window) // beta
 
-    def own_budgets(self, budget, n_layers, S, least):
-        return pyramid_budgets(budget, self.window, n_layers, self.own["beta"], S)
-
+    def default_budgets(self, budget, n_layers, S, least):
+        return pyramid_budgets(budget, self.window, n_layers, self.options["beta"], S)
 
 
 def pyramid_budgets(budget, window, n_layers, beta, S=None):
-    """PyramidKV: budgets fall linearly from the first layer to the last, mean over layers = C.
-    A layer cannot keep more than the S prompt tokens: what a clipped layer cannot use goes
-    to the other layers, evenly, so the mean stays C (while C <= S)."""
+    """PyramidKV: budgets fall linearly from the first layer to the last, mean over layers = C, fitted to
+    the S prompt tokens (fit_to_prompt)."""
     if n_layers == 1:
         return [budget]
     avail = budget - window
@@ -131,6 +130,22 @@ def pyramid_budgets(budget, window, n_layers, beta, S=None):
     hi = 2 * avail - lo
     b = [window + round(hi - l * (hi - lo) / max(n_layers - 1, 1)) for l in range(n_layers)]
     return b if S is None else fit_to_prompt(b, S)
+
+
+def fit_to_prompt(budgets, S):
+    """A layer cannot keep more than the S prompt tokens: what a clipped layer cannot use goes to
+    the other layers, evenly, so the mean stays C (while C <= S)."""
+    b = list(budgets)
+    spare = sum(max(x - S, 0) for x in b)
+    b = [min(x, S) for x in b]
+    while spare > 0 and any(x < S for x in b):
+        room = [l for l in range(len(b)) if b[l] < S]
+        share, extra = divmod(spare, len(room))
+        for i, l in enumerate(room):
+            b[l] += share + (i < extra)
+        spare = sum(max(x - S, 0) for x in b)
+        b = [min(x, S) for x in b]
+    return b
 
 
 class H2OHook(Hook):
@@ -178,10 +193,9 @@ class H2O(Scorer):
     def prefill_hook(self, ids):
         return H2OHook()
 
-    def score(self, model, run):
-        cfg = model.config
-        return stack_layers(run.hook.scores(run.valid, cfg.num_attention_heads // cfg.num_key_value_heads))
-
+    def score(self, model, prefilled):
+        G = model.config.num_attention_heads // model.config.num_key_value_heads
+        return stack_layers(prefilled.hook.scores(prefilled.valid, G))
 
 
 class LAQ(SnapKV):
@@ -191,18 +205,32 @@ class LAQ(SnapKV):
     keep the top C (window kept). Decoding starts from the original first-token logits."""
 
     budget_dependent = True  # the draft runs on the SnapKV-compressed cache of size C
-    settings = dict(draft_tokens=8)  # the draft's length, and how many last prompt queries join it
+    default_options = dict(draft_tokens=8)  # the draft's length, and how many last prompt queries join it
 
     def prefill_hook(self, ids):
         # SnapKV's scores (for the draft's cache) and the last draft_tokens prompt queries
-        return Hooks(WindowHook(self.window, ids.shape[1]), RecentQueries(self.own["draft_tokens"]))
+        return Hooks(WindowHook(self.window, ids.shape[1]), RecentQueries(self.options["draft_tokens"]))
 
-    def score(self, model, run):
-        window_hook, recent = run.hook.hooks
+    def score(self, model, prefilled):
+        window_hook, recent = prefilled.hook.hooks
         # shallow copy: gathering in it leaves the full cache alone
-        draft_cache = keep_slots(run.cache.copy(), self.evict(stack_layers(window_hook.scores), run))
-        return stack_layers(laq_scores(model, run.cache, draft_cache, run.logits, run.next_pos, recent.q,
-                                       self.own["draft_tokens"], run.valid))
+        draft_cache = keep_slots(prefilled.cache.copy(), self.evict(stack_layers(window_hook.scores), prefilled))
+        return stack_layers(laq_scores(model, prefilled.cache, draft_cache, prefilled.logits, prefilled.next_pos,
+                                       recent.q, self.options["draft_tokens"], prefilled.valid))
+
+
+class RecentQueries(Hook):
+    """The queries of the last `n` tokens run, per layer, across every forward it watches (a prompt's
+    last chunk, decode steps, new turns): LAQ's draft and window, SnapKV's decode-phase form."""
+
+    every_chunk = True
+
+    def __init__(self, n):
+        self.n, self.q = n, {}
+
+    def attn(self, layer, q, k, key_valid):
+        prev = self.q.get(layer)
+        self.q[layer] = (q if prev is None else torch.cat([prev, q], dim=2))[:, :, -self.n:]  # (B, H, <=n, D)
 
 
 @torch.no_grad()
@@ -235,5 +263,5 @@ class Oracle(Unpooled):
         self.response = response
         super().__init__(eviction)
 
-    def score(self, model, run):
-        return stack_layers(answer_attention(model, run.cache, self.response, run.next_pos))
+    def score(self, model, prefilled):
+        return stack_layers(answer_attention(model, prefilled.cache, self.response, prefilled.next_pos))

@@ -2,28 +2,19 @@
 The steps every KV-eviction method shares: prefill -> score -> evict -> decode.
 
 After a prompt of S tokens is prefilled, each (layer, KV head) keeps only C of its S KV slots and
-decoding goes on with that compact cache. A method (a Scorer) says two things: what it adds to the
-prefill (a Hook that watches the queries, or rows appended after the prompt) and how it turns what
-it saw into scores (L, B, H_kv, S), higher = keep. Everything else is shared and lives here:
+decoding goes on with that compact cache. A method (a Scorer) says what it adds to the prefill (a
+Hook that watches the queries, or embeddings appended after the prompt) and how it turns what it saw
+into scores (L, B, H_kv, S), higher = keep. Everything else is shared and lives here:
 
-    scorer = make_scorer(EvictConfig("snapkv", budget=128))   # methods.py
+    scorer = make_scorer(EvictConfig("snapkv", budget=128))   # methods.py names every method
     cache, logits, next_pos, kept = compress(model, ids, scorer)
-        1. prefill   the prompt (and the method's extra rows), chunk by chunk, its hook watching
+        1. prefill   the prompt (and the method's appended embeddings), chunk by chunk, its hook watching
         2. score     scorer.score(...) -> (L, B, H_kv, S)
-        3. evict     smooth (a selection rule), protect (sinks, the recent window), top C per
-                     (layer, KV head), one gather per layer
+        3. evict     smooth (Pool), protect (sinks, the recent window), top C_l per (layer, KV head), gather
     decode(model, cache, logits, next_pos, n)  # positions go on from S whatever the cache holds
 
-Two settings say how scores become kept slots: the smoothing before the top C (EvictConfig.rule, a
-Pool: SnapKV's avg- or max-pooling, or none) and the budget policy (EvictConfig.budgets: how many
-slots each layer gets). Defaults are the papers': the method's own pooling and C in every layer.
-A method's own settings (StreamingLLM's sinks, LAQ's draft length, ...) live with its class
-(Scorer.settings, with their defaults); EvictConfig.own sets them by name.
-An idea beyond the papers wraps a Scorer from its own file in extensions/ (as kvpress's wrappers
-wrap any press) and this file never names it.
-
-The methods themselves: lookaheadkv.py (the paper) and baselines.py; methods.py names them all.
-Library errors are exceptions (ValueError); the scripts turn them into one line.
+What EvictConfig leaves unset is the method's own (the paper's): its smoothing (Scorer.default_rule),
+its slots per layer (Scorer.default_budgets: C in every layer), its options (Scorer.default_options).
 """
 import math
 from dataclasses import dataclass, field
@@ -39,14 +30,13 @@ class EvictConfig:
     method: str = "full"
     budget: int = 128  # C: KV slots kept per (layer, KV head), protected tokens included
     window: int = 32  # snapkv/pyramidkv/h2o/laq: the last `window` prompt tokens are always kept
-    rule: object = None  # how scores are smoothed before the top C (a Pool); None = the method's own
-    # (SnapKV-like: avg-pool 5; lookahead: its adapter's; the oracle: none). methods.make_scorer also
-    # takes a rule from extensions/ here, and wraps the method in it
-    budgets: object = None  # slots per layer: budgets(C, n_layers, S, least) -> list (extensions/);
-    # None = the method's own (C in every layer; pyramidkv: its pyramid; lookahead: its adapter's)
+    rule: object = None  # the smoothing before the top C (a Pool; methods.make_scorer wraps the method in a
+    # rule from extensions/); None = the method's default_rule (snapkv: avg-pool 5; lookahead: max-pool 7)
+    budgets: object = None  # the budget policy, budgets(C, n_layers, S, least) -> slots per layer; None =
+    # the method's default_budgets (C in every layer; pyramidkv: its pyramid)
     chunk_size: int = 4096  # prefill in chunks of this many tokens (bounded activations at 32K)
-    own: dict = field(default_factory=dict)  # the method's own settings by name, e.g. {"n_sink": 4}: its
-    # class lists them with their defaults (Scorer.settings) and refuses any other
+    own: dict = field(default_factory=dict)  # the method's own options by name, e.g. {"n_sink": 4}: its
+    # class lists them with their defaults (Scorer.default_options); make_scorer refuses any other
 
 
 # -----------------------------------------------------------------------------
@@ -54,13 +44,10 @@ class EvictConfig:
 
 
 def group_attention(q, k, key_valid=None, causal=True):
-    """Softmax attention of a chunk's queries over all keys, without copying K for GQA.
-
-    q (B, H, Tq, D) sit at the last Tq of the Tk key slots (causal=True) or after all of them
-    (causal=False: every query sees every key); k (B, H_kv, Tk, D).
-    Returns float32 probabilities (B, H_kv, G*Tq, Tk): the G query heads that share a KV head
-    are stacked as extra rows (query head h uses KV head h // G, as in HF's repeat_kv).
-    """
+    """Softmax attention of a chunk's queries q (B, H, Tq, D) over all keys k (B, H_kv, Tk, D), without copying
+    K for GQA. The queries sit at the last Tq of the Tk key slots (causal) or after all of them (causal=False).
+    Returns float32 probabilities (B, H_kv, G*Tq, Tk): the G query heads that share a KV head are stacked as
+    extra rows (query head h uses KV head h // G, as in HF's repeat_kv)."""
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -74,44 +61,6 @@ def group_attention(q, k, key_valid=None, causal=True):
     logits.masked_fill_(~key_valid[:, :, None, :], float("-inf"))  # (B, 1|H_kv, 1, Tk)
     # with padding, a left-padding query may see no real key: its all -inf row is NaN, make it 0
     return logits.softmax(dim=-1).nan_to_num(nan=0.0)
-
-
-class WindowHook(Hook):
-    """Mean attention of the chunk's last `n` queries over the first S keys, per layer and KV head
-    (B, H_kv, S), or per query head (B, H, S). SnapKV (the last prompt queries) and the lookahead
-    rows score this way; they differ in which queries they use."""
-
-    keep_probs = False  # a subclass that makes its rows' output from them (Hook.attn_output) keeps them
-
-    def __init__(self, n, S, per_query_head=False):
-        self.n, self.S, self.per_query_head = n, S, per_query_head
-        self.scores = {}
-
-    def attn(self, layer, q, k, key_valid):
-        q = q[:, :, -self.n:]  # (B, H, n, D)
-        probs = group_attention(q, k, key_valid)  # (B, H_kv, G*n, Tk)
-        if self.keep_probs:
-            self.probs = probs
-        probs = probs[..., : self.S]  # (B, H_kv, G*n, S)
-        if self.per_query_head:  # training: one distribution per query head, (B, H, S)
-            B, Hkv, _, S = probs.shape
-            self.scores[layer] = probs.view(B, Hkv, -1, self.n, S).mean(dim=3).flatten(1, 2)
-        else:  # eviction: mean over the GQA group and the queries, (B, H_kv, S)
-            self.scores[layer] = probs.mean(dim=2)
-
-
-class RecentQueries(Hook):
-    """The queries of the last `n` tokens run, per layer, across every forward it watches (a prompt's
-    last chunk, decode steps, new turns): LAQ's draft and window, SnapKV's decode-phase form."""
-
-    every_chunk = True
-
-    def __init__(self, n):
-        self.n, self.q = n, {}
-
-    def attn(self, layer, q, k, key_valid):
-        prev = self.q.get(layer)
-        self.q[layer] = (q if prev is None else torch.cat([prev, q], dim=2))[:, :, -self.n:]  # (B, H, <=n, D)
 
 
 class Hooks(Hook):
@@ -146,12 +95,10 @@ def stack_layers(scores):
 
 
 class Pool:
-    """SnapKV's smoothing of scores (..., S) along the sequence before the top C, so that a kept
-    token brings its neighbours: "avg" (SnapKV's code, kernel 5) or "max" (its LongBench configs,
-    kernel 7: a dilation, a peak spreads at full height) over a centred window; "none" keeps the
-    raw scores. With a protected window (kept anyway) only the prefix before it is smoothed, as in
-    SnapKV's code, so the window's large scores do not leak into the tokens before it. avg pads
-    with zeros and divides by the full width; max ignores the padding."""
+    """SnapKV's smoothing of scores (..., S) along the sequence before the top C, so that a kept token brings
+    its neighbours: "avg" (SnapKV's code, kernel 5) or "max" (its LongBench configs, kernel 7: a peak spreads
+    at full height) over a centred window, or "none". With a protected window (kept anyway) only the prefix
+    before it is smoothed, as in SnapKV's code. avg pads with zeros and divides by the full width."""
 
     KINDS = ("none", "avg", "max")
 
@@ -177,32 +124,15 @@ class Pool:
         return torch.cat([pooled, scores[..., n:]], dim=-1) if window else pooled
 
 
-def fit_to_prompt(budgets, S):
-    """A layer cannot keep more than the S prompt tokens: what a clipped layer cannot use goes to
-    the other layers, evenly, so the mean stays C (while C <= S)."""
-    b = list(budgets)
-    spare = sum(max(x - S, 0) for x in b)
-    b = [min(x, S) for x in b]
-    while spare > 0 and any(x < S for x in b):
-        room = [l for l in range(len(b)) if b[l] < S]
-        share, extra = divmod(spare, len(room))
-        for i, l in enumerate(room):
-            b[l] += share + (i < extra)
-        spare = sum(max(x - S, 0) for x in b)
-        b = [min(x, S) for x in b]
-    return b
-
-
 def uniform_budgets(budget, n_layers, S, least=1):
     """The papers' budget policy: C slots in every layer (all S when the prompt is shorter)."""
     return [min(budget, S)] * n_layers
 
 
 def select(scores, budget, key_valid=None, protect=None):
-    """Indices (..., B, H_kv, C) of the top `budget` scores (..., B, H_kv, S) per batch row and KV
-    head (and layer, when the layers are stacked in front), in slot order.
-    protect (B, 1, S) bool marks tokens kept whatever their score (counted inside the budget);
-    padding slots are never preferred over a real token."""
+    """Indices (..., B, H_kv, C) of the top `budget` scores (..., B, H_kv, S) per (layer,) batch row and KV
+    head, in slot order. protect (B, 1, S) marks tokens kept whatever their score (inside the budget);
+    padding slots (key_valid False) are never preferred over a real token."""
     s = scores.float()
     if protect is not None:
         s = s.masked_fill(protect, float("inf"))
@@ -236,76 +166,57 @@ class Prefilled:
 
 
 class Scorer:
-    """A KV-eviction method, in two parts: what it adds to the prefill (`prefill_hook`: a Hook that
-    watches the queries; `extra_rows`: rows after the prompt, scored then discarded), and how it
-    turns what it saw into scores (`score`: (L, B, H_kv, S), higher = keep). `protect` says which
-    tokens it always keeps; `evict` is the step every method shares: smooth by the selection rule,
-    top C_l per (layer, KV head) by the budget policy, in slot order."""
+    """A KV-eviction method: what it adds to the prefill (`prefill_hook`, `appended_embeddings`: rows after
+    the prompt, scored then discarded) and how it turns what it saw into scores (`score`). `evict` is the
+    step every method shares: smooth by the rule, protect, top C_l per (layer, KV head) by the budget policy."""
 
     evicts = True  # False: FullKV
     window = 0  # the last `window` prompt tokens are always kept (inside the budget)
     sinks = 0  # the first `sinks` tokens are always kept (inside the budget)
     budget_dependent = False  # True: the scores themselves depend on C (they cannot serve other budgets)
     default_rule = Pool("avg", 5)  # the smoothing it uses unless EvictConfig.rule says otherwise
-    settings = {}  # the method's own settings and their defaults (EvictConfig.own overrides them by name)
+    default_options = {}  # the method's own options and their defaults (EvictConfig.own overrides them by name)
 
-    def __init__(self, eviction, module=None, response=None):
-        self.eviction = eviction
-        unknown = sorted(set(eviction.own) - set(self.settings))
-        if unknown:
-            raise ValueError(f"method {eviction.method} has no setting {', '.join(unknown)}; its own: "
-                             f"{', '.join(self.settings) or 'none'}")
-        self.own = {**self.settings, **eviction.own}
+    def __init__(self, eviction, module=None, response=None):  # methods.make_scorer checks the config
+        self.eviction, self.options = eviction, {**self.default_options, **eviction.own}
         self.rule = eviction.rule if eviction.rule is not None else self.default_rule
-        if not isinstance(self.rule, Pool):  # a rule from extensions/ wraps the scorer instead
-            raise ValueError(f"selection rule {self.rule!r} is not a pooling: build the method with "
-                             "methods.make_scorer, which wraps it in that rule")
-        if eviction.budget < 1:
-            raise ValueError(f"budget {eviction.budget} must be at least 1 KV slot per (layer, KV head)")
-        if self.evicts and eviction.budget < self.window + self.sinks + 1:
-            kept = f"the last {self.window} tokens" if self.window else f"{self.sinks} sink tokens"
-            smaller = " or a smaller window" if self.window else ""
-            raise ValueError(f"budget {eviction.budget} is too small for {eviction.method}: it always keeps {kept}; "
-                             f"use a budget > {self.window + self.sinks}{smaller}")
 
     def prefill_hook(self, ids):  # a Hook watching the prefill of the prompt ids (B, S), or None
         return None
 
-    def extra_rows(self):  # embeddings (M, hidden) to append after the prompt, or None
+    def appended_embeddings(self):  # embeddings (M, hidden) to append after the prompt, or None
         return None
 
-    def score(self, model, run):  # (L, B, H_kv, S)
+    def score(self, model, prefilled):  # (L, B, H_kv, S)
         raise NotImplementedError
 
     def protect(self, positions):
-        """(B, 1, S) bool: the tokens kept whatever their score, or None."""
+        """(B, 1, S) bool: the tokens kept whatever their score (the last `window`, each row's first `sinks`
+        real tokens), or None."""
+        if not (self.window or self.sinks):
+            return None
         S = positions.shape[1]
-        keep = torch.zeros_like(positions, dtype=torch.bool)
-        if self.window:
-            keep |= torch.arange(S, device=positions.device) >= S - self.window  # the most recent
-        if self.sinks:
-            keep |= positions < self.sinks  # the first real tokens of each row
-        return keep[:, None, :] if (self.window or self.sinks) else None
+        return ((torch.arange(S, device=positions.device) >= S - self.window) | (positions < self.sinks))[:, None]
 
-    def own_budgets(self, budget, n_layers, S, least):  # the method's budget policy (PyramidKV overrides it)
+    def default_budgets(self, budget, n_layers, S, least):  # the method's budget policy (PyramidKV overrides it)
         return uniform_budgets(budget, n_layers, S, least)
 
-    def budgets(self, n_layers, S):
-        """Slots per layer: EvictConfig.budgets if given, else the method's own (C in every layer)."""
-        policy = self.eviction.budgets or self.own_budgets
+    def layer_budgets(self, n_layers, S):
+        """Slots per layer, by EvictConfig.budgets if given, else by the method's default_budgets."""
+        policy = self.eviction.budgets or self.default_budgets
         return policy(self.eviction.budget, n_layers, S, least=self.window + self.sinks + 1)
 
-    def evict(self, scores, run, budgets=None):
-        """The shared step: scores (L, B, H_kv, S) -> per layer the kept slots (B, H_kv, C_l), in slot
-        order. run: the Prefilled the scores are of (its positions say what is protected, its valid what
-        is padding). budgets: slots per layer; None = the budget policy's (self.budgets)."""
+    def evict(self, scores, prefilled, layer_budgets=None):
+        """The shared step: scores (L, B, H_kv, S) -> per layer the kept slots (B, H_kv, C_l), in slot order.
+        prefilled: the Prefilled the scores are of (its positions say what is protected, its valid what is
+        padding). layer_budgets: slots per layer; None = self.layer_budgets(L, S)."""
         L, S = scores.shape[0], scores.shape[-1]
-        budgets = self.budgets(L, S) if budgets is None else budgets
+        budgets = self.layer_budgets(L, S) if layer_budgets is None else layer_budgets
         scores = self.rule.smooth(scores, self.window)
-        protect = self.protect(run.positions)
+        protect = self.protect(prefilled.positions)
         if len(set(budgets)) == 1:  # one top-k for all layers
-            return list(select(scores, budgets[0], run.valid, protect))
-        return [select(scores[l], b, run.valid, protect) for l, b in enumerate(budgets)]
+            return list(select(scores, budgets[0], prefilled.valid, protect))
+        return [select(scores[l], b, prefilled.valid, protect) for l, b in enumerate(budgets)]
 
 
 # -----------------------------------------------------------------------------
@@ -314,12 +225,10 @@ class Scorer:
 
 def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=4096, logits_at=-1, tail=0):
     """Run embeddings x (B, T, hidden) through the model into `cache`, chunk by chunk so a 32K prompt's
-    activations stay bounded. The LAST chunk is a full one (the first takes the remainder), so
-    window scorers find all their queries in it; the last `tail` rows (the lookahead rows) ride
-    along with it, so the prompt is chunked exactly as without them. The hook sees only the last
-    chunk unless it says every_chunk. Returns the logits at row `logits_at` (B, 1, V)."""
-    T = x.shape[1]
-    P = T - tail  # the prompt
+    activations stay bounded. The LAST chunk is a full one, so window scorers find all their queries in it;
+    the last `tail` rows (appended embeddings) ride along with it, so the prompt is chunked as without them.
+    A hook sees only the last chunk unless it says every_chunk. Returns the logits at row `logits_at`."""
+    T, P = x.shape[1], x.shape[1] - tail  # all rows, the prompt's
     bounds = sorted({0, *range(P % chunk_size, P, chunk_size)}) + [T]
     hooks = hook.hooks if isinstance(hook, Hooks) else [hook]
     for a, b in zip(bounds[:-1], bounds[1:]):
@@ -333,72 +242,64 @@ def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=409
 
 
 def prefill_and_score(model, ids, scorer, pad_mask=None, clock=None):
-    """Steps 1 and 2 of compress: returns run, a Prefilled with the full prompt cache and run.scores
-    (L, B, H_kv, S), or None when there is nothing to evict (S <= C, full). Scores do not depend on
-    the budget (except LAQ's), so one call serves every budget. clock: anything with a mark() method
-    (e.g. metrics.Stopwatch), marked after the prefill.
-
-    scorer may also be a list of scorers that watch ONE prefill together (harness.py: every method on
-    one forward); then a list of runs, one per scorer, sharing one cache (evict into copies of it). None
-    of them may add rows after the prompt (the two-pass lookahead adds none): the others' hooks would
-    take those rows for the prompt's last queries."""
+    """Steps 1 and 2 of compress: a Prefilled with the full prompt cache and its scores (L, B, H_kv, S) (None
+    when there is nothing to evict: S <= C, full). Scores do not depend on C (except LAQ's): one call serves
+    every budget. clock (a metrics.Stopwatch, or None) is marked after the prefill. scorer may be a list that
+    watches ONE prefill (research/harness.py): one Prefilled each, sharing one cache (evict into copies)."""
     scorers = list(scorer) if isinstance(scorer, (list, tuple)) else [scorer]
     B, S = ids.shape
-    dev = ids.device
-    positions = torch.arange(S, device=dev).expand(B, S)
+    positions = torch.arange(S, device=ids.device).expand(B, S)
     if pad_mask is not None:  # left padding: each row's first real token is at position 0
         positions = (pad_mask.long().cumsum(-1) - 1).clamp(min=0)
     valid = None if pad_mask is None else pad_mask[:, None, :]  # (B, 1, S)
     next_pos = positions[:, -1] + 1  # (B,) the position of the first generated token, = S_b
     evicting = [s.evicts and S > s.eviction.budget for s in scorers]  # nothing to evict when the prompt fits
 
-    # 1. prefill; the scorer may watch it, and add rows after the prompt (the lookahead rows, at
-    # positions S_b .. S_b+M-1, riding in the last chunk)
+    # 1. prefill, the scorer's hook watching; embeddings it appends (the lookahead rows, at positions
+    # S_b .. S_b+M-1) ride in the last chunk. Beside other scorers, their hooks would take them for the prompt's
     hooks = [s.prefill_hook(ids) if e else None for s, e in zip(scorers, evicting)]
-    rows = [r for s, e in zip(scorers, evicting) if e and (r := s.extra_rows()) is not None]
-    if rows and len(scorers) > 1:
+    appended = [a for s, e in zip(scorers, evicting) if e and (a := s.appended_embeddings()) is not None]
+    if appended and len(scorers) > 1:
         raise ValueError("a scorer that adds rows after the prompt (one-pass lookahead) prefills alone: "
                          "use its two-pass form (own=dict(one_pass=False)) beside other scorers")
-    x_all, pos_all, mask_all = model.model.embed_tokens(ids), positions, pad_mask  # (B, S, hidden)
-    if rows:
-        M = rows[0].shape[0]
-        x_all = torch.cat([x_all, rows[0].to(x_all.dtype).expand(B, -1, -1)], dim=1)  # (B, S+M, hidden)
-        pos_all = torch.cat([positions, next_pos[:, None] + torch.arange(M, device=dev)], dim=1)
-        mask_all = None if pad_mask is None else torch.cat([pad_mask, pad_mask.new_ones(B, M)], dim=1)
-    # a hook sees the last chunk only: it holds the whole window
-    chunk = max([scorers[0].eviction.chunk_size] + [s.window for s in scorers])
+    x, x_positions, x_mask = model.model.embed_tokens(ids), positions, pad_mask  # (B, S, hidden)
+    if appended:
+        M = appended[0].shape[0]
+        x = torch.cat([x, appended[0].to(x.dtype).expand(B, -1, -1)], dim=1)  # (B, S+M, hidden)
+        x_positions = torch.cat([positions, next_pos[:, None] + torch.arange(M, device=ids.device)], dim=1)
+        x_mask = None if pad_mask is None else torch.cat([pad_mask, pad_mask.new_ones(B, M)], dim=1)
+    chunk = max([scorers[0].eviction.chunk_size] + [s.window for s in scorers])  # the last chunk holds the window
     cache = KVCache(model.config.num_hidden_layers)
     watch = Hooks(*hooks) if len(hooks) > 1 else hooks[0]
-    logits = prefill(model, x_all, pos_all, cache, mask_all, watch, chunk, logits_at=S - 1, tail=x_all.shape[1] - S)
-    cache.truncate(S)  # rows after the prompt are scored, then discarded: never in the cache
-    runs = [Prefilled(cache, h, logits[:, -1], positions, next_pos, valid) for h in hooks]
+    logits = prefill(model, x, x_positions, cache, x_mask, watch, chunk, logits_at=S - 1, tail=x.shape[1] - S)
+    cache.truncate(S)  # appended rows are scored, then discarded: never in the cache
+    prefilled = [Prefilled(cache, h, logits[:, -1], positions, next_pos, valid) for h in hooks]
     if clock is not None:
         clock.mark()
 
     # 2. score: (L, B, H_kv, S), every layer at once, so smoothing and top-k are a few launches in all
-    for run, s, e in zip(runs, scorers, evicting):
+    for p, s, e in zip(prefilled, scorers, evicting):
         if e:
-            run.scores = s.score(model, run)
-    return runs if isinstance(scorer, (list, tuple)) else runs[0]
+            p.scores = s.score(model, p)
+    return prefilled if isinstance(scorer, (list, tuple)) else prefilled[0]
 
 
 def compress(model, ids, scorer, pad_mask=None, clock=None):
-    """Prefill the prompt ids (B, S) and evict its cache down to C = scorer.eviction.budget slots per
-    (layer, KV head) by the method `scorer` (methods.make_scorer(EvictConfig(...))). pad_mask (B, S): False on left padding.
-    Returns (cache, first-token logits (B, V), next positions (B,), kept): kept is, per layer, the kept
-    slots (B, H_kv, C_l), or None when nothing was evicted. clock (a Stopwatch, or None) is marked after
-    the prefill and after the eviction, so a caller times the two steps without the library timing anything."""
+    """Prefill the prompt ids (B, S) (pad_mask: False on left padding) and evict its cache down to C =
+    scorer.eviction.budget slots per (layer, KV head) by `scorer` (methods.make_scorer). Returns (cache,
+    first-token logits (B, V), next positions (B,), kept: per layer the kept slots (B, H_kv, C_l), or None
+    when nothing was evicted). clock (or None) is marked after the prefill and after the eviction."""
     # 1. prefill and 2. score
-    run = prefill_and_score(model, ids, scorer, pad_mask, clock)
+    prefilled = prefill_and_score(model, ids, scorer, pad_mask, clock)
     kept = None
-    if run.scores is not None:
+    if prefilled.scores is not None:
         # 3. evict: smooth, one top-k for all layers (per layer when budgets differ), one gather per layer
-        kept = scorer.evict(run.scores, run)
-        keep_slots(run.cache, kept)
+        kept = scorer.evict(prefilled.scores, prefilled)
+        keep_slots(prefilled.cache, kept)
     if clock is not None:
         clock.mark()
     # 4. return the compact cache; the first token is decoded from the prefill's own logits
-    return run.cache, run.logits, run.next_pos, kept
+    return prefilled.cache, prefilled.logits, prefilled.next_pos, kept
 
 
 def decode_step(model, cache, tokens, positions, hook=None):
@@ -409,11 +310,10 @@ def decode_step(model, cache, tokens, positions, hook=None):
 @torch.no_grad()
 def decode(model, cache, logits, next_pos, max_new_tokens, stop_ids=(), temperature=0.0, top_p=1.0, generator=None,
            hook=None, after_step=None):
-    """Generate from first-token logits (B, V) on `cache`, yielding token ids (B,) step by step
-    (greedy at temperature 0). Rows that hit a stop token keep being fed it (batch decoding); the
-    caller stops reading them. The positions go on from next_pos whatever the cache holds.
-    hook watches every step's forward, and after_step(model, cache, next_pos) runs once a token is
-    in the cache, next_pos then being where the next one goes (extensions/decode.py evicts there)."""
+    """Generate from first-token logits (B, V) on `cache`, yielding token ids (B,) step by step (greedy at
+    temperature 0); rows that hit a stop token are fed it on (batch decoding). The positions go on from
+    next_pos whatever the cache holds. hook watches every step's forward; after_step(model, cache, next_pos)
+    runs once a token is in the cache (extensions/decode.py evicts there)."""
     stop = torch.tensor(list(stop_ids) or [-1], device=logits.device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     for t in range(max_new_tokens):

@@ -6,9 +6,10 @@ extensions/) knows the names.
     scorer = make_scorer(EvictConfig("lookahead", budget=128), module=load_adapter(path, model.config))
     cache, logits, next_pos, kept = eviction.compress(model, ids, scorer)
 
-An adapter ships the way it selects: "rule" (e.g. "span:8": extensions/span.py) and "layer_weights"
+An adapter ships the way it selects: "rule" (e.g. "span:8:1024": extensions/span.py) and "layer_weights"
 (extensions/layer_budgets.py) in its .json. make_scorer applies them to method lookahead unless the
-EvictConfig names its own rule or budgets (EvictConfig(budgets=uniform_budgets): the paper's C in every layer).
+EvictConfig names its own rule or budgets; an adapter that names neither selects in the paper's form
+(LookaheadKV's defaults: max-pool 7, C in every layer).
 """
 import dataclasses
 import json
@@ -56,20 +57,46 @@ def number(text):
 
 
 def make_scorer(eviction, module=None, response=None):
-    """The Scorer of eviction.method; it checks its inputs and the budget (ValueError). For lookahead, the
-    adapter's own rule and per-layer budgets unless the EvictConfig names others."""
+    """The Scorer of eviction.method, its config checked (check_scorer: ValueError). For lookahead, the adapter's
+    own selection (its .json: the shipped adapter's "rule" span:8:1024 and "layer_weights") unless the EvictConfig
+    names a rule or budgets; an adapter that names none selects in the paper's form (LookaheadKV's defaults:
+    max-pool 7, C in every layer)."""
     if eviction.method not in METHODS:
         raise ValueError(f"unknown method {eviction.method!r}; choose from {', '.join(METHODS)}")
+    method = METHODS[eviction.method]
     if eviction.method == "lookahead" and module is not None:
         rule, budgets = adapter_selection(module)
         eviction = dataclasses.replace(eviction, rule=eviction.rule or rule, budgets=eviction.budgets or budgets)
+    if issubclass(method, Unpooled) and eviction.rule is not None:
+        raise ValueError(f"method {eviction.method} selects by its own scores alone: a selection rule "
+                         f"(--pool {eviction.rule}) does not apply to it")
     if isinstance(eviction.rule, SpanRule):  # beyond the paper: the method, unpooled, wrapped in the span rule
-        if issubclass(METHODS[eviction.method], Unpooled):
-            raise ValueError(f"method {eviction.method} selects by its own scores alone: a selection rule "
-                             f"(--pool {eviction.rule}) does not apply to it")
-        inner = METHODS[eviction.method](dataclasses.replace(eviction, rule=Pool("none")), module, response)
-        return Spanned(inner, eviction.rule)
-    return METHODS[eviction.method](eviction, module=module, response=response)
+        scorer = Spanned(method(dataclasses.replace(eviction, rule=Pool("none")), module, response), eviction.rule)
+    else:
+        scorer = method(eviction, module=module, response=response)
+    check_scorer(scorer)
+    return scorer
+
+
+def check_scorer(scorer):
+    """What make_scorer refuses in a method's EvictConfig (ValueError): an option the method does not have, a
+    rule that is no selection rule, a budget below 1 KV slot or below the tokens the method always keeps."""
+    eviction = scorer.eviction
+    unknown = sorted(set(eviction.own) - set(scorer.default_options))
+    if unknown:
+        raise ValueError(f"method {eviction.method} has no setting {', '.join(unknown)}; its own: "
+                         f"{', '.join(scorer.default_options) or 'none'}")
+    if not isinstance(scorer.rule, (Pool, SpanRule)):
+        raise ValueError(f"selection rule {scorer.rule!r} is not a pooling or a span rule: read it with "
+                         "methods.parse_rule")
+    if eviction.budget < 1:
+        raise ValueError(f"budget {eviction.budget} must be at least 1 KV slot per (layer, KV head)")
+    window, sinks = scorer.window, scorer.sinks
+    if scorer.evicts and eviction.budget < window + sinks + 1:
+        kept = f"the last {window} tokens" if window else f"{sinks} sink tokens"
+        smaller = " or a smaller window" if window else ""
+        raise ValueError(f"budget {eviction.budget} is too small for {eviction.method}: it always keeps {kept}; "
+                         f"use a budget > {window + sinks}{smaller}")
 
 
 def selection_of(scorer):
@@ -81,7 +108,7 @@ def selection_of(scorer):
     policy = scorer.eviction.budgets
     if isinstance(policy, LayerBudgets):
         budgets = "per-layer budgets"
-    elif policy is None and scorer.own_budgets.__func__ is not Scorer.own_budgets:  # its own (PyramidKV's)
+    elif policy is None and scorer.default_budgets.__func__ is not Scorer.default_budgets:  # PyramidKV's own
         budgets = "pyramid budgets"
     else:
         budgets = "C in every layer"

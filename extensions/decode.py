@@ -18,8 +18,8 @@ import copy
 
 import torch
 
-from baselines import H2O, H2OHook, SnapKV, StreamingLLM
-from eviction import Prefilled, RecentQueries, decode_step, group_attention, keep_slots, prefill, stack_layers
+from baselines import H2O, H2OHook, RecentQueries, SnapKV, StreamingLLM
+from eviction import Prefilled, decode_step, group_attention, keep_slots, prefill, stack_layers
 from lookaheadkv import LookaheadKV, lookahead_pass
 
 # -----------------------------------------------------------------------------
@@ -154,8 +154,8 @@ class DecodeEviction:
         # head) the first `sinks` slots hold positions 0 .. sinks-1: the slot order protects what the
         # positions would (the cache has no padding: valid None)
         order = torch.arange(n, device=scores.device).expand(scores.shape[1], n)  # (B, n)
-        run = Prefilled(cache, self.hook, None, order, next_pos, None)
-        kept = self.scorer.evict(scores, run, [self.budget if budget is None else budget] * len(scores))
+        prefilled = Prefilled(cache, self.hook, None, order, next_pos, None)  # what evict reads of it
+        kept = self.scorer.evict(scores, prefilled, [self.budget if budget is None else budget] * len(scores))
         keep_slots(cache, kept)
         if hasattr(self.hook, "gather"):  # H2O's running sums travel with their slots
             for layer, idx in enumerate(kept):

@@ -19,7 +19,8 @@ import math
 
 import torch
 
-from eviction import fit_to_prompt, keep_slots, select, stack_layers
+from baselines import fit_to_prompt
+from eviction import keep_slots, select, stack_layers
 from lookaheadkv import kl_loss, lookahead_pass
 from support.metrics import answer_kl, forced_logprobs
 
@@ -49,7 +50,7 @@ class LayerBudgets:
 
 def spread_budgets(budget, weights, S, least=1):
     """Per-layer budgets C * w_l / mean(w), each at least `least` slots, summing to L * C exactly
-    (largest remainders get the rounding), then fitted to the prompt (eviction.fit_to_prompt)."""
+    (largest remainders get the rounding), then fitted to the prompt (baselines.fit_to_prompt)."""
     L, total = len(weights), sum(weights)
     want = [max(budget * L * w / total, least) for w in weights]
     scale = (budget * L - least * L) / max(sum(x - least for x in want), 1e-9)  # the floor comes out of the rest

@@ -226,7 +226,7 @@ class SpanHooks(Hooks):
 class Spanned:
     """Any method (a Scorer, its rule a Pool("none")) wrapped in the span rule: its prefill is watched for the
     final hidden states too, its scores are smoothed by the rule before its own eviction step. Everything
-    else (budgets, protected tokens, settings) is the method's: attributes not defined here are its."""
+    else (budgets, protected tokens, options) is the method's: attributes not defined here are its."""
 
     def __init__(self, scorer, rule):
         if not (isinstance(scorer.rule, Pool) and scorer.rule.kind == "none"):
@@ -241,18 +241,18 @@ class Spanned:
         inner = self.scorer.prefill_hook(ids)
         return SpanHooks(inner, HiddenStates(ids)) if self.rule.kernel > 1 else inner
 
-    def score(self, model, run):
-        if not isinstance(run.hook, SpanHooks):
-            return self.scorer.score(model, run)
-        run.hook.states.lm_head = model.lm_head  # what reads the hidden states it kept, at eviction
-        return self.scorer.score(model, dataclasses.replace(run, hook=run.hook.inner))
+    def score(self, model, prefilled):
+        if not isinstance(prefilled.hook, SpanHooks):
+            return self.scorer.score(model, prefilled)
+        prefilled.hook.states.lm_head = model.lm_head  # what reads the hidden states it kept, at eviction
+        return self.scorer.score(model, dataclasses.replace(prefilled, hook=prefilled.hook.inner))
 
-    def evict(self, scores, run, budgets=None):
+    def evict(self, scores, prefilled, layer_budgets=None):
         L, S = scores.shape[0], scores.shape[-1]
-        budgets = self.scorer.budgets(L, S) if budgets is None else budgets
-        states = run.hook.states if isinstance(run.hook, SpanHooks) else None
+        budgets = self.scorer.layer_budgets(L, S) if layer_budgets is None else layer_budgets
+        states = prefilled.hook.states if isinstance(prefilled.hook, SpanHooks) else None
         if states is None and self.rule.kernel > 1:  # smoothing nothing would select as the method alone, silently
             raise ValueError(f"the span rule ({self.rule!r}) did not watch this prefill: make the run with this "
                              "scorer (prefill_and_score)")
-        scores = self.rule.smooth(scores, states, run.valid, run.positions, self.scorer.window, budgets)
-        return self.scorer.evict(scores, run, budgets)
+        scores = self.rule.smooth(scores, states, prefilled.valid, prefilled.positions, self.scorer.window, budgets)
+        return self.scorer.evict(scores, prefilled, budgets)

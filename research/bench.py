@@ -323,7 +323,7 @@ def describe(model, args, module=None, scorers=None, note=None):
         for name, s in (scorers or {}).items():
             if name.startswith("lookahead"):
                 budgets = "per-layer budgets" if type(s.eviction.budgets).__name__ == "LayerBudgets" else "C every layer"
-                print(f"  {name}: rule {s.rule}, {budgets}, {'one pass' if s.own['one_pass'] else 'two passes'}")
+                print(f"  {name}: rule {s.rule}, {budgets}, {'one pass' if s.options['one_pass'] else 'two passes'}")
     if note:
         print(note)
     if torch.device(args.device).type == "cuda":

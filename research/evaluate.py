@@ -380,7 +380,7 @@ def selections(args, methods, budgets, modules):
 
 def prefill_once(model, ids, scorer, full):
     """The method's prefill and scores, shared by every budget: (run, prefill_ms, score_ms)."""
-    if scorer.prefill_hook(ids) is None and scorer.extra_rows() is None:
+    if scorer.prefill_hook(ids) is None and scorer.appended_embeddings() is None:
         # nothing watches the prefill (streaming, random, oracle): it would be FullKV's own, so reuse it
         run = dataclasses.replace(full.run, cache=full.run.cache.copy())
         clock = Stopwatch(ids.device)

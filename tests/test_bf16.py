@@ -43,9 +43,11 @@ def models():
     with torch.no_grad():
         m32 = tiny_model(num_hidden_layers=3)
         module = random_module(m32.config, 8, LookaheadModule.TARGETS)
-    # module.info names no rule: lookahead selects unpooled, as in the paper. These tests compare scores and
-    # top-C under rounding; random tokens are mostly unpredictable, so the span rule (the shipped one) would
-    # share scores across whole runs and leave no clear margin: its bf16 path has a test of its own below
+    module.info["rule"] = "none"  # as an adapter's .json names it: make_scorer applies it
+    # lookahead selects unpooled here. These tests compare scores and top-C under rounding: LookaheadKV's
+    # default max-pooling (the paper's form) makes plateaus of equal scores, whose margins are 0; and random
+    # tokens are mostly unpredictable, so the span rule (the shipped one) would share scores across whole runs
+    # and leave no clear margin either: its bf16 path has a test of its own below
     return m32, copy.deepcopy(m32).to(BF16), module
 
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import methods
-from eviction import EvictConfig, Pool, WindowHook, compress, decode, prefill_and_score, select, uniform_budgets
+from baselines import WindowHook
+from eviction import EvictConfig, Pool, compress, decode, prefill_and_score, select, uniform_budgets
 from extensions.decode import DecodeEviction
 from extensions.layer_budgets import FLOOR, LayerBudgets, layer_weights, measure, spread_budgets
 from extensions.layer_loss import LayerWeightedKL, read_weights
@@ -57,7 +58,7 @@ def span_reference(model, ids, scorer, run, kernel, pad_mask=None):
     pooled = span_scores(run.scores[..., :n].float(), surprisal[:, :n], kernel).to(run.scores.dtype)
     scores = torch.cat([pooled, run.scores[..., n:]], dim=-1)
     protect = scorer.protect(run.positions)
-    kept = [select(scores[l], b, run.valid, protect) for l, b in enumerate(scorer.budgets(L, S))]
+    kept = [select(scores[l], b, run.valid, protect) for l, b in enumerate(scorer.layer_budgets(L, S))]
     scores = scores.float()
     if protect is not None:
         scores = scores.masked_fill(protect, float("inf"))
@@ -101,7 +102,7 @@ def test_span_rule_keeps_what_the_surprisal_of_every_token_keeps(method, weights
         shares.append(scorer.rule.last_share)
         run = prefill_and_score(model, ids, make_scorer(ec, mod))
         want, scores = span_reference(model, ids, scorer, run, kernel)
-        assert [k.shape[-1] for k in kept] == scorer.budgets(3, S)
+        assert [k.shape[-1] for k in kept] == scorer.layer_budgets(3, S)
         assert_same_top(kept, want, scores)
         unpooled = make_scorer(EvictConfig(method, budget=C, window=4, rule=Pool("none"), budgets=budgets), mod)
         changed += any(not torch.equal(a, b) for a, b in zip(kept, unpooled.evict(run.scores, run)))
@@ -333,7 +334,7 @@ def test_adapter_rule_and_layer_weights_ride_in_its_json_and_make_scorer_applies
     assert repr(make_scorer(EvictConfig("lookahead", budget=C, budgets=uniform_budgets), back).rule) == "span:4"
     # an explicit rule replaces the adapter's, its budgets stay
     none = make_scorer(EvictConfig("lookahead", budget=C, rule=Pool("none")), back)
-    assert repr(none.rule) == "none" and none.budgets(3, S) == [6, 24, 6]
+    assert repr(none.rule) == "none" and none.layer_budgets(3, S) == [6, 24, 6]
     # the budgets change how many slots, not the order: each layer's kept set nests in the larger one's
     a = compress(model, ids, none)[3]
     b = compress_by(model, ids, EvictConfig("lookahead", budget=C, rule=Pool("none"), budgets=uniform_budgets),

@@ -392,3 +392,92 @@ def check_tied_head(path, stored, embedding):
 
 # -----------------------------------------------------------------------------
 # --- adapter files
+
+# the .json keys that shape a LookaheadModule, and their types (every other key is kept unread: LookaheadModule.load)
+ADAPTER_KEYS = dict(base_model=str, base_fingerprint=str, n_tokens=int, rank=int, alpha=(int, float), targets=list)
+SCALE_LIMIT = 1e6  # adapter_scale_problem: far past a trained adapter (~10), far below float overflow
+
+
+def read_adapter(path):
+    """(its .json's dict, its tensors) of adapter `path` (a .safetensors file, its .json beside it), or the error
+    naming the file."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if path.suffix != ".safetensors" or not path.is_file() or not path.with_suffix(".json").is_file():
+        raise FileNotFoundError(f"adapter {path} (a .safetensors file and its .json) not found: "
+                                "train one with python train.py")
+    meta = read_json(path.with_suffix(".json"), "retrain the adapter")
+    try:
+        return meta, load_file(str(path))
+    except Exception as e:
+        raise ValueError(f"adapter {path} is not a readable safetensors file ({str(e).splitlines()[0]}): "
+                         "retrain it") from None
+
+
+def check_adapter_metadata(meta, meta_file, cfg, n_bytes, targets, dims):
+    """An adapter's .json keys, before any tensor is made: their types, the base model, and M, rank and targets
+    (of `targets`, the LoRA targets; `dims`, their (in, out)) against the size of the tensors file (n_bytes),
+    so that "rank": 10**12 is one line, not a module allocated (or an overflow) first."""
+    for key, kind in ADAPTER_KEYS.items():
+        value = meta.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            found = "missing" if key not in meta else json.dumps(value)[:40]
+            what = {int: "a whole number", str: "a string", list: "a list"}.get(kind, "a number")
+            raise ValueError(f"adapter metadata {meta_file}: {key!r} is {found}, not {what}: retrain the adapter")
+        if isinstance(value, (int, float)) and not (math.isfinite(value) and value > 0):  # "alpha": NaN parses
+            raise ValueError(f"adapter metadata {meta_file}: {key!r} is {value}, not a finite number > 0: "
+                             "retrain the adapter")
+    if meta["base_fingerprint"] != cfg.fingerprint():
+        raise ValueError(f"adapter {meta_file.with_suffix('.safetensors').name} was trained for "
+                         f"{meta['base_model']!r} (fingerprint {meta['base_fingerprint']}), not for this model "
+                         f"{cfg.name!r} ({cfg.fingerprint()}): train one for it with python train.py")
+    bad = [t for t in meta["targets"] if t not in targets]
+    if bad:  # named here, with the file; the module's constructor would name neither
+        raise ValueError(f"adapter metadata {meta_file}: 'targets' holds {json.dumps(bad)[:60]}, not LoRA targets "
+                         f"({', '.join(targets)}): retrain the adapter")
+    numbers = meta["n_tokens"] * cfg.hidden_size + cfg.num_hidden_layers * meta["rank"] * sum(
+        sum(dims[t]) for t in set(meta["targets"]))
+    if numbers > n_bytes:  # safetensors spends at least a byte on each
+        raise ValueError(f"adapter metadata {meta_file}: n_tokens {meta['n_tokens']}, rank {meta['rank']} and its "
+                         f"targets make {numbers} numbers, more than its tensors file of {n_bytes} bytes holds: "
+                         "retrain the adapter")
+
+
+def check_adapter_tensors(path, tensors, want, alpha, rank):
+    """The tensors read from adapter `path` against `want` (the state_dict its .json implies): every one there,
+    of a floating type, of its shape, finite, none beside them, and not too large to use (adapter_scale_problem)."""
+    for name, t in want.items():
+        if name not in tensors:
+            raise ValueError(f"adapter {path} lacks tensor {name!r} that its .json implies: retrain it")
+        if not tensors[name].is_floating_point():  # an int or bool tensor would load as garbage, silently
+            raise ValueError(f"adapter {path}: tensor {name!r} is stored as {tensors[name].dtype}, not a floating "
+                             "type: retrain it")
+        if tensors[name].shape != t.shape:
+            raise ValueError(f"adapter {path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, its .json "
+                             f"implies {tuple(t.shape)}: retrain it")
+        if not torch.isfinite(tensors[name]).all():
+            raise ValueError(f"adapter {path}: tensor {name!r} holds NaN or inf: retrain it")
+    extra = sorted(set(tensors) - set(want))
+    if extra:
+        raise ValueError(f"adapter {path} has tensor {extra[0]!r} that its .json does not describe: retrain it")
+    too_large = adapter_scale_problem(tensors, want, alpha, rank)
+    if too_large:
+        raise ValueError(f"adapter {path}: {too_large}: the M rows' attention would overflow to NaN and select "
+                         f"at random; retrain it")
+
+
+def adapter_scale_problem(tensors, names, alpha, rank):
+    """What makes an adapter's numbers too large to use (None if nothing): finite, but far past any trained
+    adapter's. Bounds, not forwards: the embeddings' largest entry, and per LoRA ("lora.{layer}.{target}_A"
+    and its _B) the largest gain (alpha / rank) |B| |A| (Frobenius norms) it can put on a row."""
+    largest = tensors["embeddings"].float().abs().max().item()
+    if not largest <= SCALE_LIMIT:
+        return f"its embeddings reach {largest:.3g}, past {SCALE_LIMIT:g} (a trained adapter's stay below 1)"
+    for name in [n for n in names if n.endswith("_A")]:  # in the module's order: layer by layer, target by target
+        _, layer, target = name[:-2].split(".")
+        gain = alpha / rank * (tensors[name].float().norm() * tensors[name[:-1] + "B"].float().norm()).item()
+        if not gain <= SCALE_LIMIT:
+            return (f"its LoRA on layer {layer}'s {target} has gain (alpha / rank) |B| |A| = {gain:.3g}, past "
+                    f"{SCALE_LIMIT:g} (a trained adapter's is about 10; is \"alpha\" {alpha} right?)")
+    return None

@@ -167,7 +167,7 @@ def test_lookahead_rows_use_the_shipped_adapter():
                                              "lookahead-2pass"]
     shipped, unpooled, two_pass = scorers["lookahead"], scorers["lookahead-unpooled"], scorers["lookahead-2pass"]
     assert isinstance(shipped.rule, SpanRule) and isinstance(shipped.eviction.budgets, LayerBudgets)
-    assert shipped.own["one_pass"] and not two_pass.own["one_pass"]
+    assert shipped.options["one_pass"] and not two_pass.options["one_pass"]
     assert isinstance(two_pass.rule, SpanRule) and isinstance(two_pass.eviction.budgets, LayerBudgets)
     assert isinstance(unpooled.rule, Pool) and unpooled.rule.kind == "none"
     assert unpooled.eviction.budgets is uniform_budgets
