@@ -28,10 +28,15 @@ from support.tokenizer import decode_utf8
 # The user turns
 
 
-def turns_of(arg, context=None):
-    """--turns: a JSON file, read now, or "-": stdin, read a line at a time as the chat goes. context: the
-    model's, in tokens: text too long for it is refused by its size, before it is tokenized (None: not held)."""
-    return stdin_turns(context) if arg == "-" else read_turns(arg, context)
+def turns_of(args, tok, context):
+    """generate.py's --turns, checked before the model loads: a JSON file, read now, or "-": stdin, read a line
+    at a time as the chat goes. context: the model's, in tokens: text too long for it is refused by its size,
+    before it is tokenized; a conversation's first turn, with --max-new-tokens, by its tokens."""
+    turns = stdin_turns(context) if args.turns == "-" else read_turns(args.turns, context)
+    if tok.format is None:
+        raise ValueError("a chat needs a chat format (ChatML or Llama-3); this tokenizer has none: use --prompt")
+    check_first_turns(turns, tok, args.max_new_tokens, context)
+    return turns
 
 
 def read_turns(path, context=None):
@@ -121,17 +126,18 @@ def check_first_turns(turns, tok, max_new_tokens, context):
 
 class Conversation:
     """A chat so far: the turn number, the compressed cache (None: nothing said yet), the next position,
-    the last answer token (never fed: it opens the next turn unless it was a stop token), the evictor."""
+    the last answer token (never fed: it opens the next turn unless it was a stop token), the scorer and
+    the evictor."""
 
     def __init__(self):
-        self.n, self.cache, self.pos, self.pending, self.evictor = 0, None, None, [], None
+        self.n, self.cache, self.pos, self.pending, self.scorer, self.evictor = 0, None, None, [], None, None
 
 
 @torch.no_grad()
-def chat_loop(args, model, tok, folder, turns, scorer, evictor):
-    """The chat of generate.py's flags (args) over `turns`. scorer() makes the prompt's Scorer, evictor()
-    the DecodeEviction that holds the cache to --budget from turn 2 on (None: FullKV); both are called once
-    per conversation. Returns the turns' stats."""
+def chat_loop(args, model, tok, folder, turns, build):
+    """The chat of generate.py's flags (args) over `turns`. build() makes the prompt's Scorer and the
+    DecodeEviction that holds the cache to --budget from turn 2 on (None: FullKV), once per conversation.
+    Returns the turns' stats."""
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     talk, out = Conversation(), []
     for text in turns:
@@ -143,8 +149,8 @@ def chat_loop(args, model, tok, folder, turns, scorer, evictor):
         if not fits(args, model, talk, ids):
             continue
         if talk.n == 1:
-            talk.evictor = evictor()
-        st, printed, last = take_turn(args, model, tok, folder, talk, ids, gen, scorer)
+            talk.scorer, talk.evictor = build()
+        st, printed, last = take_turn(args, model, tok, folder, talk, ids, gen)
         out.append(st)
         report_turn(args, tok, st, printed, last)
     return out
@@ -173,14 +179,14 @@ def fits(args, model, talk, ids):
     return False
 
 
-def take_turn(args, model, tok, folder, talk, ids, gen, scorer):
+def take_turn(args, model, tok, folder, talk, ids, gen):
     """Prefill the turn (turn 1: compress the prompt; later: add_turn and evict to --budget), then decode and
     stream its answer. Returns (the turn's stats, the text printed, the last token)."""
     t0 = time.perf_counter()
     ids_t = torch.tensor([ids], device=args.device)
     before = len(ids) + (len(talk.cache) if talk.n > 1 else 0)  # slots once the turn is prefilled, before eviction
     if talk.n == 1:
-        talk.cache, logits, talk.pos, _ = compress(model, ids_t, scorer())
+        talk.cache, logits, talk.pos, _ = compress(model, ids_t, talk.scorer)
     else:
         logits, talk.pos = add_turn(model, talk.cache, ids_t, talk.pos, talk.evictor, args.budget)
     cli.check_logits(logits, folder)

@@ -11,6 +11,7 @@ model loads wherever the check needs none. Ctrl-C (or SIGTERM) says how to resum
 (`| head`) ends quietly.
 """
 import argparse
+import json
 import math
 import os
 import signal
@@ -23,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from support import lock
+from support.metrics import keep_fraction
 from model import ModelConfig, load_model
 from support.tokenizer import Tokenizer
 
@@ -63,6 +65,21 @@ def one_line(e):
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def quiet_pipe(fn):
+    """fn(), its output flushed here, so a reader that went away (`| head`) shows up as a BrokenPipeError
+    inside run (a quiet exit), and what is still buffered goes nowhere, not to a traceback at exit."""
+    try:
+        out = fn()
+        sys.stdout.flush()
+        return out
+    except BrokenPipeError:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (tests)
+            pass
+        raise
+
+
 def quiet_exit():
     """The reader of our stdout went away (`| head`): stop without a word, as Unix tools do."""
     try:
@@ -99,6 +116,14 @@ def check_seed(flag, value):
     if not lo <= value <= hi:
         raise ValueError(f"{flag} {value}: a seed must be a whole number from -2**63 to 2**64 - 1 (what "
                          f"torch.manual_seed takes), e.g. {flag} 0")
+
+
+def flag_value(flag, parse, text, *bounds):
+    """parse(text, *bounds), its ValueError said with the flag and the text (e.g. --pool avg:4: ...)."""
+    try:
+        return parse(text, *bounds)
+    except ValueError as e:
+        raise ValueError(f"{flag} {text}: {e}") from None
 
 
 def counts(text, flag):
@@ -231,7 +256,7 @@ def default_adapter_path(cfg):
 
 
 # -----------------------------------------------------------------------------
-# An answer, streamed as it comes (generate.py, extensions/chat.py)
+# An answer, streamed as it comes and reported (generate.py, extensions/chat.py)
 
 
 def printable(text):
@@ -302,3 +327,43 @@ def why_empty(last, tok, blank_prompt):
     if last in tok.stop_ids:
         return f"the answer is empty: the model's first token was a stop token (id {last}){cause}"
     return f"the answer is empty: its tokens decode to no text{cause}"
+
+
+def report(args, stats, printed, tok, ids, kept_slots):
+    """The rest of the answer, then the stats block (four lines; five with --decode-budget) and with --show the
+    prompt's kept tokens; --json: the stats as one JSON object instead."""
+    if args.json:
+        print(json.dumps(stats))
+        return
+    lo, hi = stats["kept_range"]
+    print(stats["text"][len(printed):])
+    print("---")
+    print(f"method {args.method} ({stats['rule']}, {stats['budgets']})  budget {args.budget}  prompt "
+          f"{stats['prompt_tokens']} tokens  kept {stats['kept_tokens']} per (layer, KV head)"
+          + (f" on average ({lo}-{hi} by layer)" if lo < hi else ""))
+    print(f"prefill {stats['prefill_ms']:.0f} ms  eviction {stats['evict_ms']:.0f} ms (score + select + gather)  "
+          f"ttft {stats['ttft_ms']:.0f} ms")
+    print(f"decode {stats['decode_tokens_per_s'] or 0:.1f} tok/s  KV cache {stats['kv_bytes_full'] / 1e6:.1f} MB -> "
+          f"{stats['kv_bytes_kept'] / 1e6:.1f} MB")
+    if "peak_slots" in stats:  # beyond the paper: --decode-budget held the cache while decoding
+        print(f"decode budget {args.decode_budget} every {args.every}: evictions while decoding "
+              f"{stats['decode_evictions']}, peak {stats['peak_slots']} slots per (layer, KV head), KV cache "
+              f"{stats['kv_bytes_end'] / 1e6:.1f} MB at the end")
+    if args.show and kept_slots is not None:
+        print("--- kept tokens (brighter = kept by more layers and KV heads)")
+        print(show_kept(tok, ids, keep_fraction(kept_slots, len(ids))))
+
+
+def show_kept(tok, ids, keep_frac):
+    """The prompt with each token's background as bright as the share of (layer, KV head) pairs
+    that kept it (ANSI 256-colour greys, 232 = black .. 255 = white)."""
+    out = []
+    for i, f in zip(ids, keep_frac.tolist()):
+        text = tok.decode([i])
+        if f == 0:
+            out.append(text)
+        else:
+            grey = 236 + round(f * 19)
+            fg = 16 if grey > 246 else 255
+            out.append(f"\x1b[48;5;{grey}m\x1b[38;5;{fg}m{text}\x1b[0m")
+    return "".join(out)

@@ -10,6 +10,9 @@ How a compressed cache is judged: the measures every evaluation here shares (har
 Answer KL counts answer tokens 2..R. The first answer token is predicted by the prefill itself,
 before any eviction, so it is the same for every method; tokens 2..R are the ones a compressed
 cache predicts. An answer of one token (the stop token) has KL 0.
+
+generate.py's stats of one answer (answer_stats: what ran, its KV bytes) time it with a Stopwatch;
+keep_fraction draws its kept tokens (--show).
 """
 
 import time
@@ -89,3 +92,21 @@ def keep_fraction(kept, S):
     (generate.py --show and research/analysis/plot_kept.py draw it). kept: per layer (B, H_kv, C_l)."""
     slots = torch.cat([k[0].flatten() for k in kept])  # row 0's kept slots, every layer and KV head
     return (torch.bincount(slots, minlength=S) / (len(kept) * kept[0].shape[1])).cpu()
+
+
+def answer_stats(args, model, selection, S, kept, text, timing, cache, evictor=None):
+    """What generate.py ran and what it cost, as --json prints it. selection: (rule, budget policy) in words
+    (methods.selection_of); kept: (slots per layer, bytes) of the cache right after the eviction; timing:
+    prefill_ms, evict_ms, ttft_ms, decode_tokens_per_s; cache, evictor: at the end of the answer (beyond the
+    paper: --decode-budget's DecodeEviction, whose log holds (position, slots before, slots after) per eviction)."""
+    cfg, itemsize = model.config, model.lm_head.weight.element_size()
+    (per_layer, kv_kept), (rule, budgets) = kept, selection
+    kv_full = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * S * itemsize  # K and V, every slot
+    stats = dict(method=args.method, rule=rule, budgets=budgets, budget=args.budget, prompt_tokens=S,
+                 kept_tokens=round(sum(per_layer) / len(per_layer)), kept_range=[min(per_layer), max(per_layer)],
+                 text=text, **timing, kv_bytes_full=kv_full, kv_bytes_kept=kv_kept)
+    if evictor is not None:  # the cache only grows between evictions: its peak is where one began, or an end
+        stats.update(decode_budget=args.decode_budget, every=args.every, decode_evictions=len(evictor.log),
+                     peak_slots=max([max(per_layer), len(cache)] + [before for _, before, _ in evictor.log]),
+                     kv_bytes_end=cache.nbytes())
+    return stats

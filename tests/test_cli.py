@@ -21,12 +21,14 @@ import torch
 from research import bench
 from support import cli
 from support import data
+from support import generate_checks
 from research import evaluate
 import generate as generate_py
 import model
 from support import tokenizer
 import train
 from extensions import chat
+from extensions.decode import DECODE_METHODS
 from weights import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +41,11 @@ def one_line(message, *needles):
     for needle in needles:
         assert needle in message, message
     return message
+
+
+def check_flags(argv):
+    """generate.py's checks of its flags alone (support/generate_checks.py), with generate.py's method builder."""
+    generate_checks.check_flags(generate_py.get_args(argv), generate_py.build, DECODE_METHODS)
 
 
 def error_of(main, *argv):
@@ -301,7 +308,7 @@ def test_good_values_pass_the_checks(tmp_path):
     for argv in ([], ["--budget", "1", "--pool", "max:1", "--window", "0", "--max-new-tokens", "1", "--device", "cpu"],
                  ["--method", "snapkv", "--budget", "33"], ["--method", "oracle", "--budget", "1"],
                  ["--pool", "span:8", "--two-pass", "--uniform-budgets"], ["--temperature", "0.7", "--top-p", "1"]):
-        generate_py.check_args(generate_py.get_args(["--prompt", str(p), *argv]))
+        check_flags(["--prompt", str(p), *argv])
 
 
 def test_no_adapter_for_the_model(prompt, tiny_model, no_loading):
@@ -396,7 +403,7 @@ def test_library_functions_raise_not_exit(tmp_path):
 ])
 def test_bad_decode_eviction_values(argv, needle, prompt):
     with pytest.raises(ValueError, match=re.escape(needle)):
-        generate_py.check_args(generate_py.get_args(["--prompt", str(prompt), *argv]))
+        check_flags(["--prompt", str(prompt), *argv])
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -408,13 +415,13 @@ def test_bad_decode_eviction_values(argv, needle, prompt):
 ])
 def test_bad_chat_values(argv, needle, tmp_path):
     with pytest.raises(ValueError, match=re.escape(needle)):
-        generate_py.check_args(generate_py.get_args([a.format(tmp=tmp_path) for a in argv]))
+        check_flags([a.format(tmp=tmp_path) for a in argv])
 
 
 def test_good_decode_and_chat_values_pass_the_checks(prompt):
     for argv in (["--prompt", str(prompt), "--decode-budget", "128", "--every", "1"], ["--turns", "-", "--method", "full"],
                  ["--turns", "-", "--budget", "37", "--method", "streaming", "--window", "32"]):
-        generate_py.check_args(generate_py.get_args(argv))
+        check_flags(argv)
 
 
 @pytest.mark.parametrize("text, needle", [("[]", "non-empty JSON list"), ('["a", 3]', "non-empty JSON list"),

@@ -8,13 +8,14 @@ import sys
 import pytest
 import torch
 
-from support import cli
+from support import cli, generate_checks
 import generate as generate_py
 import methods
+import model
 from support import tokenizer
 from extensions import chat
 from lookaheadkv import LookaheadModule
-from test_cli import chat_model, error_of, no_loading, one_line, tiny_model  # noqa: F401 (fixtures)
+from test_cli import check_flags, chat_model, error_of, no_loading, one_line, tiny_model  # noqa: F401 (fixtures)
 
 HUGE = 99999999999  # the width of the runs: one pooling op that ran until killed, deaf to SIGTERM
 
@@ -95,10 +96,10 @@ def test_the_widest_seeds_and_flags_pass(tmp_path, tiny_model):
     p = tmp_path / "p.txt"
     p.write_text("x")
     for seed in (2**64 - 1, -2**63):
-        generate_py.check_args(generate_py.get_args(["--prompt", str(p), "--seed", str(seed)]))
+        check_flags(["--prompt", str(p), "--seed", str(seed)])
     cfg = model.ModelConfig.from_hf_config(tiny_model)
     argv = ["--prompt", str(p), "--window", "64", "--decode-budget", "32", "--budget", "32", "--every", "32"]
-    generate_py.check_fits_model(generate_py.get_args(argv), cfg)
+    generate_checks.check_fits_model(generate_py.get_args(argv), cfg)
 
 
 # ----------------------------------------------------------------------------- the chat's turns
@@ -168,4 +169,4 @@ def test_windows_and_old_mac_line_ends_are_line_ends_not_control_characters(end,
     assert "warning" not in capsys.readouterr().err
     assert got == {**generate_py.main(["--prompt", str(q), *argv]), **{k: got[k] for k in got if k.endswith("ms")
                                                                        or k.endswith("_per_s")}}
-    assert generate_py.read_prompt(str(p), 64) == ("what is two\nand two ?\n", None)
+    assert generate_checks.read_prompt(str(p), 64) == ("what is two\nand two ?\n", None)
