@@ -1,7 +1,8 @@
 """
 What the four scripts share, and nothing the library needs: turning exceptions into one line, checking
 flags before any long work, finding and loading the model, its tokenizer and an adapter, and streaming
-an answer (generate.py and its chat, extensions/chat.py).
+an answer and its stats block (generate.py and its chat, extensions/chat.py; generate.py's own checks are
+in support/generate_checks.py).
 
     def main(argv=None):
         return cli.run(lambda: work(get_args(argv)), resume="python train.py ... --resume")
