@@ -1,10 +1,9 @@
 """
 The steps every KV-eviction method shares: prefill -> score -> evict -> decode.
 
-After a prompt of S tokens is prefilled, each (layer, KV head) keeps only C of its S KV slots and
-decoding goes on with that compact cache. A method (a Scorer) says what it adds to the prefill (a
-Hook that watches the queries, or embeddings appended after the prompt) and how it turns what it saw
-into scores (L, B, H_kv, S), higher = keep. Everything else is shared and lives here:
+After a prompt of S tokens is prefilled, each (layer, KV head) keeps only C of its S KV slots and decoding
+goes on with that compact cache. A method (a Scorer: lookaheadkv.py, baselines.py) says what it adds to the
+prefill and how it turns what it saw into scores (L, B, H_kv, S). Everything else is shared and lives here:
 
     scorer = make_scorer(EvictConfig("snapkv", budget=128))   # methods.py names every method
     cache, logits, next_pos, kept = compress(model, ids, scorer)
@@ -13,8 +12,7 @@ into scores (L, B, H_kv, S), higher = keep. Everything else is shared and lives 
         3. evict     smooth (Pool), protect (sinks, the recent window), top C_l per (layer, KV head), gather
     decode(model, cache, logits, next_pos, n)  # positions go on from S whatever the cache holds
 
-What EvictConfig leaves unset is the method's own (the paper's): its smoothing (Scorer.default_rule),
-its slots per layer (Scorer.default_budgets: C in every layer), its options (Scorer.default_options).
+What EvictConfig leaves unset is the method's own (its paper's): Scorer.default_rule, default_budgets, default_options.
 """
 import math
 from dataclasses import dataclass, field
@@ -48,8 +46,7 @@ def group_attention(q, k, key_valid=None, causal=True):
     K for GQA. The queries sit at the last Tq of the Tk key slots (causal) or after all of them (causal=False).
     Returns float32 probabilities (B, H_kv, G*Tq, Tk): the G query heads that share a KV head are stacked as
     extra rows (query head h uses KV head h // G, as in HF's repeat_kv)."""
-    B, H, Tq, D = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
+    (B, H, Tq, D), (Hkv, Tk) = q.shape, k.shape[1:3]
     G = H // Hkv
     qg = q.reshape(B, Hkv, G * Tq, D) / math.sqrt(D)  # (B, H_kv, G*Tq, D), scaled before Q K^T
     logits = (qg @ k.transpose(-1, -2)).float()  # (B, H_kv, G*Tq, Tk): the softmax in float32, as in HF's eager
