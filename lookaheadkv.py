@@ -103,9 +103,9 @@ class LookaheadModule(nn.Module):
     @classmethod
     def load(cls, path, cfg, device="cpu"):
         """An adapter saved by save(). Its .json's keys that shape the module (weights/checks.ADAPTER_KEYS) build
-        it; every other key is kept, unread here, in `info` and written back by save(): how it selects ("rule",
-        "layer_weights": methods.py reads them) and how it was made (train.py's record, a person's notes:
-        nothing reads them). Each check on the two files (weights/checks.py) names the file: ValueError."""
+        it; any other key is kept as it is (never refused, unread here) in `info` and written back by save(): how
+        it selects ("rule", "layer_weights": methods.py reads them), how it was made (train.py's record, a
+        person's notes: nothing reads them). Each check on the files (weights/checks.py) names the file."""
         path = Path(path)
         meta, tensors = checks.read_adapter(path)
         checks.check_adapter_metadata(meta, path.with_suffix(".json"), cfg, path.stat().st_size, cls.TARGETS,
