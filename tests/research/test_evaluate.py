@@ -427,9 +427,12 @@ def test_several_adapters_are_rows_of_one_run(tiny):
 
 def test_the_papers_form_is_a_row_of_its_own(tiny, capsys):
     """lookahead-paper: the adapter selecting as the paper states (max-pool 7, C in every layer) beside the
-    methods' own selections in one run: the same rows as a run of lookahead with --pool max:7 --uniform-budgets."""
+    methods' own selections in one run: the same rows as a run of lookahead with --pool max:7 --uniform-budgets.
+    The adapter names its own rule (unpooled): one that names none selects in the paper's form already."""
+    (tiny / "unpooled.safetensors").write_bytes((tiny / "adapter.safetensors").read_bytes())
+    (tiny / "unpooled.json").write_text(json.dumps(dict(json.loads((tiny / "adapter.json").read_text()), rule="none")))
     base = ["--model", str(tiny / "tiny-llama"), "--tasks", str(tiny / "tasks.jsonl"), "--budgets", "8,16",
-            "--window", "4", "--max-new-tokens", "6", "--device", "cpu", "--adapter", str(tiny / "adapter.safetensors")]
+            "--window", "4", "--max-new-tokens", "6", "--device", "cpu", "--adapter", str(tiny / "unpooled.safetensors")]
     one = evaluate.main(base + ["--methods", "snapkv,lookahead,lookahead-paper", "--out", str(tiny / "paper1")])
     assert "lookahead-paper (max:7, C in every layer)" in capsys.readouterr().out
     apart = evaluate.main(base + ["--methods", "lookahead", "--pool", "max:7", "--uniform-budgets", "--out",
