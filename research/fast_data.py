@@ -20,8 +20,8 @@ from eviction import decode_step
 from model import Hook, KVCache
 from research import harness
 from support import data, recipe
-from support.data import sample_bytes, sample_ok, sample_path, save_sample
-from train import full_cache, left_pad
+from support.data import left_pad, sample_bytes, sample_ok, sample_path, save_sample
+from train import full_cache
 
 
 class RoomyCache(KVCache):
@@ -301,7 +301,7 @@ def build_dataset(model, tok, cfg, out, rows):
             missing.append(r)
     for p in todo:
         p["prompt_ids"] = tok.encode(tok.chat(p["prompt"]))
-    recipe.check_store(stored_bytes(cfg, model.config, rows + todo, store), cfg)
+    recipe.check_store(cfg, model.config, rows + todo, store, stored_bytes(cfg, model.config, rows + todo, store))
     for r in tqdm(missing, desc="samples from data.jsonl", disable=not missing):
         cache, gt, _ = harness.ground_truth(model, r["prompt_ids"], r["response_ids"])
         save_sample(sample_path(out, r["id"]), dict(k=torch.cat(cache.k), v=torch.cat(cache.v),

@@ -154,14 +154,14 @@ def pieces(cfg, checked):
         module.info = dict(rule=cfg.rule)
         return module
 
-    def describe(cfg, run, info):
+    def describe(cfg, log, info):
         if cfg.train_rows:
             info["train_data"]["drawn"] = dict(asked=cfg.train_rows, seed=cfg.seed)
         if cfg.loss_weights:  # beyond the paper: the layer-weighted loss (extensions/layer_loss.py)
             info["loss"] = dict(layer_weights_from=Path(cfg.loss_weights).name)
         if init:  # step 0 was the init adapter, not an untrained module: keep the init's own reference
             info.update(untrained=init.get("untrained"), init=dict(
-                path=init["path"], steps=init.get("steps"), heldout=run.log[0] if run.log else None))
+                path=init["path"], steps=init.get("steps"), heldout=log[0] if log else None))
 
     draw = (lambda rows, cfg: draw_rows(rows, cfg.train_rows, cfg.seed)) if cfg.train_rows else (lambda rows, cfg: rows)
     return train.Pieces(check=lambda cfg: checked, build_dataset=fast_data.build_dataset, train_rows=draw,

@@ -551,6 +551,21 @@ def make_training_prompts(tok, n, split="train", min_tokens=512, max_tokens=2048
         rows.append(training_row(tok, pools, mix[i % len(mix)], rng, n_tokens, f"{seed}-{i}"))
     return rows
 
+def prompts_to_answer(tok, rows, n_train, n_heldout, copy_frac=None, **kw):
+    """The training and held-out prompts (make_training_prompts, their chat template applied: prompt_ids) that
+    a data stage holding `rows` has yet to answer, each with its split; none when it holds enough of both.
+    copy_frac reaches the training prompts; the held-out ones keep the default mix (comparable across runs)."""
+    have = {split: sum(r.get("split") == split for r in rows) for split in ("train", "heldout")}
+    if have["train"] >= n_train and have["heldout"] >= n_heldout:
+        return []
+    done, todo = {r["id"] for r in rows}, []
+    for split, n in (("train", n_train), ("heldout", n_heldout)):
+        todo += [dict(p, split=split) for p in make_training_prompts(
+            tok, n, split=split, copy_frac=copy_frac if split == "train" else None, **kw) if p["id"] not in done]
+    for p in todo:
+        p["prompt_ids"] = tok.encode(tok.chat(p["prompt"]))
+    return todo
+
 def group_rows(tok, pools, tasks, rng, n_tokens, key):
     """len(tasks) prompts on ONE context, each instruction placed after it: the prompts share every token up to
     their own instruction, so the data stage prefills that prefix once for all of them (train.py). Tasks that
@@ -887,6 +902,15 @@ def read_sample(path):
         shared = load_file(str(Path(path).parent / meta["prefix"]))
         item.update(k=torch.cat([shared["k"], item["k"]], dim=2), v=torch.cat([shared["v"], item["v"]], dim=2))
     return item
+
+def left_pad(prompts, dev):
+    """Token-id lists -> ids (B, S) with left padding, and pad_mask (B, S) True on real tokens."""
+    import torch
+
+    S = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (S - len(p)) + p for p in prompts], device=dev)
+    pad_mask = torch.tensor([[False] * (S - len(p)) + [True] * len(p) for p in prompts], device=dev)
+    return ids, pad_mask
 
 def load_batch(paths, dev, dtype):
     """Sample files of different lengths, left-padded into one batch: a KVCache with (B, H_kv, S, D)

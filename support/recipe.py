@@ -266,8 +266,11 @@ def check_data_made(cfg, out, rows):
         raise ValueError("build the dataset first on one process (python train.py --stage data)")
 
 
-def check_store(n_bytes, cfg):
-    """The data stage's disk, counted on the prompts it made (check_disk counted the least they could take)."""
+def check_store(cfg, model_cfg, rows, store, n_bytes=None):
+    """The data stage's disk, counted on the training rows' prompts once made (check_disk: the least they take);
+    n_bytes: counted by the caller (research/fast_data.py: a group's shared prefix once)."""
+    if n_bytes is None:
+        n_bytes = sum(sample_bytes(model_cfg, len(r["prompt_ids"]), store) for r in rows if r["split"] == "train")
     if n_bytes > cfg.store_gb * 2**30:
         raise ValueError(f"the training samples would take {n_bytes / 2**30:.1f} GiB on disk, over store_gb "
                          f"{cfg.store_gb}: raise it in the --config file, or use fewer/shorter prompts "
@@ -444,6 +447,40 @@ def check_own_checkpoint(out, model_cfg, now, schedule, parser):
         why = f"made with other settings: {'; '.join(differ)}"
     raise ValueError(f"--out {out} holds another run's checkpoint ({path}: {why}): pass another --out, continue that "
                      f"run with its own settings and --resume, or delete {path} to start this one over there")
+
+
+def claim_folders(out, src):
+    """One writer per folder (support/lock.py): OUT, and the data folder read (--data) if another, which a data
+    stage still appending to its rows would change under this run."""
+    cli.claim_folder("--out", out)
+    if src != out:
+        cli.claim_folder("--data", src)
+
+
+def resume_note(resume, path, resumed, step, total):
+    """What a training run says of OUT/ckpt.pt as it starts."""
+    if resumed:
+        return f"resumed at step {step}/{total}"
+    if resume:
+        return f"no checkpoint at {path}: starting from step 0"
+    if path.exists():
+        return f"{path} exists and --resume was not given: starting from step 0; it is replaced at the first checkpoint"
+    return ""
+
+
+def clip_finite(module, opt, clip):
+    """Clip the gradient norm; a non-finite loss or gradient (nan, inf: from a bad adapter, a bad sample, too high
+    a rate) clears the gradients and raises ValueError: the run stops in one line with its last good checkpoint,
+    rather than training on nan and saving it."""
+    try:
+        torch.nn.utils.clip_grad_norm_(module.parameters(), clip, error_if_nonfinite=True)
+    except RuntimeError as e:
+        if "non-finite" not in str(e):
+            raise
+        opt.zero_grad(set_to_none=True)
+        raise ValueError("the training loss or its gradient is not finite (nan or inf): stopped before this step, "
+                         "nothing saved from it (OUT/ckpt.pt keeps the last good checkpoint); check --init's adapter "
+                         "and its .json, and the data, or lower --lr, then rerun with --resume") from None
 
 
 def resume_from(ck, module, opt, path):

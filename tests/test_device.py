@@ -75,6 +75,7 @@ import eviction as ev
 import lookaheadkv as lk
 import train
 from eviction import EvictConfig, decode
+from support import data
 from extensions.decode import DecodeEviction, add_turn
 from extensions.layer_budgets import LayerBudgets
 from extensions.span import SpanRule
@@ -211,7 +212,7 @@ def ids_on(B, T, seed=0):
 
 
 def left_padded(lengths, seed=0):
-    ids, mask = train.left_pad([torch.randint(1, V, (n,), generator=torch.Generator().manual_seed(seed + n)).tolist()
+    ids, mask = data.left_pad([torch.randint(1, V, (n,), generator=torch.Generator().manual_seed(seed + n)).tolist()
                                 for n in lengths], DEV)
     return ids, mask
 

@@ -497,7 +497,7 @@ def own_checkpoint(model_dir, out, *flags, **recipe):
     training; (its path, its bytes)."""
     cfg = train.get_args(argv(model_dir, out, *flags, **recipe))
     (out / "ckpt.pt").unlink(missing_ok=True)
-    train.check(cfg)
+    train.Pieces().check(cfg)
     module = LookaheadModule(ModelConfig.from_hf_config(model_dir), n_tokens=cfg.n_tokens, rank=cfg.rank,
                              alpha=cfg.alpha, targets=train.recipe.parse_targets(cfg.targets))
     train.recipe.save_checkpoint(out / "ckpt.pt", module, torch.optim.AdamW(module.parameters()), 1, [],
@@ -564,7 +564,7 @@ def test_out_holding_another_runs_checkpoint_is_refused_without_resume(model_dir
     assert "holds another run's checkpoint" in error_line(e) and "cannot read as a checkpoint" in error_line(e)
     assert path.read_bytes() == b"not a checkpoint" and not (out / "log.jsonl").exists()
     own_checkpoint(model_dir, out)  # this run's own: checked, and started over (None: nothing to resume)
-    assert train.check(train.get_args(argv(model_dir, out)))[-1] is None
+    assert train.Pieces().check(train.get_args(argv(model_dir, out)))[-1] is None
 
 
 def test_adapter_backups_never_replace_an_earlier_one(model_dir, tmp_path, capsys):

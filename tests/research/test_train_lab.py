@@ -320,7 +320,7 @@ def test_roomy_cache_holds_what_a_plain_cache_holds():
     """RoomyCache: decoding writes into reserved room; the keys, values and validity it shows are a plain
     KVCache's, and past its room it goes on as a plain cache does."""
     model = tiny_model()
-    ids, pad = train.left_pad([rand_list(12, 1), rand_list(9, 2)], "cpu")
+    ids, pad = data.left_pad([rand_list(12, 1), rand_list(9, 2)], "cpu")
     cache = train.full_cache(model, ids, pad)[0]
     plain, roomy = cache.copy(), fast_data.RoomyCache(cache.copy(), 2)
     for t in range(4):  # two steps in the room, two past it
