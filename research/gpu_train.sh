@@ -166,7 +166,7 @@ pids=()
 for ((i = 0; i < WORKERS; i++)); do
   n=$(( N_TRAIN - i * PER < PER ? N_TRAIN - i * PER : PER ))
   [ "$n" -ge 1 ] || break
-  OMP_NUM_THREADS=$W_OMP timeout -k 20 "$WINDOW" "$PY" train.py --config "$CONFIG" --model "$MODEL" --stage data \
+  OMP_NUM_THREADS=$W_OMP timeout -k 20 "$WINDOW" "$PY" -m research.train_lab --config "$CONFIG" --model "$MODEL" --stage data \
     --out "$WORK/d$i" --seed "$i" --n-train "$n" --n-heldout $(( i == 0 ? N_HELD : 0 )) ${DATA_FLAGS[@]+"${DATA_FLAGS[@]}"} \
     > "$OUT/data-$i.log" 2>&1 &
   pids+=($!)
@@ -196,7 +196,7 @@ note "data merged into $WORK/run"
 LEFT=$((DEADLINE - FINAL_S - (SECONDS - START)))
 MINUTES=$(awk -v s="$LEFT" 'BEGIN { printf "%.2f", (s < 30 ? 30 : s) / 60 }')
 note "train: --max-minutes $MINUTES"
-OMP_NUM_THREADS=$T_OMP timeout -k 10 $((HARD - (SECONDS - START))) "$PY" train.py --config "$CONFIG" \
+OMP_NUM_THREADS=$T_OMP timeout -k 10 $((HARD - (SECONDS - START))) "$PY" -m research.train_lab --config "$CONFIG" \
   --model "$MODEL" --stage train --out "$WORK/run" --max-minutes "$MINUTES" \
   --adapter-out "$OUT/adapter.safetensors" ${TRAIN_FLAGS[@]+"${TRAIN_FLAGS[@]}"} 2>&1 | tee "$OUT/train.log"
 note "train: rc ${PIPESTATUS[0]}"

@@ -1,7 +1,7 @@
 """Tests of train.py: the target against transformers' explicit attention matrices, one optimiser loop
 that must lower the loss, the training pass == the inference scorer, batching == one sample at a time,
 and train.main end to end on a tiny random Llama folder (resume == uninterrupted run, --config recipes,
---stage budgets, every bad input of issue 28 as one `error:` line before the model loads, and a
+every bad input of issue 28 as one `error:` line before the model loads, and a
 2-process gloo DDP run whose ranks end identical and equal to a 1-process run).
 
 The end-to-end runs use a pre-written OUT/data.jsonl and replace data.make_training_prompts by a
