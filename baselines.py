@@ -15,10 +15,9 @@ adds to the prefill and how it scores; its docstring cites its paper.
 
 import torch
 
-from eviction import (EvictConfig, Hooks, Pool, Scorer, greedy, group_attention, keep_slots, prefill_and_score,
-                      stack_layers)
+from eviction import EvictConfig, Pool, Scorer, greedy, group_attention, keep_slots, prefill_and_score, stack_layers
 from lookaheadkv import answer_attention
-from model import Hook
+from model import Hook, Hooks
 
 
 class Unpooled(Scorer):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from model import Hook, KVCache
+from model import Hook, Hooks, KVCache
 
 
 @dataclass
@@ -58,28 +58,6 @@ def group_attention(q, k, key_valid=None, causal=True):
     logits.masked_fill_(~key_valid[:, :, None, :], float("-inf"))  # (B, 1|H_kv, 1, Tk)
     # with padding, a left-padding query may see no real key: its all -inf row is NaN, make it 0
     return logits.softmax(dim=-1).nan_to_num(nan=0.0)
-
-
-class Hooks(Hook):
-    """Several hooks watching one forward (a method's and its selection rule's). At most one adds a LoRA.
-    prefill() hands each of them the chunks it asks for (every_chunk, or the last one only)."""
-
-    def __init__(self, *hooks):
-        self.hooks = [x for h in hooks if h is not None for x in (h.hooks if isinstance(h, Hooks) else [h])]
-
-    def lora(self, layer, name, x):
-        return next((d for h in self.hooks if (d := h.lora(layer, name, x)) is not None), None)
-
-    def attn(self, layer, q, k, key_valid):
-        for h in self.hooks:
-            h.attn(layer, q, k, key_valid)
-
-    def attn_output(self, layer, v):
-        return next((y for h in self.hooks if (y := h.attn_output(layer, v)) is not None), None)
-
-    def hidden(self, h):
-        for hook in self.hooks:
-            hook.hidden(h)
 
 
 def stack_layers(scores):
@@ -305,16 +283,15 @@ def decode_step(model, cache, tokens, positions, hook=None):
 
 
 @torch.no_grad()
-def decode(model, cache, logits, next_pos, max_new_tokens, stop_ids=(), temperature=0.0, top_p=1.0, generator=None,
-           hook=None, after_step=None):
-    """Generate from first-token logits (B, V) on `cache`, yielding token ids (B,) step by step (greedy at
-    temperature 0); rows that hit a stop token are fed it on (batch decoding). The positions go on from
-    next_pos whatever the cache holds. hook watches every step's forward; after_step(model, cache, next_pos)
-    runs once a token is in the cache (extensions/decode.py evicts there)."""
+def decode(model, cache, logits, next_pos, max_new_tokens, stop_ids=(), pick=None, hook=None, after_step=None):
+    """Generate from first-token logits (B, V) on `cache`, yielding token ids (B,) step by step: greedy, or
+    pick(logits) -> (B,) (support/cli.py's sampler); rows that hit a stop token are fed it on (batch decoding).
+    The positions go on from next_pos whatever the cache holds. hook watches every step's forward;
+    after_step(model, cache, next_pos) runs once a token is in the cache (extensions/decode.py evicts there)."""
     stop = torch.tensor(list(stop_ids) or [-1], device=logits.device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     for t in range(max_new_tokens):
-        tokens = sample(logits, temperature, top_p, generator)  # (B,)
+        tokens = logits.argmax(-1) if pick is None else pick(logits)  # (B,)
         tokens = torch.where(done, stop[0].clamp(min=0), tokens)
         yield tokens
         done |= torch.isin(tokens, stop)
@@ -323,17 +300,6 @@ def decode(model, cache, logits, next_pos, max_new_tokens, stop_ids=(), temperat
         logits = decode_step(model, cache, tokens, next_pos + t, hook)
         if after_step is not None:
             after_step(model, cache, next_pos + t + 1)
-
-
-def sample(logits, temperature=0.0, top_p=1.0, generator=None):
-    if temperature <= 0:
-        return logits.argmax(-1)  # greedy
-    probs = (logits.float() / temperature).softmax(-1)
-    if top_p < 1.0:  # nucleus: keep the smallest set of tokens whose mass reaches top_p
-        p, i = probs.sort(-1, descending=True)
-        p[(p.cumsum(-1) - p) > top_p] = 0
-        probs = torch.zeros_like(probs).scatter(-1, i, p)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 @torch.no_grad()

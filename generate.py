@@ -45,7 +45,7 @@ from extensions.chat import chat_loop, turns_of  # beyond the paper: a chat (--t
 from extensions.decode import DECODE_METHODS, DecodeEviction
 from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selection_of
 from support import cli
-from support.cli import check_logits, report, stream, warn, watch, why_empty
+from support.cli import check_logits, report, sampler, stream, warn, watch, why_empty
 from support.generate_checks import checked_inputs
 from support.metrics import Stopwatch, answer_stats
 
@@ -152,8 +152,7 @@ def answer(args, model, tok, folder, ids, module, blank_prompt):
     cache, logits, pos, kept_slots = compress(model, ids_t, scorer, clock=clock)  # marks: prefill, eviction
     check_logits(logits, folder)
     kept = [int(k.shape[2]) for k in cache.k], cache.nbytes()  # slots per layer (per-layer budgets vary them)
-    gen = torch.Generator(device=args.device).manual_seed(args.seed)
-    steps = decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p, gen,
+    steps = decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, sampler(args),
                    **watch(evictor))  # beyond the paper: the evictor holds the cache to --decode-budget
     out, printed, _, last, t_first = stream(tok, steps, args.json)
     n_decoded, t_end = max(len(out) - 1, 0), time.perf_counter()

@@ -179,6 +179,28 @@ class Hook:
         pass
 
 
+class Hooks(Hook):
+    """Several hooks watching one forward (a method's and its selection rule's). At most one adds a LoRA.
+    prefill() hands each of them the chunks it asks for (every_chunk, or the last one only)."""
+
+    def __init__(self, *hooks):
+        self.hooks = [x for h in hooks if h is not None for x in (h.hooks if isinstance(h, Hooks) else [h])]
+
+    def lora(self, layer, name, x):
+        return next((d for h in self.hooks if (d := h.lora(layer, name, x)) is not None), None)
+
+    def attn(self, layer, q, k, key_valid):
+        for h in self.hooks:
+            h.attn(layer, q, k, key_valid)
+
+    def attn_output(self, layer, v):
+        return next((y for h in self.hooks if (y := h.attn_output(layer, v)) is not None), None)
+
+    def hidden(self, h):
+        for hook in self.hooks:
+            hook.hidden(h)
+
+
 def project(module, name, x, layer, hook):
     """module.<name>(x), plus the hook's term for this projection if it has one. The term may
     cover only the LAST rows of the chunk (B, T' <= T, out): the rows before it get nothing."""

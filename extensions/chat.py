@@ -138,7 +138,7 @@ def chat_loop(args, model, tok, folder, turns, build):
     """The chat of generate.py's flags (args) over `turns`. build() makes the prompt's Scorer and the
     DecodeEviction that holds the cache to --budget from turn 2 on (None: FullKV), once per conversation.
     Returns the turns' stats."""
-    gen = torch.Generator(device=args.device).manual_seed(args.seed)
+    pick = cli.sampler(args)  # one generator for the whole chat
     talk, out = Conversation(), []
     for text in turns:
         if text.strip() == "/reset":
@@ -150,7 +150,7 @@ def chat_loop(args, model, tok, folder, turns, build):
             continue
         if talk.n == 1:
             talk.scorer, talk.evictor = build()
-        st, printed, last = take_turn(args, model, tok, folder, talk, ids, gen)
+        st, printed, last = take_turn(args, model, tok, folder, talk, ids, pick)
         out.append(st)
         report_turn(args, tok, st, printed, last)
     return out
@@ -179,7 +179,7 @@ def fits(args, model, talk, ids):
     return False
 
 
-def take_turn(args, model, tok, folder, talk, ids, gen):
+def take_turn(args, model, tok, folder, talk, ids, pick):
     """Prefill the turn (turn 1: compress the prompt; later: add_turn and evict to --budget), then decode and
     stream its answer. Returns (the turn's stats, the text printed, the last token)."""
     t0 = time.perf_counter()
@@ -192,7 +192,7 @@ def take_turn(args, model, tok, folder, talk, ids, gen):
     cli.check_logits(logits, folder)
     kept, log_start = len(talk.cache), len(talk.evictor.log) if talk.evictor else 0
     answer, printed, steps, last, t_first = cli.stream(tok, decode(  # without --decode-budget it only watches
-        model, talk.cache, logits, talk.pos, args.max_new_tokens, tok.stop_ids, args.temperature, args.top_p, gen,
+        model, talk.cache, logits, talk.pos, args.max_new_tokens, tok.stop_ids, pick,
         **cli.watch(talk.evictor)), args.json)
     t_end = time.perf_counter()
     talk.pos, talk.pending = talk.pos + steps - 1, [] if last in tok.stop_ids else [last]  # steps - 1 tokens fed

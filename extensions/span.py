@@ -40,8 +40,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from eviction import Hooks, Pool
-from model import Hook
+from eviction import Pool
+from model import Hook, Hooks
 
 SURPRISE_NATS = 2.0  # the gate: a token the model gave p < e^-2 (about 0.14) was not predictable
 

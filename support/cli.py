@@ -297,6 +297,23 @@ def watch(evictor):
     return {} if evictor is None else dict(hook=evictor.hook, after_step=evictor.after_step)
 
 
+def sampler(args):
+    """decode()'s pick for --temperature/--top-p, seeded by --seed: None (greedy, the paper's) at temperature 0,
+    else a draw from the softmax at that temperature, cut to the nucleus of mass top_p."""
+    if args.temperature <= 0:
+        return None
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+
+    def pick(logits):  # (B, V) -> (B,)
+        probs = (logits.float() / args.temperature).softmax(-1)
+        if args.top_p < 1.0:  # nucleus: keep the smallest set of tokens whose mass reaches top_p
+            p, i = probs.sort(-1, descending=True)
+            p[(p.cumsum(-1) - p) > args.top_p] = 0
+            probs = torch.zeros_like(probs).scatter(-1, i, p)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return pick
+
+
 def stream(tok, steps, quiet=False):
     """Read decode()'s tokens until a stop token, printing the new text as it comes (unless quiet).
     Returns (answer ids, text printed, tokens read, the last token, time of the first token)."""

@@ -6,6 +6,7 @@ contract where a user meets it: stderr, the exit status, no traceback; one more 
 (`| head`) ends quietly. Every other bad input is checked in-process, through the script's main(argv): a
 SystemExit whose message is one "error: ..." line (what Python prints to stderr, with exit status 1, for
 a SystemExit with a string). One test per class of bad input (issue 28), for generate.py and bench.py."""
+import argparse
 import io
 import json
 import os
@@ -541,3 +542,17 @@ def test_a_shared_folder_lock_waits_for_its_holder_and_is_released_alone(tmp_pat
     assert not (cache / ".lock").exists() and (out / ".lock").exists()
     lock.release_folders()
     assert not (out / ".lock").exists()
+
+
+def test_the_sampler_is_greedy_at_zero_and_draws_from_the_nucleus_only():
+    """decode()'s pick for --temperature/--top-p: None (greedy) at 0; else draws cut to the nucleus, by --seed."""
+    def sampler(temperature, top_p, seed=0):
+        return cli.sampler(argparse.Namespace(temperature=temperature, top_p=top_p, seed=seed, device="cpu"))
+    assert sampler(0.0, 0.5) is None
+    logits = torch.tensor([[0.0, 3.0, 2.9, -5.0]])  # softmax ~ (0.026, 0.512, 0.463, 0.0002)
+    top = sampler(1.0, 0.4)  # the top token alone reaches 0.4
+    assert {top(logits).item() for _ in range(50)} == {1}
+    two = sampler(1.0, 0.9)  # the top two reach 0.9 (0.975); the others are cut
+    assert {two(logits).item() for _ in range(200)} == {1, 2}
+    a, b = sampler(1.0, 1.0, seed=3), sampler(1.0, 1.0, seed=3)
+    assert [a(logits).item() for _ in range(20)] == [b(logits).item() for _ in range(20)]
