@@ -38,18 +38,11 @@ def full_answer(model, ids, max_new_tokens, stop_ids, pad_mask=None, clock=None)
     """FullKV's greedy answer to the prompt ids (B, S): the reference every method is judged by, and the future
     whose attention LookaheadKV learns. Returns (prefilled, answers): FullKV's Prefilled (its cache holds the
     prompt alone: the answer is decoded on a copy), answers one id list per row, each ending at its stop token.
-    generate.py's oracle calls it, evaluate.py its two steps (its prefill watched by every method: answer_from);
-    train.py's data stage decodes this same answer while it sums the target (tests/test_train.py holds the two
-    equal), and the held-out harness reads that answer back."""
+    generate.py's oracle calls it; train.py's data stage decodes this same answer while it sums the target
+    (tests/test_train.py holds the two equal), and the held-out harness reads that answer back."""
     prefilled = prefill_and_score(model, ids, FullKV(EvictConfig("full")), pad_mask, clock)
-    return prefilled, answer_from(model, prefilled, max_new_tokens, stop_ids)
-
-
-def answer_from(model, prefilled, max_new_tokens, stop_ids):
-    """FullKV's greedy answer from its Prefilled (the whole prompt cache and the first-token logits), decoded on
-    a copy of the cache so that prefilled.cache stays the prompt's: full_answer's second step, and evaluate.py's,
-    which makes the prefill with every other method watching it (one prefill per prompt)."""
-    return greedy(model, prefilled.cache.copy(), prefilled.logits, prefilled.next_pos, max_new_tokens, stop_ids)
+    cache = prefilled.cache.copy()  # the answer grows the copy: prefilled.cache stays the prompt's
+    return prefilled, greedy(model, cache, prefilled.logits, prefilled.next_pos, max_new_tokens, stop_ids)
 
 
 class StreamingLLM(Unpooled):

@@ -147,19 +147,20 @@ def answer(args, model, tok, folder, ids, module, blank_prompt):
     ids_t = torch.tensor([ids], device=args.device)  # (1, S)
     response, oracle_ms = oracle_answer(args, model, tok, folder, ids_t) if args.method == "oracle" else (None, 0.0)
     scorer, evictor = build(args, model.config, module, response)
+    selection, pick = selection_of(scorer), sampler(args)  # what the stats name; greedy unless --temperature
     t0, clock = time.perf_counter(), Stopwatch(args.device)
     clock.mark()
     cache, logits, pos, kept_slots = compress(model, ids_t, scorer, clock=clock)  # marks: prefill, eviction
     check_logits(logits, folder)
     kept = [int(k.shape[2]) for k in cache.k], cache.nbytes()  # slots per layer (per-layer budgets vary them)
-    steps = decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, sampler(args),
+    steps = decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, pick,
                    **watch(evictor))  # beyond the paper: the evictor holds the cache to --decode-budget
     out, printed, _, last, t_first = stream(tok, steps, args.json)
     n_decoded, t_end = max(len(out) - 1, 0), time.perf_counter()
     timing = dict(prefill_ms=round(clock.ms(0, 1), 1), evict_ms=round(clock.ms(1, 2) + oracle_ms, 1),
                   ttft_ms=round((t_first - t0) * 1e3 + oracle_ms, 1),
                   decode_tokens_per_s=round(n_decoded / (t_end - t_first), 2) if n_decoded else None)
-    stats = answer_stats(args, model, selection_of(scorer), len(ids), kept, tok.decode(out), timing, cache, evictor)
+    stats = answer_stats(args, model, selection, len(ids), kept, tok.decode(out), timing, cache, evictor)
     if not stats["text"]:
         warn(why_empty(last, tok, blank_prompt))
     report(args, stats, printed, tok, ids, kept_slots)

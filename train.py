@@ -72,7 +72,7 @@ class TrainConfig:
     rank: int = 8  # LoRA rank r
     alpha: float = 32.0  # LoRA alpha (the delta is scaled by alpha / r)
     targets: str = "all"  # --targets: LoRA targets: all (the seven projections), a comma list, or none
-    rule: str = "span:8:1024"  # the selection rule the adapter's .json names (methods.parse_rule; RESULTS.md 4.2)
+    rule: str = "span:8:1024"  # the selection rule the adapter's .json names (methods.parse_rule; research/LOG.md 4.2)
     # optimisation
     epochs: float = 3.0  # --epochs: passes over the training rows (a fraction ends mid-pass)
     batch: int = 32  # --batch: samples per optimiser step, all ranks

@@ -22,7 +22,6 @@ import torch
 from support import cli
 from eviction import compress, decode
 from extensions.decode import add_turn
-from support.tokenizer import decode_utf8
 
 # -----------------------------------------------------------------------------
 # The user turns
@@ -42,10 +41,8 @@ def turns_of(args, tok, context):
 def read_turns(path, context=None):
     """The user turns of --turns: a JSON list of strings ("/reset" starts a new conversation)."""
     p, where = cli.input_file("--turns", path), f"turns file {path}"
-    raw = p.read_bytes()
-    cli.check_not_utf16(raw, where)
     try:
-        turns = json.loads(cli.universal_newlines(decode_utf8(raw, where)))
+        turns = json.loads(cli.read_text(p.read_bytes(), where))
     except json.JSONDecodeError as e:
         raise ValueError(f"turns file {path} is not valid JSON ({e.msg}): write a list of strings") from None
     bad = (f"turns file {path}: expected a non-empty JSON list of non-empty strings, "

@@ -4,7 +4,7 @@ layers where a method's choice decides the answer (the paper keeps C in every la
 
 Measured per adapter, on training rows: for each group of layers, how much of the adapter's answer
 KL goes away when those layers alone keep the oracle's slots and every other layer keeps the
-adapter's (swap_gains). On SmolLM2 layers 18-20 hold more than half of it (RESULTS.md 4.4). The
+adapter's (swap_gains). On SmolLM2 layers 18-20 hold more than half of it (research/LOG.md 4.4). The
 gains g become each layer's share of the slots, w (mean 1):
 
     w_l = sqrt(0.75 * g_l / mean(g) + 0.25), renormalised to mean 1      (layer_weights)

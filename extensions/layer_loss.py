@@ -2,8 +2,8 @@
 Beyond the paper: a training loss weighted toward the layers whose selection the answer depends on.
 
 The paper's loss (lookaheadkv.kl_loss) averages KL(gt || pred) over layers and heads: every layer's
-prediction counts the same. On SmolLM2 a few layers decide most of the answer (18-20: RESULTS.md 4.4),
-and the learning curve (RESULTS.md 8.3) saw the average KL keep falling with more data while the
+prediction counts the same. On SmolLM2 a few layers decide most of the answer (18-20: research/LOG.md 4.4),
+and the learning curve (research/LOG.md 8.3) saw the average KL keep falling with more data while the
 held-out answer KL stopped. This loss weighs each layer's KL by its share of the answer, as
 layer_budgets.measure found it for an earlier adapter on training rows (its answer-KL swap gains g):
 

@@ -10,7 +10,7 @@ is still selected token by token. After kvpress's QuerySpanPress (importance car
 granted only to tokens the model could not predict), made two-sided.
 
 Its cost is the surprisal, one LM-head row (V x hidden) per prompt token: for SmolLM2 a quarter of the
-model's work per token, several times the rest of the method (RESULTS.md, section 9). Three ways down:
+model's work per token, several times the rest of the method (RESULTS.md, section 5). Three ways down:
 
 - Where: only where the rule can change what is kept. Spreading only raises scores, so every token the
   rule keeps lies within kernel - 1 places of a token in its layer's raw top C_l (and the whole run
@@ -75,7 +75,7 @@ def token_surprisal(lm_head, hidden, ids, where=None, rows=256, vocab=None, enou
     model copying from its context puts its mass), then over the rest of vocab (or of the vocabulary) for
     the tokens still at or below `enough` only. A part of the sum is a lower bound, so a token above it
     after the first part stays above it: (out > enough) is the one-part sum's, and out is its number
-    wherever out <= enough. The first part decides most of the tokens above it (RESULTS.md, section 9)."""
+    wherever out <= enough. The first part decides most of the tokens above it (research/LOG.md 9)."""
     B, S = ids.shape
     out = torch.zeros(B, S, device=ids.device)
     if where is None:

@@ -15,7 +15,7 @@ overhead = the median over rounds of (method - full) timed in the same round (dr
 in ms and as % of FullKV's prefill; "middle half" is the 25th..75th percentile of those differences (the
 noise of the machine); "fastest" is the method's fastest round against FullKV's fastest (a call's work is
 fixed and a shared machine only adds time to it, so the fastest call is the least disturbed one, as
-timeit advises; RESULTS.md, section 9, gives both). --json adds every round's ms (rounds_ms).
+timeit advises; RESULTS.md, section 5, gives both). --json adds every round's ms (rounds_ms).
 Rows (--methods): full, snapkv, h2o, laq, and
     lookahead            as shipped: the model's adapter (weights/<model>.lookahead.safetensors, or
                          --adapter) with the rule and per-layer budgets of its .json

@@ -129,7 +129,7 @@ from support import cli
 from support import data
 from research import harness
 from research import ruler
-from baselines import FullKV, Unpooled, answer_from, full_answer
+from baselines import FullKV, Unpooled
 from eviction import EvictConfig, Prefilled, decode, greedy, keep_slots, prefill_and_score, uniform_budgets
 from extensions.decode import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
 from research.harness import mean_of, results_table, task_means
@@ -327,14 +327,14 @@ def reference(model, ids, max_new_tokens, stop_ids, watchers=None):
     """FullKV on the prompt ids (1, S): prefill, greedy answer, its true attention and its log-probs.
     watchers ({method: scorer}) watch the same prefill and score on it (--mode prefill: every method from
     ONE prefill per prompt); their runs and scoring times are Reference.scored. FullKV's answer is
-    baselines.full_answer's, in its two steps (the prefill, then answer_from)."""
+    baselines.full_answer's, in its two steps (the prefill, watched by every method, then greedy on a copy)."""
     timed = {m: Timed(s) for m, s in (watchers or {}).items()}
     t0 = time.perf_counter()
     clock = Stopwatch(ids.device)
     clock.mark()
     runs = prefill_and_score(model, ids, [FullKV(EvictConfig("full")), *timed.values()], clock=clock)
     run = runs[0]  # run.cache: the prompt's alone (the answer is decoded on a copy)
-    ref = answer_from(model, run, max_new_tokens, stop_ids)[0]
+    ref = greedy(model, run.cache.copy(), run.logits, run.next_pos, max_new_tokens, stop_ids)[0]
     scoring_ms = sum(t.ms for t in timed.values())  # the others' scoring is not the oracle's cost
     answer_ms = (time.perf_counter() - t0) * 1e3 - scoring_ms
     response = torch.tensor([ref], device=ids.device)

@@ -5,7 +5,7 @@ Each decode step's attention over the prompt is one term of the answer's mean (T
 second forward is needed; with --group N, training prompts come N to a shared context
 (data.make_training_groups): the context is prefilled once, decoding reads its cache once for the N
 answers (SharedPrefixAttention), and its cache is stored once; a prompt then costs about a fifth of what
-it costs alone (RESULTS.md section 8). tests/research/test_train_lab.py holds its targets equal to
+it costs alone (research/LOG.md 8.1). tests/research/test_train_lab.py holds its targets equal to
 lookaheadkv.answer_attention's, train.py's.
 """
 import json

@@ -40,7 +40,7 @@
 #                        tests); 600 prompts of this recipe average 1,362 tokens
 #   group 6, first_frac 0.1   as research/configs/train-cpu-5k.json: one prefill per context of six prompts (on the GPU
 #                        it saves ~5x of the data stage's prefill FLOPs) and the same data mix as that job
-#   max_new_tokens 128   the shipped recipe's answers; RESULTS.md 8.1: a 64-token cut moved the target by about a
+#   max_new_tokens 128   the shipped recipe's answers; research/LOG.md 8.1: a 64-token cut moved the target by about a
 #                        quarter of the shipped adapter's held-out KL, too much to cut blind
 #   store_dtype "none"   targets only; a bf16 cache is 23 KB per token: 20,160 x 1,362 tokens would be ~590 GiB
 #   store_gb 36          the targets are L x H x 4 = 1,080 B per token: 20,160 x 1,362 x 1,080 B = 27.6 GiB
@@ -73,7 +73,7 @@
 #                      prompts: the workers' "data stage" lines give the rate for the next try. (The CPU's form,
 #                      SharedPrefixAttention, loops over a batch's groups in Python: ~25,000 ops a step at 48
 #                      prompts, 0.2-0.3 s on a GPU, which would make only ~3,000 of the prompts in the window;
-#                      RESULTS.md's older estimate, 17 min for 8,000 prompts at 30 ms a step, counted no such loop)
+#                      research/LOG.md's older estimate, 17 min for 8,000 prompts at 30 ms a step, counted no such loop)
 #   merge         ~5   the workers' rows and sample files into one folder
 #   train      ~150    model load + held-out ground truth (64 prompts) ~20, 315 steps x 0.25-0.35 s (a micro-batch
 #                      of 64 recomputes its prompts' cache: ~26 TFLOP of prefill, ~0.1-0.2 s, + ~17,400 aten ops of

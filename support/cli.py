@@ -27,7 +27,7 @@ from tqdm import tqdm
 from support import lock
 from support.metrics import keep_fraction
 from model import ModelConfig, load_model
-from support.tokenizer import Tokenizer
+from support.tokenizer import Tokenizer, decode_utf8
 
 # -----------------------------------------------------------------------------
 # One line per failure
@@ -164,6 +164,13 @@ def check_not_utf16(raw, where):
         if 2 * high > units and 2 * low < units:
             raise ValueError(f"{where} looks like {order} text without a byte order mark (a NUL byte in every other "
                              f"place): convert it to UTF-8, e.g. iconv -f {order} -t UTF-8 FILE > FILE.utf8")
+
+
+def read_text(raw, where):
+    """The text of a file (or stdin) the user gave, from its bytes: UTF-8, or UTF-16 with its byte order mark,
+    refused as UTF-16 without one; its line ends \n. `where` names it in the error."""
+    check_not_utf16(raw, where)
+    return universal_newlines(decode_utf8(raw, where))
 
 
 def universal_newlines(text):

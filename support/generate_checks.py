@@ -19,7 +19,7 @@ import torch
 
 from model import ModelConfig
 from support import cli
-from support.tokenizer import Tokenizer, decode_utf8
+from support.tokenizer import Tokenizer
 
 
 def checked_inputs(args, build, decode_methods, load_adapter):
@@ -138,8 +138,7 @@ def read_prompt(arg, context):
     if size > limit:
         raise ValueError(f"the prompt ({where}) is over {limit // 2**10} KB, more than the model's context of "
                          f"{context} tokens can hold: shorten it")
-    cli.check_not_utf16(raw, where)  # else read as UTF-8, its NULs removed, and answered
-    text = cli.universal_newlines(decode_utf8(raw, where))  # line ends, not control characters to warn about
+    text = cli.read_text(raw, where)  # UTF-16 without its BOM would be read as UTF-8, NULs removed, and answered
     if not text.strip():
         raise ValueError(f"the prompt ({where}) is empty: write the user message into it")
     text, removed = cli.printable(text)

@@ -568,7 +568,7 @@ def peak_memory_gib():
 
 def memory_warning(peak, available):
     """After the first step on a CPU (GiB): a warning when what the machine has left is under half of the step's
-    peak, else None. A step grows with its batch's prompt lengths (RESULTS.md 8.3: 12.9 GB at step 3 of the 5K
+    peak, else None. A step grows with its batch's prompt lengths (research/LOG.md 8.3: 12.9 GB at step 3 of the 5K
     recipe, 16-17 GB later), and the kernel's OOM killer ends a run without a line in its log; half is that growth
     with room to spare, a rule of thumb, not a measurement of this run's longest batch."""
     if available is None or available >= peak / 2:

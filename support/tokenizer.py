@@ -32,7 +32,9 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception
             raise ValueError(f"{path / 'tokenizer.json'} is not a tokenizer we can read ({short_reason(e)}): "
                              f"{fix}") from None
-        template = chat_template(path, fix)
+        configs = {name: read_json(path / name, fix) if (path / name).exists() else {}
+                   for name in ("tokenizer_config.json", "generation_config.json")}  # both optional
+        template = chat_template(configs["tokenizer_config.json"], path, fix)
         vocab = self.tk.get_vocab(with_added_tokens=True)
         if cfg is not None and vocab and max(vocab.values()) >= cfg.vocab_size:  # two files, one model: they agree
             raise ValueError(f"{path / 'tokenizer.json'} makes token ids up to {max(vocab.values())} but "
@@ -53,7 +55,7 @@ class Tokenizer:
         else:
             self.format, self.default_system, stop = None, None, []
         ids = [vocab[s] for s in stop if s in vocab] + (list(cfg.eos_token_id) if cfg else [])
-        self.stop_ids = sorted(set(ids + generation_eos(path, fix)))
+        self.stop_ids = sorted(set(ids + generation_eos(configs["generation_config.json"], path, fix)))
         if cfg is not None and self.stop_ids and self.stop_ids[-1] >= cfg.vocab_size:
             raise ValueError(f"stop token id {self.stop_ids[-1]} (config.json or generation_config.json's "
                              f"eos_token_id) is outside vocab_size {cfg.vocab_size} in {path}: {fix}")
@@ -90,10 +92,9 @@ class Tokenizer:
         raise ValueError("this tokenizer has no chat format we know (ChatML or Llama-3): a conversation needs one")
 
 
-def chat_template(path, fix):
-    """tokenizer_config.json's chat_template ("" if none): only read for the default system message."""
+def chat_template(tc, path, fix):
+    """tokenizer_config.json's (tc) chat_template ("" if none): only read for the default system message."""
     tc_file = path / "tokenizer_config.json"
-    tc = read_json(tc_file, fix) if tc_file.exists() else {}
     template = tc.get("chat_template") or ""
     if isinstance(template, list):  # several named templates: [{"name": "default", "template": "..."}, ...]
         template = next((t.get("template") for t in template
@@ -104,12 +105,10 @@ def chat_template(path, fix):
     return template
 
 
-def generation_eos(path, fix):
-    """generation_config.json's eos_token_id as a list ([] if none): more ids that stop decoding."""
+def generation_eos(gc, path, fix):
+    """generation_config.json's (gc) eos_token_id as a list ([] if none): more ids that stop decoding."""
     gen = path / "generation_config.json"
-    if not gen.exists():
-        return []
-    e = read_json(gen, fix).get("eos_token_id")
+    e = gc.get("eos_token_id")
     e = e if isinstance(e, list) else ([] if e is None else [e])
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in e):
         raise ValueError(f"{gen}: eos_token_id must be a token id (a whole number >= 0) or a list of "

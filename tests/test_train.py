@@ -684,7 +684,7 @@ def test_a_killed_data_stage_resumes_and_rebuilds_missing_samples(model_dir, tmp
 
 def test_memory_warning_when_less_than_half_the_first_steps_peak_is_left():
     assert recipe.memory_warning(12, 7) is None  # 12.9 GB alone on this 24 GiB machine: no warning
-    said = recipe.memory_warning(13, 5)  # beside the data job (5-6 GB): RESULTS 8.3's OOM kills
+    said = recipe.memory_warning(13, 5)  # beside the data job (5-6 GB): research/LOG.md 8.3's OOM kills
     assert "13.0 GiB" in said and "5.0 GiB left" in said
     assert cli.free_memory_gib("cpu") is None or cli.free_memory_gib("cpu") > 0
     assert recipe.peak_memory_gib() > 0

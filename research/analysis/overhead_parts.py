@@ -1,4 +1,4 @@
-"""Where LookaheadKV's cost goes, part by part (RESULTS.md, section 9).
+"""Where LookaheadKV's cost goes, part by part (RESULTS.md, section 5).
 
 bench.py times the whole against FullKV's, and on a shared CPU its rounds scatter by a few % of a 10 s
 prefill: more than the method costs. This script times each piece the one-pass form adds on its own,

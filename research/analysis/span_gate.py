@@ -1,4 +1,4 @@
-"""How far the span rule's cheap gate is from the exact one (extensions/span.py, RESULTS.md section 4.2.1).
+"""How far the span rule's cheap gate is from the exact one (extensions/span.py, research/LOG.md 4.2.1).
 
 The span rule needs to know which prompt tokens the model could not predict (surprisal > 2 nats). The
 exact surprisal normalises over the whole vocabulary: one LM-head row per prompt token. The gate
