@@ -1,11 +1,12 @@
 """Bad inputs to the scripts end in one line ("error: ..." saying what to do), exit status 1 and no
 traceback; library functions raise exceptions and leave that line to the script (cli.run).
 
-One subprocess per script (generate.py, train.py, evaluate.py, bench.py, weights/prepare.py) checks the
+One subprocess per script (generate.py, train.py, weights/prepare.py) checks the
 contract where a user meets it: stderr, the exit status, no traceback; one more that a closed pipe
 (`| head`) ends quietly. Every other bad input is checked in-process, through the script's main(argv): a
 SystemExit whose message is one "error: ..." line (what Python prints to stderr, with exit status 1, for
-a SystemExit with a string). One test per class of bad input (issue 28), for generate.py and bench.py."""
+a SystemExit with a string). One test per class of bad input (issue 28), for generate.py. The research
+scripts' (research/evaluate.py, research/bench.py) are in tests/research/test_research_cli.py."""
 import argparse
 import io
 import json
@@ -19,11 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from research import bench
 from support import cli
 from support import data
 from support import generate_checks
-from research import evaluate
 import generate as generate_py
 import model
 from support import tokenizer
@@ -61,7 +60,6 @@ def error_of(main, *argv):
 def no_loading(monkeypatch):
     """Any attempt to load weights fails the test: the check must come first."""
     monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("the model was loaded"))
-    monkeypatch.setattr(bench, "random_model", lambda *a, **k: pytest.fail("the model was built"))
 
 
 @pytest.fixture
@@ -111,10 +109,8 @@ def chat_model(tmp_path_factory):
 @pytest.mark.parametrize("script, argv, needles", [
     ("generate.py", ["--prompt", "{tmp}", "--model", "{model}"], ["--prompt", "is a folder"]),
     ("train.py", ["--model", NOWHERE, "--out", "{tmp}/out"], [f"--model {NOWHERE}: no config.json"]),
-    ("-m research.evaluate", ["--model", NOWHERE], [f"--model {NOWHERE}: no config.json"]),
-    ("-m research.bench", ["--quick", "--device", "cpu"], ["--quick is the GPU preset"]),
     ("weights/prepare.py", ["--out", "{tmp}/a-file"], ["a-file is a file"]),
-], ids=["generate", "train", "evaluate", "bench", "prepare"])
+], ids=["generate", "train", "prepare"])
 def test_script_error_is_one_line_on_stderr_with_status_1(script, argv, needles, tmp_path, tiny_model):
     (tmp_path / "a-file").write_text("not a folder")
     argv = [a.format(tmp=tmp_path, model=tiny_model) for a in argv]
@@ -339,35 +335,6 @@ def test_stats_lines(prompt, tiny_model, capsys):
     assert "--- kept tokens" in printed
 
 
-# ----------------------------------------------------------------------------- bench.py, before loading
-
-@pytest.mark.parametrize("argv, needle", [
-    (["--model", NOWHERE], f"--model {NOWHERE}: no config.json"),
-    (["--budget", "0"], "--budget 0: must be at least 1"),
-    (["--budget", "32"], "row snapkv: budget 32 is too small for snapkv: it always keeps the last 32"),
-    (["--json", "{tmp}/d.json"], "d.json is a folder"),
-    (["--json", "{tmp}/rows.txt"], "must end in .json"),
-    (["--methods", "snapkv,oracle"], "--methods oracle"),
-    (["--methods", "full", "--pool"], "unrecognized arguments: --pool (python -m research.bench --help)"),  # argparse's own
-    (["--mode", "decode-cost", "--lengths", "6", "--window", "4"], "decode budget 6 leaves no room"),
-    (["--mode", "decode-cost", "--methods", "laq"], "--methods laq: not a row of --mode decode-cost"),
-    (["--random-init", "{tmp}"], "--random-init"),
-    (["--random-init", "{tmp}/c.json", "--adapter", "{tmp}/c.json"], "--adapter: a --random-init"),
-    (["--lengths", "0"], "--lengths"),
-], ids=["model", "budget", "budget-window", "json-folder", "json-suffix", "oracle", "pool", "decode-cost-window",
-        "decode-cost-method", "random-init-folder", "adapter-random", "lengths"])
-def test_bench_bad_values_stop_before_the_model_loads(argv, needle, tmp_path, no_loading):
-    (tmp_path / "c.json").write_text("{}")
-    (tmp_path / "d.json").mkdir()
-    argv = ["--device", "cpu"] + [a.format(tmp=tmp_path) for a in argv]
-    if needle is None:
-        with pytest.raises(SystemExit) as e:
-            bench.main(argv)
-        assert e.value.code == 2
-        return
-    one_line(error_of(bench.main, *argv), needle)
-
-
 def test_prepare_bad_out(tmp_path):
     (tmp_path / "a-file").write_text("not a folder")
     one_line(error_of(prepare.main, "--out", tmp_path / "a-file"), "a-file is a file")
@@ -465,12 +432,10 @@ def test_chat_on_stdin_runs(chat_model, monkeypatch, capsys):
 @pytest.mark.parametrize("script, argv, needle", [
     ("generate", ["--budget", "1.5"], "argument --budget: invalid int value: '1.5' (python generate.py --help)"),
     ("train", ["--epochs", "x"], "argument --epochs: invalid float value: 'x' (python train.py --help)"),
-    ("bench", ["--nope"], "unrecognized arguments: --nope (python -m research.bench --help)"),
-    ("evaluate", ["--budgets"], "argument --budgets: expected one argument (python -m research.evaluate --help)"),
 ])
 def test_argparse_errors_are_one_line_too(script, argv, needle, no_loading):
     """A flag argparse itself refuses ends like any other bad input: one `error:` line, exit 1, no usage block."""
-    main = {"generate": generate_py.main, "train": train.main, "bench": bench.main, "evaluate": evaluate.main}[script]
+    main = {"generate": generate_py.main, "train": train.main}[script]
     one_line(error_of(main, *argv), needle)
 
 

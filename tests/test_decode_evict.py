@@ -525,8 +525,9 @@ def test_next_turn_is_the_templates_rendering(tmp_path, fmt):
 
 def test_the_rest_runs_without_this_extension(tmp_path):
     """Deleting extensions/decode.py (and the lines that name it in the scripts) leaves every other feature
-    working: in a fresh interpreter where it cannot be imported, the core, the other extensions, the
-    training and the harness import, and every method compresses a prompt (the cheap form of the check)."""
+    working: in a fresh interpreter where it cannot be imported, the core, the other extensions and the
+    training import, and every method compresses a prompt (the cheap form of the check). The research
+    harness's half: tests/research/test_evaluate.py."""
     import subprocess
     from pathlib import Path
 
@@ -535,7 +536,6 @@ def test_the_rest_runs_without_this_extension(tmp_path):
     code = f"""
 import sys, torch
 sys.modules["extensions.decode"] = None  # import extensions.decode now raises ImportError
-from research import harness
 import eviction, methods, model, train
 from lookaheadkv import LookaheadModule
 torch.manual_seed(0)

@@ -21,7 +21,6 @@ from safetensors.torch import load_file
 
 from support import cli
 from support import data, recipe
-from research import harness
 import lookaheadkv as lk
 import methods
 import train
@@ -51,7 +50,17 @@ def rand_list(n, seed):
 
 
 def ground_truth(model, row):
-    return harness.ground_truth(model, row["prompt_ids"], row["response_ids"])
+    """One row's (cache, target {layer: (1, H, S)}, extra): FullKV's prefill of the prompt, then
+    lookaheadkv.answer_attention of the row's answer over it (what train.py stores)."""
+    prompt, response = torch.tensor([row["prompt_ids"]]), torch.tensor([row["response_ids"]])
+    run, _ = full_answer(model, prompt, 0, ())
+    gt = lk.answer_attention(model, run.cache, response, run.next_pos, per_query_head=True)
+    return run.cache, gt, dict(prompt=prompt, response=response)
+
+
+def group_mean(scores, n_kv_heads):
+    """Per-query-head scores (B, H, S) -> per-KV-head (B, H_kv, S), as eviction uses them."""
+    return {l: s.view(s.shape[0], n_kv_heads, -1, s.shape[-1]).mean(2) for l, s in scores.items()}
 
 
 def write_samples(model, rows, folder):
@@ -115,7 +124,7 @@ def test_target_equals_explicit_attention(hf_folder):
         assert torch.allclose(cache.k[l], full.k[l], atol=1e-5) and torch.allclose(cache.v[l], full.v[l], atol=1e-5)
     # the oracle's scores (answer_attention per KV head) are the GQA mean of the same target
     oracle = lk.answer_attention(model, full, torch.tensor([row["response_ids"]]), torch.tensor([S]))
-    for l, g in harness.group_mean(gt, cfg.num_key_value_heads).items():
+    for l, g in group_mean(gt, cfg.num_key_value_heads).items():
         assert torch.allclose(oracle[l], g, atol=1e-5)
 
 
@@ -143,7 +152,7 @@ def test_training_pass_equals_inference_scorer_and_leaves_the_cache():
     with torch.no_grad():
         x = torch.cat([model.model.embed_tokens(ids), mod.embeddings[None]], 1)
         model(inputs_embeds=x, positions=torch.arange(S + 8)[None], hook=hook)
-    for l, g in harness.group_mean(pred, cfg.num_key_value_heads).items():
+    for l, g in group_mean(pred, cfg.num_key_value_heads).items():
         assert torch.allclose(g, hook.scores[l], atol=1e-5)
     # gradients reach the module only
     lk.kl_loss(gt, pred).backward()

@@ -606,7 +606,7 @@ def test_bad_task_files(tiny, text, message):
 def run_script(*args):
     """evaluate.main as the process runs it: (exit status, printed lines + the exit message). In-process: the
     process contract itself (a string SystemExit is exit 1 with that line on stderr) is tested once per script
-    in tests/test_cli.py."""
+    in tests/research/test_research_cli.py."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
@@ -1174,3 +1174,26 @@ def test_an_out_folder_of_other_files_is_refused(tiny, tmp_path, no_loading):
     refused(argv(tiny, str(out)), f"--out {out} holds files evaluate.py did not write \\(results.md\\) and no "
                                   "results.json of an earlier run: pass a new or empty folder$")
     assert [p.name for p in out.iterdir()] == ["results.md"] and (out / "results.md").read_text() == "my notes"
+
+
+def test_the_harness_runs_without_the_decode_extension():
+    """Deleting extensions/decode.py leaves the harness working (tests/test_decode_evict.py checks the core's
+    half): in a fresh interpreter where it cannot be imported, research/harness.py imports and scores a prompt's
+    held-out metrics' ground truth."""
+    tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, name="tiny")
+    code = f"""
+import sys, torch
+sys.modules["extensions.decode"] = None  # import extensions.decode now raises ImportError
+from research import harness
+import model
+torch.manual_seed(0)
+m = model.Transformer(model.ModelConfig(**{tiny!r})).eval()
+with torch.no_grad():
+    cache, gt, _ = harness.ground_truth(m, list(range(1, 30)), [3, 4, 5])
+assert set(gt) == set(range(2)) and gt[0].shape == (1, 4, 29), {{l: g.shape for l, g in gt.items()}}
+print("ok")
+"""
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
