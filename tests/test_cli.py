@@ -113,13 +113,17 @@ def chat_model(tmp_path_factory):
 ], ids=["generate", "train", "prepare"])
 def test_script_error_is_one_line_on_stderr_with_status_1(script, argv, needles, tmp_path, tiny_model):
     (tmp_path / "a-file").write_text("not a folder")
-    argv = [a.format(tmp=tmp_path, model=tiny_model) for a in argv]
+    one_line(script_error(script, [a.format(tmp=tmp_path, model=tiny_model) for a in argv]), *needles)
+
+
+def script_error(script, argv):
+    """`python SCRIPT ARGV` run from the repository root: its stderr, exit status 1 and one line."""
     r = subprocess.run([sys.executable, *script.split(), *argv], cwd=ROOT, capture_output=True, timeout=300,
                        env={**os.environ, "PIP_NO_INDEX": "1"})  # prepare.py: never the network
     err = r.stderr.decode("utf-8", "replace")
     assert r.returncode == 1, err
     assert len(err.splitlines()) == 1, err  # no traceback, no progress bar, no warning
-    one_line(err.rstrip("\n"), *needles)
+    return err.rstrip("\n")
 
 
 def test_closed_pipe_ends_quietly(prompt, tiny_model):

@@ -50,12 +50,12 @@ def rand_list(n, seed):
 
 
 def ground_truth(model, row):
-    """One row's (cache, target {layer: (1, H, S)}, extra): FullKV's prefill of the prompt, then
-    lookaheadkv.answer_attention of the row's answer over it (what train.py stores)."""
+    """One row's (cache, target {layer: (1, H, S)}, extra) as train.py's data stage makes them: FullKV's prefill
+    (train.full_cache), then the answer's attention over it (train.answer_targets: lookaheadkv.answer_attention)."""
     prompt, response = torch.tensor([row["prompt_ids"]]), torch.tensor([row["response_ids"]])
-    run, _ = full_answer(model, prompt, 0, ())
-    gt = lk.answer_attention(model, run.cache, response, run.next_pos, per_query_head=True)
-    return run.cache, gt, dict(prompt=prompt, response=response)
+    cache, _, next_pos = train.full_cache(model, prompt, None)
+    target = train.answer_targets(model, cache, next_pos, [row["response_ids"]])
+    return cache, target, dict(prompt=prompt, response=response)
 
 
 def group_mean(scores, n_kv_heads):

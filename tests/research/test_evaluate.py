@@ -1180,15 +1180,16 @@ def test_the_harness_runs_without_the_decode_extension():
     """Deleting extensions/decode.py leaves the harness working (tests/test_decode_evict.py checks the core's
     half): in a fresh interpreter where it cannot be imported, research/harness.py imports and scores a prompt's
     held-out metrics' ground truth."""
-    tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, name="tiny")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the core half's tiny config
+    from test_lookaheadkv import TINY
+
     code = f"""
 import sys, torch
 sys.modules["extensions.decode"] = None  # import extensions.decode now raises ImportError
 from research import harness
 import model
 torch.manual_seed(0)
-m = model.Transformer(model.ModelConfig(**{tiny!r})).eval()
+m = model.Transformer(model.ModelConfig(**{TINY!r})).eval()
 with torch.no_grad():
     cache, gt, _ = harness.ground_truth(m, list(range(1, 30)), [3, 4, 5])
 assert set(gt) == set(range(2)) and gt[0].shape == (1, 4, 29), {{l: g.shape for l, g in gt.items()}}
