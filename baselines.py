@@ -72,11 +72,23 @@ class RandomKV(Unpooled):
         return torch.rand(L, B, Hkv, S, generator=g).to(prefilled.positions.device)
 
 
+def check_queries(n, setting, method=None):
+    """The number of last queries a method scores with, at least 1: q[:, :, -n:] with n = 0 is q[:, :, 0:], EVERY
+    query of the prompt's last chunk, so a window of 0 silently scored another way ("TheTheThe" with exit 0), and a
+    negative n drops the first ones. `setting` names it in the error (--window: the flag every script sets it with)."""
+    if n is None or n < 1:
+        who = f"method {method}" if method else "this method"
+        raise ValueError(f"{setting} {n}: {who} scores with the attention of the last {setting} prompt tokens' "
+                         f"queries (0 would silently take every query of the prompt's last chunk), so it needs at "
+                         f"least 1, e.g. {setting} 32")
+
+
 class WindowHook(Hook):
     """SnapKV's prefill score: the mean attention of the chunk's last `n` queries over the first S keys, per
     layer and KV head (B, H_kv, S): the mean over those queries and the GQA group."""
 
     def __init__(self, n, S):
+        check_queries(n, "--window")
         self.n, self.S, self.scores = n, S, {}
 
     def attn(self, layer, q, k, key_valid):
@@ -91,6 +103,9 @@ class SnapKV(Scorer):
     score, avg-pooled (kernel 5) along the prefix; the window itself is always kept, inside C."""
 
     def __init__(self, eviction, module=None, response=None):
+        # its window is what it scores with, not only what it keeps: at least 1 (check_queries), said when the
+        # method is made (before any model loads), as --window, the flag every script sets it with
+        check_queries(eviction.window, "--window", eviction.method)
         self.window = eviction.window
         super().__init__(eviction)
 
@@ -199,6 +214,10 @@ class LAQ(SnapKV):
     budget_dependent = True  # the draft runs on the SnapKV-compressed cache of size C
     default_options = dict(draft_tokens=8)  # the draft's length, and how many last prompt queries join it
 
+    def __init__(self, eviction, module=None, response=None):
+        super().__init__(eviction, module, response)
+        check_queries(self.options["draft_tokens"], "draft_tokens", "laq")  # its RecentQueries' n
+
     def prefill_hook(self, ids):
         # SnapKV's scores (for the draft's cache) and the last draft_tokens prompt queries
         return Hooks(WindowHook(self.window, ids.shape[1]), RecentQueries(self.options["draft_tokens"]))
@@ -218,6 +237,7 @@ class RecentQueries(Hook):
     every_chunk = True
 
     def __init__(self, n):
+        check_queries(n, "--window")
         self.n, self.q = n, {}
 
     def attn(self, layer, q, k, key_valid):

@@ -33,7 +33,7 @@ class EvictConfig:
     budgets: object = None  # the budget policy, budgets(C, n_layers, S, least) -> slots per layer; None =
     # the method's default_budgets (C in every layer; pyramidkv: its pyramid)
     chunk_size: int = 4096  # prefill in chunks of this many tokens (bounded activations at 32K)
-    own: dict = field(default_factory=dict)  # the method's own options by name, e.g. {"n_sink": 4}: its
+    options: dict = field(default_factory=dict)  # the method's own options by name, e.g. {"n_sink": 4}: its
     # class lists them with their defaults (Scorer.default_options); make_scorer refuses any other
 
 
@@ -150,10 +150,10 @@ class Scorer:
     sinks = 0  # the first `sinks` tokens are always kept (inside the budget)
     budget_dependent = False  # True: the scores themselves depend on C (they cannot serve other budgets)
     default_rule = Pool("avg", 5)  # the smoothing it uses unless EvictConfig.rule says otherwise
-    default_options = {}  # the method's own options and their defaults (EvictConfig.own overrides them by name)
+    default_options = {}  # the method's own options and their defaults (EvictConfig.options overrides them by name)
 
     def __init__(self, eviction, module=None, response=None):  # methods.make_scorer checks the config
-        self.eviction, self.options = eviction, {**self.default_options, **eviction.own}
+        self.eviction, self.options = eviction, {**self.default_options, **eviction.options}
         self.rule = eviction.rule if eviction.rule is not None else self.default_rule
 
     def prefill_hook(self, ids):  # a Hook watching the prefill of the prompt ids (B, S), or None
@@ -236,7 +236,7 @@ def prefill_and_score(model, ids, scorer, pad_mask=None, clock=None):
     appended = [a for s, e in zip(scorers, evicting) if e and (a := s.appended_embeddings()) is not None]
     if appended and len(scorers) > 1:
         raise ValueError("a scorer that adds rows after the prompt (one-pass lookahead) prefills alone: "
-                         "use its two-pass form (own=dict(one_pass=False)) beside other scorers")
+                         "use its two-pass form (options=dict(one_pass=False)) beside other scorers")
     x, x_positions, x_mask = model.model.embed_tokens(ids), positions, pad_mask  # (B, S, hidden)
     if appended:
         M = appended[0].shape[0]

@@ -40,8 +40,11 @@ class LookaheadModule(nn.Module):
     W' = W + (alpha / r) B A applied ONLY to the lookahead rows:
         Q = [X; P] Wq + [0; P] dWq   (and the same for every other target)
     The base model is frozen and never sees the LoRA on prompt rows, so the prompt's KV cache
-    is exactly the base model's. The paper's equations show q and k; its released config puts the
-    LoRA on all seven linear layers (our default). targets=() keeps the embeddings alone."""
+    is exactly the base model's. The paper's equations show q and k; its parameter count (20.6M, 0.26% of
+    Llama-3.1-8B) is what r = 8 on all seven projections gives. Which we default to is measured (RESULTS.md,
+    "The LoRA targets"). targets=() keeps the embeddings alone.
+    Only the M rows' attention over the prompt is ever read, so in the LAST layer only the q and k LoRA matter:
+    that layer's v, o and MLP change nothing any score sees, and their LoRA gets no gradient (None in training)."""
 
     TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -145,6 +148,8 @@ class LookaheadHook(Hook):
 
     def attn(self, layer, q, k, key_valid):
         M = self.module.n_tokens  # the softmax runs over every key they see, the earlier lookahead rows too
+        # group_attention stacks the G query heads of a KV head as rows: row g*M + i is lookahead query i of
+        # query head kv*G + g (HF's repeat_kv order), which the per-head view below and attn_output rely on
         self.probs = group_attention(q[:, :, -M:], k, key_valid)  # (B, H_kv, G*M, Tk), kept for attn_output
         probs = self.probs[..., :self.S]  # (B, H_kv, G*M, S): only the prompt's columns are scores
         if self.per_query_head:  # training: the mean over the M queries of each query head

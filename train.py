@@ -1,19 +1,16 @@
 """
-Train the lookahead module (M embeddings + a LoRA on their rows) with the paper's KL loss, the base
-model frozen: the module learns to attend to the prompt the way the model's own answer will.
-A recipe is a JSON file of TrainConfig fields (below); a flag overrides its file, the file the defaults.
+Train the lookahead module (M embeddings + a LoRA on their rows) with the paper's KL loss, the base model frozen:
+it learns to attend to the prompt as the model's own answer will. A recipe is a JSON file of TrainConfig fields.
 
-The shipped adapter, on 2 CPU cores (after a kill, the same command with --resume goes on):
-    python train.py --config research/configs/train-cpu.json --out runs/cpu \\
-        --adapter-out weights/SmolLM2-135M-Instruct.lookahead.safetensors
-One GPU, paper-like scale; then several (data parallel: the samples first, on one process):
-    python train.py --config research/configs/train-gpu.json --out runs/gpu --adapter-out runs/gpu/adapter.safetensors
-    python train.py --config research/configs/train-gpu.json --out runs/gpu --stage data && \\
-        torchrun --nproc_per_node=8 train.py --config research/configs/train-gpu.json --out runs/gpu --stage train
-CPU smoke run (a few minutes on 2 cores):
-    python train.py --out runs/smoke --n-train 8 --n-heldout 4 --max-tokens 600 --max-new-tokens 32 --batch 4 --epochs 1
-It prints progress bars (answering prompts; training, with the loss and samples/s), the validation KL at
-step 0 and every --eval-every steps (also in OUT/log.jsonl), and where the adapter was saved.
+The learner's run, from scratch on 2 CPU cores in about 25 minutes, data included (README shows what it prints):
+    python train.py --config research/configs/train-quick.json --out runs/quick
+It prints progress bars, the validation KL at step 0 and every --eval-every steps (also in OUT/log.jsonl),
+where the adapter was saved and, at the end, the held-out answer KL at C = 128 beside SnapKV's and the shipped
+adapter's. Longer recipes (after a kill, the same command with --resume goes on):
+    python train.py --config research/configs/train-cpu.json --out runs/cpu   # 2 CPU cores: hours
+    python train.py --config research/configs/train-gpu.json --out runs/gpu   # one GPU, paper-like scale
+    python train.py --config research/configs/train-gpu.json --out runs/gpu --stage data && torchrun \\
+        --nproc_per_node=8 train.py --config research/configs/train-gpu.json --out runs/gpu --stage train
 
 Stages: 1. data: prompts (support/data.py), the base model's greedy answer on the full cache, then the
 target: lookaheadkv.answer_attention of that answer over the prompt cache; cache and target kept on disk
@@ -22,7 +19,6 @@ prompts, loss = lookaheadkv.kl_loss; AdamW, warm-up then cosine, clipping. Check
 bookkeeping: support/recipe.py. Research options: python -m research.train_lab --help.
 """
 
-import argparse
 import dataclasses
 import json
 import math
@@ -41,12 +37,11 @@ import methods
 from baselines import full_answer
 from eviction import EvictConfig, compress
 from lookaheadkv import answer_attention, kl_loss, lookahead_pass
-from support import cli, data, recipe
+from support import cli, data, metrics, recipe, selection
 from support.data import left_pad, load_batch, sample_ok, sample_path, save_sample
 
 # -----------------------------------------------------------------------------
 # Settings: a recipe file (--config) holds any of these; a flag overrides it
-
 
 @dataclasses.dataclass
 class TrainConfig:
@@ -72,7 +67,8 @@ class TrainConfig:
     rank: int = 8  # LoRA rank r
     alpha: float = 32.0  # LoRA alpha (the delta is scaled by alpha / r)
     targets: str = "all"  # --targets: LoRA targets: all (the seven projections), a comma list, or none
-    rule: str = "span:8:1024"  # the selection rule the adapter's .json names (methods.parse_rule; research/LOG.md 4.2)
+    rule: str | None = None  # a selection the adapter's .json recommends beyond the paper, e.g. "span:8:1024"
+    # (support/selection.py; generate.py applies it only with --pool); None: the paper's form, max-pool 7
     # optimisation
     epochs: float = 3.0  # --epochs: passes over the training rows (a fraction ends mid-pass)
     batch: int = 32  # --batch: samples per optimiser step, all ranks
@@ -90,31 +86,12 @@ class TrainConfig:
     device: str | None = None  # --device: cpu, cuda, cuda:1 (None: cuda if there is one)
     dtype: str | None = None  # --dtype: base model's, float32 | bfloat16 (None: bf16 on CUDA); the module's is fp32
     seed: int = 0  # --seed: prompts, init, batch order
+    compare: int | None = None  # end with the held-out answer KL at this C beside SnapKV's and the shipped adapter's
 
 
 def parser(prog="train.py", stages=("data", "train", "all")):
-    D = TrainConfig()
-    p = cli.Parser(prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                   argument_default=argparse.SUPPRESS)
-    a = p.add_argument
-    a("--config", metavar="JSON", help="a recipe: a JSON object of TrainConfig fields (research/configs/)")
-    a("--model", help="HF folder of the base model (default: weights/SmolLM2-135M-Instruct)")
-    a("--out", help=f"the run's folder: data.jsonl, samples, checkpoint, log (default {D.out})")
-    a("--adapter-out", help="the adapter, NAME.safetensors (default OUT/adapter.safetensors); one there is kept as NAME.prev")
-    a("--stage", choices=stages, help="data: build OUT's samples; train: train on them; all (default): both")
-    for flag, kind, what in [("--n-train", int, "training prompts"), ("--n-heldout", int, "held-out prompts"),
-                             ("--max-tokens", int, "longest prompt"), ("--max-new-tokens", int, "answer length cap"),
-                             ("--epochs", float, "passes over the rows"), ("--batch", int, "samples a step, all ranks"),
-                             ("--micro-batch", int, "samples a forward"), ("--lr", float, "peak learning rate"),
-                             ("--eval-every", int, "steps between checks"), ("--save-every", int, "steps between "
-                              "checkpoints"), ("--seed", int, "the seed")]:
-        a(flag, type=kind, help=f"{what} (default {getattr(D, flag[2:].replace('-', '_')):g})")
-    a("--targets", help="LoRA targets: all (default), none, or a comma list of q,k,v,o,gate,up,down _proj")
-    a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
-    a("--max-minutes", type=float, help="stop after this long, data included (checkpoint + adapter saved)")
-    a("--device", help="cpu, cuda, cuda:1 (default: cuda if there is one)")
-    a("--dtype", choices=["float32", "bfloat16"], help="base model dtype (default: bfloat16 on CUDA, else float32)")
-    return p
+    """The flags (support/recipe.py: each names a TrainConfig field); --help prints this file's docstring."""
+    return recipe.parser(prog, __doc__, TrainConfig(), stages)
 
 
 def get_args(argv=None, Config=TrainConfig, p=None):
@@ -126,7 +103,6 @@ def get_args(argv=None, Config=TrainConfig, p=None):
 
 # -----------------------------------------------------------------------------
 # Stage data: each prompt's greedy answer, and the target: that answer's attention over the prompt (Eq. 3)
-
 
 def full_cache(model, ids, pad_mask):
     """Prefill, nothing evicted: (cache, first-token logits, next positions)."""
@@ -177,6 +153,9 @@ def build_dataset(model, tok, cfg, out, rows):
     B = cfg.gen_batch or (32 if cfg.device.startswith("cuda") else 8)
     made_in = str(model.lm_head.weight.dtype).removeprefix("torch.")  # each row records it: check_data_dtype
     for i in tqdm(range(0, len(todo), B), desc="answering prompts", disable=not todo):
+        if recipe.past_max_minutes(cfg):  # --max-minutes covers the data stage; the rows so far are kept
+            print(f"--max-minutes reached in the data stage: {len(rows)} rows kept; the same command goes on")
+            break
         batch = todo[i:i + B]
         samples = answer_and_target(model, tok, [p["prompt_ids"] for p in batch], cfg.max_new_tokens)
         new = [dict(id=p["id"], split=p["split"], source=p["source"], task=p["task"], base_model=model.config.name,
@@ -193,7 +172,6 @@ def build_dataset(model, tok, cfg, out, rows):
 
 # -----------------------------------------------------------------------------
 # Stage train: the loss (the M lookahead rows on the prompt cache, the two-pass form) and one optimiser step
-
 
 @torch.no_grad()
 def prompt_cache(model, prompts):
@@ -222,7 +200,7 @@ def optimizer_step(module, opt, model, micro, n_samples, clip, world=1, loss=kl_
         part.backward()
         total += part.detach().float() / world
     for p in module.parameters() if world > 1 else ():  # DDP by hand: the module is a hook, not a forward to wrap
-        if p.grad is not None:  # None: e.g. the last layer's v/o/MLP LoRA, which nothing after it reads
+        if p.grad is not None:  # None: the last layer's v/o/MLP LoRA (LookaheadModule says why)
             dist.all_reduce(p.grad)  # a sum (gloo has no average)
             p.grad /= world
     recipe.clip_finite(module, opt, clip)  # a nan or inf: ValueError, nothing stepped
@@ -240,10 +218,11 @@ def lr_at(step, total, cfg):
 
 
 def new_module(model, cfg):
-    """The untrained module of this run's settings, seeded by cfg.seed, selecting with cfg.rule."""
+    """The untrained module of this run's settings, seeded by cfg.seed (its .json recommends cfg.rule, if any)."""
     module = methods.untrained(model, cfg.seed, n_tokens=cfg.n_tokens, rank=cfg.rank, alpha=cfg.alpha,
                                targets=recipe.parse_targets(cfg.targets))
-    module.info["rule"] = cfg.rule
+    if cfg.rule is not None:
+        module.info["rule"] = cfg.rule
     return module
 
 
@@ -275,16 +254,26 @@ def print0(*args):
         print(*args)
 
 
-@dataclasses.dataclass
-class Pieces:
-    """What research/train_lab.py swaps in; train.py's own by default."""
-    check: object = lambda cfg: recipe.check_run(cfg, parser(), methods.parse_rule)  # before the model loads
-    build_dataset: object = lambda *a: build_dataset(*a)  # (model, tok, cfg, out, rows) -> rows
-    train_rows: object = lambda rows, cfg: rows  # the rows with samples -> the rows to train on
-    start: object = lambda model, cfg, adapter: new_module(model, cfg)  # the module to train
-    loss: object = kl_loss  # (target, prediction) -> loss
-    heldout: object = validation  # (model, cfg, rows, src) -> check(module, prefix) -> (dict, line), or None
-    describe: object = lambda cfg, log, info: None  # adds to the adapter's .json (info)
+class Recipe:
+    """The paper's recipe, a method per step; research/train_lab.py subclasses it for its options."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def check(self):  # everything checked before the model loads: a recipe.Checked
+        return recipe.check_run(self.cfg, parser(), selection.parse_rule)
+    def build_dataset(self, model, tok, out, rows):  # stage data: rows, each training row with its sample file
+        return build_dataset(model, tok, self.cfg, out, rows)
+    def train_rows(self, rows):  # the rows with samples -> the rows to train on: all of them
+        return rows
+    def start(self, model, adapter):  # the module to train: an untrained one
+        return new_module(model, self.cfg)
+    def loss(self, target, prediction):  # the paper's KL (Eq. 4)
+        return kl_loss(target, prediction)
+    def heldout(self, model, rows, src):  # check(module, prefix) -> (dict, line), or None
+        return validation(model, self.cfg, rows, src)
+    def describe(self, log, info):  # what the adapter's .json adds about the run: nothing more
+        pass
 
 
 def check_heldout(heldout, module, step, total, log, out):
@@ -297,10 +286,10 @@ def check_heldout(heldout, module, step, total, log, out):
             f.write(json.dumps(log[-1]) + "\n")
 
 
-def train_loop(model, cfg, pieces, rows, heldout, out, src, adapter, ckpt, rank, world, run_start):
+def train_loop(model, cfg, steps, rows, heldout, out, src, adapter, ckpt, rank, world, run_start):
     """AdamW from the checkpoint's step (or 0) to the planned total, or until --max-minutes after run_start:
     (module, opt, step, total, log). Step 0 checks the untrained module (or --init's), the honest reference."""
-    module = pieces.start(model, cfg, adapter)
+    module = steps.start(model, adapter)
     opt = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     # micro-batches of similar prompt lengths (little padding); each epoch shuffles them, not what is in them
     order = sorted(range(len(rows)), key=lambda i: (len(rows[i]["prompt_ids"]), rows[i]["id"]))
@@ -328,7 +317,7 @@ def train_loop(model, cfg, pieces, rows, heldout, out, src, adapter, ckpt, rank,
         # this rank's share of the step, read from disk by a second thread while the first ones train
         loads = [reader.submit(read_batch, model, src, [rows[i] for i in idx]) for idx in step_batches[rank::world]]
         n_step = sum(len(b) for b in step_batches)  # samples in this step, all ranks
-        loss = optimizer_step(module, opt, model, (l.result() for l in loads), n_step, cfg.clip, world, pieces.loss)
+        loss = optimizer_step(module, opt, model, (l.result() for l in loads), n_step, cfg.clip, world, steps.loss)
         step, n_seen = step + 1, n_seen + n_step
         bar.set_postfix(loss=f"{loss.item():.4f}", samples_s=f"{n_seen / (time.perf_counter() - t0):.1f}")
         bar.update()
@@ -348,11 +337,11 @@ def main(argv=None):
     return cli.run(lambda: train(get_args(argv)), resume=again)
 
 
-def train(cfg, pieces=None):
+def train(cfg, steps=None):
     """The run, stage by stage: checks, the base model, data and/or train, the adapter."""
     global master_process
-    pieces, run_start = pieces or Pieces(), time.perf_counter()  # --max-minutes counts from here
-    out, src, dest, _, rows, adapter, ckpt = pieces.check(cfg)  # everything checked before the model loads
+    steps, run_start = steps or Recipe(cfg), time.perf_counter()  # --max-minutes counts from here
+    run = steps.check()  # everything checked before the model loads
 
     # --- DDP under torchrun: one process per GPU (gloo on a CPU), each takes every world-th micro-batch
     ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
@@ -364,34 +353,40 @@ def train(cfg, pieces=None):
     rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
     master_process = rank == 0
     if master_process:  # one writer per folder: two runs on one --out would interleave their rows and checkpoints
-        recipe.claim_folders(out, src)
+        recipe.claim_folders(run.out, run.src)
     torch.manual_seed(cfg.seed)
     model, tok, _ = cli.load(cfg.model, cfg.device, cfg.dtype, tokenizer=cfg.stage in ("data", "all"))
 
     # --- stage data: the samples
+    rows = run.rows
     if cfg.stage in ("data", "all"):
         if master_process:
-            rows = pieces.build_dataset(model, tok, cfg, out, rows)
+            rows = steps.build_dataset(model, tok, run.out, rows)
         else:
-            recipe.check_data_made(cfg, out, rows)
-    train_rows = pieces.train_rows([r for r in rows if r["split"] == "train" and sample_path(src, r["id"]).exists()], cfg)
+            recipe.check_data_made(cfg, run.out, rows)
+    if cfg.stage == "all" and recipe.past_max_minutes(cfg):
+        return print0("--max-minutes reached in the data stage: training not started; the same command goes on")
+    train_rows = steps.train_rows([r for r in rows if r["split"] == "train" and sample_path(run.src, r["id"]).exists()])
     n_held = sum(r["split"] == "heldout" for r in rows)
     if cfg.stage == "data":
-        return print0(f"data ready: {len(train_rows)} train, {n_held} held-out rows in {out / 'data.jsonl'}")
+        return print0(f"data ready: {len(train_rows)} train, {n_held} held-out rows in {run.out / 'data.jsonl'}")
 
     # --- stage train
-    heldout, train_start = pieces.heldout(model, cfg, rows if master_process else [], src), time.perf_counter()
-    module, opt, step, total, log = train_loop(model, cfg, pieces, train_rows, heldout, out, src, adapter, ckpt,
-                                               rank, world, run_start)
+    heldout, train_start = steps.heldout(model, rows if master_process else [], run.src), time.perf_counter()
+    module, opt, step, total, log = train_loop(model, cfg, steps, train_rows, heldout, run.out, run.src, run.adapter,
+                                               run.ckpt, rank, world, run_start)
 
     # --- the adapter and its metadata (stopped early: a checkpoint too, to resume from where it stopped)
     if master_process:
         if step < total:
-            recipe.save_checkpoint(out / "ckpt.pt", module, opt, step, log, recipe.schedule_of(cfg))
+            recipe.save_checkpoint(run.out / "ckpt.pt", module, opt, step, log, recipe.schedule_of(cfg))
         module.info = recipe.adapter_metadata(cfg, train_rows, n_held, step, total, step < total, log)
-        pieces.describe(cfg, log, module.info)
-        recipe.save_adapter(module, dest)
-        print(f"saved {dest} (+ .json) after {step} steps, {time.perf_counter() - train_start:.0f} s")
+        steps.describe(log, module.info)
+        recipe.save_adapter(module, run.dest)
+        print(f"saved {run.dest} (+ .json) after {step} steps, {time.perf_counter() - train_start:.0f} s")
+        if cfg.compare:  # the learner's run ends with what it bought, in answers
+            metrics.compare(model, [r for r in rows if r["split"] == "heldout"], cfg.compare,
+                            {"this adapter": module, "untrained (step 0)": new_module(model, cfg)})
     if ddp:
         dist.destroy_process_group()
 

@@ -1,10 +1,12 @@
-"""Ideas beyond the paper, one file each. Each wraps any method, as kvpress's wrappers wrap any press:
-span.py's Spanned wraps a method's scorer (its prefill watched for the hidden states too, its scores
-smoothed before the method's own eviction step); layer_budgets.py is a budget policy any scorer takes
-(EvictConfig.budgets); layer_loss.py's LayerWeightedKL wraps the paper's kl_loss, layer by layer, for
-train.py --loss-weights; answer_weights.py makes a data folder whose targets weigh the answer tokens
-that need the prompt (train.py --data reads it as any data stage's folder); decode.py's DecodeEviction
-runs any method's scorer again while the answer grows (the decode-phase form of each method is
-decode.py's own); chat.py, generate.py's chat, builds on it.
-Only methods.py and the scripts name them: deleting a file and the lines that name it there removes its
-idea and leaves the rest working (tests/test_decode_evict.py checks it for decode.py and chat.py)."""
+"""Ideas beyond the paper, one file each. Each wraps any method, as kvpress's wrappers wrap any press, and
+runs only when a flag asks for it:
+span.py's SpanRule wraps a method's scorer in Spanned (its prefill watched for the hidden states too, its
+scores smoothed before the method's own eviction step: --pool span:8:1024); layer_budgets.py is a budget
+policy any scorer takes (EvictConfig.budgets: --layer-budgets); layer_loss.py's LayerWeightedKL wraps the
+paper's kl_loss, layer by layer (python -m research.train_lab --loss-weights); answer_weights.py makes a data
+folder whose targets weigh the answer tokens that need the prompt; decode.py's DecodeEviction runs any
+method's scorer again while the answer grows (--decode-budget); chat.py, generate.py's chat (--turns), builds
+on it; kvpress_press.py runs an adapter as a press of NVIDIA's kvpress (the optional extra [kvpress]).
+Nothing on the reading path imports them: support/selection.py and support/generate_checks.py import one when
+its flag is given, and tests/test_reading_path.py deletes each file in turn (then all of them) and shows the
+core, generate.py's default run and train.py still work."""

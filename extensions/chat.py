@@ -13,6 +13,8 @@ starts a new conversation.
 
 It prints each answer and one stats line per turn (--json: one JSON object per turn).
 """
+import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -21,7 +23,8 @@ import torch
 
 from support import cli
 from eviction import compress, decode
-from extensions.decode import add_turn
+from extensions.decode import DecodeEviction, add_turn
+from methods import make_scorer
 
 # -----------------------------------------------------------------------------
 # The user turns
@@ -29,13 +32,23 @@ from extensions.decode import add_turn
 
 def turns_of(args, tok, context):
     """generate.py's --turns, checked before the model loads: a JSON file, read now, or "-": stdin, read a line
-    at a time as the chat goes. context: the model's, in tokens: text too long for it is refused by its size,
+    at a time as the chat goes, its first turn read now (first_then_rest), so that a bad one (not UTF-8, binary)
+    stops before the weights load. context: the model's, in tokens: text too long for it is refused by its size,
     before it is tokenized; a conversation's first turn, with --max-new-tokens, by its tokens."""
-    turns = stdin_turns(context) if args.turns == "-" else read_turns(args.turns, context)
     if tok.format is None:
         raise ValueError("a chat needs a chat format (ChatML or Llama-3); this tokenizer has none: use --prompt")
-    check_first_turns(turns, tok, args.max_new_tokens, context)
-    return turns
+    if args.turns != "-":
+        turns = read_turns(args.turns, context)  # sizes first: a turn too big never reaches the tokenizer
+        check_first_turns(turns, tok, args.max_new_tokens, context)
+        return turns
+    check_first_turns(None, tok, args.max_new_tokens, context)  # the template alone fits, before a turn is awaited
+    return first_then_rest(stdin_turns(context))
+
+
+def first_then_rest(turns):
+    """The turns of a generator, its first one read now (before the model loads), the rest as the chat goes."""
+    first = next(turns, None)
+    return iter(()) if first is None else itertools.chain([first], turns)
 
 
 def read_turns(path, context=None):
@@ -75,25 +88,49 @@ def check_sizes(turns, context, where):
 
 
 def stdin_turns(context=None):
-    """User turns from stdin, one a line, until end of input (Ctrl-D). A line too long for `context` tokens
-    is said in an `error:` line and skipped, unread past the limit (as a turn too long for the context is,
-    once tokenized: fits), and the chat goes on."""
-    limit = None if context is None else cli.BYTES_PER_TOKEN * context  # characters: each is at least a byte
-    while True:
-        if sys.stdin.isatty():
-            print("> ", end="", flush=True, file=sys.stderr)
-        line = sys.stdin.readline() if limit is None else sys.stdin.readline(limit + 1)
-        if not line:
-            return
-        if limit is not None and len(line) > limit:
-            while line and not line.endswith("\n"):  # the rest of the line, a chunk at a time, dropped
-                line = sys.stdin.readline(limit + 1)
+    """User turns from stdin, one a line, until end of input (Ctrl-D). Each line is read as bytes and goes through
+    the reader of --prompt - (cli.read_text: UTF-8, or refused in one line naming the line and the byte; a
+    Latin-1 byte or binary once reached the tokenizer as a lone surrogate, a TypeError traceback once the model
+    had loaded). A line too long for `context` tokens is said in an `error:` line and skipped, unread past the
+    limit (as a turn too long for the context is, once tokenized: fits), and the chat goes on."""
+    limit = None if context is None else cli.BYTES_PER_TOKEN * context
+    for n, line in enumerate(stdin_lines(limit), 1):
+        if line is None:
             print(f"error: this turn is over {limit // 2**10} KB, more than the model's context of {context} tokens "
                   f"can hold: shorten it", file=sys.stderr)
             continue
-        line = cli.printable(line)[0]
+        if line[:2] in (b"\xff\xfe", b"\xfe\xff"):  # UTF-16's mark: its lines are not split at the byte b"\n"
+            raise ValueError(f"stdin (line {n}) starts with a UTF-16 byte order mark: a chat reads stdin as UTF-8 "
+                             f"lines; convert it, e.g. iconv -f UTF-16 -t UTF-8")
+        line = cli.printable(cli.read_text(line, f"stdin (line {n})"))[0]
         if line.strip():
             yield line.rstrip("\n")
+
+
+def stdin_lines(limit=None):
+    """stdin's lines as bytes (a text stream without a buffer, as tests set it: its text, encoded back as it was
+    decoded), each read at most limit + 1 bytes at a time; None for a line over `limit`, whose rest is dropped."""
+    stream = getattr(sys.stdin, "buffer", None)
+
+    def read(n):
+        if stream is not None:
+            return stream.readline(n)
+        text = sys.stdin.readline(n)
+        return text.encode("utf-8", "surrogateescape")
+
+    n = -1 if limit is None else limit + 1
+    while True:
+        if sys.stdin.isatty():
+            print("> ", end="", flush=True, file=sys.stderr)
+        line = read(n)
+        if not line:
+            return
+        if limit is not None and len(line) > limit:
+            while line and not line.endswith(b"\n"):  # the rest of the line, a chunk at a time, dropped
+                line = read(n)
+            yield None
+            continue
+        yield line
 
 
 def check_first_turns(turns, tok, max_new_tokens, context):
@@ -214,3 +251,24 @@ def report_turn(args, tok, st, printed, last):
           f"{st['kept']} slots per (layer, KV head); answer {st['answer_tokens']} tokens, evictions while decoding "
           f"{st['decode_evictions']}, peak {st['peak_slots']} slots; KV {st['kv_bytes'] / 1e6:.1f} MB; "
           f"ttft {st['ttft_ms']:.0f} ms, {st['decode_tokens_per_s'] or 0:.1f} tok/s")
+
+
+# -----------------------------------------------------------------------------
+# generate.py --turns: what support/generate_checks.py calls once every flag is checked
+
+
+def checked(args, run):
+    """The turns of --turns, checked before the model loads; returns the chat to run once it has:
+    chat(args, model, run) -> the turns' stats. Each conversation gets its own Scorer and DecodeEviction."""
+    turns = turns_of(args, run.tok, run.cfg.max_context)
+
+    def fresh():
+        scorer = make_scorer(run.eviction, run.module)
+        if args.method == "full":
+            return scorer, None
+        held = make_scorer(dataclasses.replace(run.eviction, budget=args.decode_budget or args.budget), run.module)
+        return scorer, DecodeEviction(held, args.every if args.decode_budget is not None else None, args.window)
+
+    def chat(args, model, run):
+        return chat_loop(args, model, run.tok, run.folder, turns, build=fresh)
+    return chat

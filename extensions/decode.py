@@ -104,6 +104,14 @@ def form_of(scorer):
 # The cache held to its budget
 
 
+def check_budget(budget, window, sinks=0):
+    """A decode budget must leave room to choose beyond the last `window` slots and the sinks: ValueError."""
+    if budget <= window + sinks:
+        kept = f"the last {window} slots" + (f" and {sinks} sinks" if sinks else "")
+        raise ValueError(f"decode budget {budget} leaves no room to choose: it always keeps {kept}; "
+                         f"use a budget > {window + sinks} or a smaller window")
+
+
 class DecodeEviction:
     """Holds a cache to scorer.eviction.budget slots per (layer, KV head) after the prefill: decode(...,
     hook=this.hook, after_step=this.after_step) evicts each time the cache holds budget + `every` slots,
@@ -131,11 +139,7 @@ class DecodeEviction:
         form_of(scorer)  # raises for a method without a decode-phase form
         if every is not None and every < 1:
             raise ValueError(f"evict every {every} tokens: must be at least 1, e.g. 32")
-        budget, sinks = scorer.eviction.budget, scorer.sinks
-        if budget <= window + sinks:
-            kept = f"the last {window} slots" + (f" and {sinks} sinks" if sinks else "")
-            raise ValueError(f"decode budget {budget} leaves no room to choose: it always keeps {kept}; "
-                             f"use a budget > {window + sinks} or a smaller window")
+        check_budget(scorer.eviction.budget, window, scorer.sinks)
 
     def after_step(self, model, cache, next_pos):
         """decode()'s after_step: evict once the cache holds budget + every slots."""

@@ -11,7 +11,7 @@ gains g become each layer's share of the slots, w (mean 1):
     C_l = C * w_l, rounded so that the C_l sum to L * C exactly, each >= 1 and <= S   (LayerBudgets)
 
 The floor 0.25 keeps every layer a share; the square root spares the broad layers' recall. The
-weights travel in the adapter's .json ("layer_weights"); train.py --stage budgets writes them.
+weights travel in the adapter's .json ("layer_weights"); python -m research.train_lab --stage budgets writes them.
 
     EvictConfig(..., budgets=LayerBudgets(weights))
 """
@@ -38,13 +38,15 @@ def checked_weights(weights):
 class LayerBudgets:
     """The budget policy: C_l = C * w_l slots in layer l, the same L * C in all."""
 
+    name = "per-layer budgets"  # what the stats line says (methods.selection_of)
+
     def __init__(self, weights):
         self.weights = checked_weights(weights)
 
     def __call__(self, budget, n_layers, S, least=1):
         if len(self.weights) != n_layers:
             raise ValueError(f"{len(self.weights)} layer weights for a model of {n_layers} layers: measure them for "
-                             "this model (python train.py --stage budgets)")
+                             "this model (python -m research.train_lab --stage budgets)")
         return spread_budgets(budget, self.weights, S, least)
 
 

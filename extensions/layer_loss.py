@@ -9,7 +9,7 @@ layer_budgets.measure found it for an earlier adapter on training rows (its answ
 
     loss = sum_l v_l * KL_l / sum_l v_l,     v_l = w_l ** 2
 
-w_l: that adapter's layer_weights (its .json, written by train.py --stage budgets). They are
+w_l: that adapter's layer_weights (its .json, written by python -m research.train_lab --stage budgets). They are
 sqrt(0.75 * g_l / mean(g) + 0.25) rescaled, so v_l is the floored share itself, up to a constant that
 the normalisation removes: every layer keeps at least a quarter of the mean's pull.
 
@@ -45,11 +45,11 @@ def read_weights(path, n_layers):
         info = json.loads(open(path).read())
     except (OSError, ValueError) as e:
         raise ValueError(f"--loss-weights {path}: not a readable JSON file ({type(e).__name__}): pass an adapter's "
-                         ".json measured by python train.py --stage budgets") from None
+                         ".json measured by python -m research.train_lab --stage budgets") from None
     weights = info.get("layer_weights") if isinstance(info, dict) else None
     if not isinstance(weights, list) or not all(isinstance(w, (int, float)) for w in weights):
         raise ValueError(f"--loss-weights {path}: no layer_weights list in it: measure them first with "
-                         "python train.py --stage budgets --init ADAPTER --adapter-out ADAPTER")
+                         "python -m research.train_lab --stage budgets --init ADAPTER --adapter-out ADAPTER")
     if len(weights) != n_layers:
         raise ValueError(f"--loss-weights {path}: {len(weights)} layer weights for a model of {n_layers} layers "
                          "(measured for another model)")

@@ -165,7 +165,7 @@ class SpanRule:
     """The selection rule: smooth a method's scores with span_scores, the surprisal computed on the candidate
     tokens only, over the whole vocabulary (first=None: exact) or over shortlist(ids, V, first) (the cheap
     gate; see the module docstring), from the final hidden states a HiddenStates hook kept in the prefill.
-    EvictConfig(rule=SpanRule(...)) names it; methods.make_scorer wraps the method in Spanned."""
+    EvictConfig(rule=SpanRule(...)) names it; methods.make_scorer asks it to wrap the method (Spanned)."""
 
     def __init__(self, kernel=8, first=None):
         if kernel < 1:
@@ -174,6 +174,10 @@ class SpanRule:
             raise ValueError(f"span shortlist {first} must be >= 1")
         self.kernel, self.first = kernel, first  # first: None = the exact surprisal, else shortlist(ids, V, first)
         self.last_share = None  # the share of prompt tokens whose surprisal the last smooth() computed
+
+    def wrap(self, scorer):
+        """The method (its rule Pool("none")) wrapped in this rule: methods.make_scorer calls it."""
+        return Spanned(scorer, self)
 
     def __repr__(self):
         return f"span:{self.kernel}" + ("" if self.first is None else f":{self.first}")

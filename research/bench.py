@@ -68,13 +68,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from support import cli
+from support import cli, files
 from eviction import EvictConfig, Pool, compress, decode, uniform_budgets
 from extensions.decode import DECODE_METHODS, DecodeEviction
 from extensions.span import SpanRule
 from lookaheadkv import LookaheadHook, answer_attention, kl_loss, lookahead_pass, untrained_module
 import methods
-from methods import METHODS, load_adapter, make_scorer, parse_rule
+from methods import METHODS, load_adapter, make_scorer
+from support.selection import adapter_selection, parse_rule
 from model import ModelConfig, Transformer, default_dtype
 from support.tokenizer import Tokenizer
 
@@ -82,18 +83,19 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository root
 KEPT_MEMORY = False  # keep_freed_memory() took: set when run as a script
 # row name -> EvictConfig fields; any other name in methods.METHODS runs as itself
 VARIANTS = {
-    "lookahead": dict(method="lookahead"),  # as shipped: the adapter's rule and per-layer budgets
-    "lookahead-2pass": dict(method="lookahead", own=dict(one_pass=False)),  # a 2nd forward of the M rows
-    # unpooled top C in every layer, our variant (the paper pools first); the shipped rule's cost is lookahead
-    # minus this
+    "lookahead": dict(method="lookahead"),  # the paper's form, LookaheadKV's default: max-pool 7, C in every layer
+    # beyond the paper, as the shipped adapter's .json recommends: the span rule and per-layer budgets
+    "lookahead-shipped": dict(method="lookahead", rule="adapter", budgets="adapter"),
+    "lookahead-2pass": dict(method="lookahead", options=dict(one_pass=False)),  # a 2nd forward of the M rows
+    # unpooled top C in every layer, our variant (the paper pools first)
     "lookahead-unpooled": dict(method="lookahead", rule=Pool("none"), budgets=uniform_budgets),
     # the paper's form as its text states it: scores pooled (max, width 7) before the top C, C in every layer
     "lookahead-paper": dict(method="lookahead", rule=Pool("max", 7), budgets=uniform_budgets),
     # the span rule with the exact surprisal (every LM-head row), the adapter's budgets: what the gate saves
-    "lookahead-exact": dict(method="lookahead", rule=SpanRule(8)),
+    "lookahead-exact": dict(method="lookahead", rule=SpanRule(8), budgets="adapter"),
     "full-1chunk": dict(method="full", chunk_size=1 << 30),  # prefill in one chunk (a diagnostic)
 }
-OVERHEAD_ROWS = "full,snapkv,h2o,laq,lookahead,lookahead-unpooled,lookahead-2pass"
+OVERHEAD_ROWS = "full,snapkv,h2o,laq,lookahead,lookahead-shipped,lookahead-unpooled,lookahead-2pass"
 DEFAULT_METHODS = {"overhead": OVERHEAD_ROWS, "decode": "snapkv", "decode-cost": ",".join(DECODE_METHODS)}
 DEFAULT_LENGTHS = {"overhead": ([1024, 2048], [8192, 32768]), "decode": ([1024], [8192]),  # (CPU, CUDA)
                    "prefill-vs-hf": ([1024, 2048], [1024, 2048]), "train-cost": ([1024], [1024]),
@@ -192,16 +194,25 @@ def time_rounds(fns, repeats, device, desc="", clock=time.perf_counter):
 
 
 def row_config(name, args, budget=None):
-    """A row's EvictConfig; rule and budgets None = the method's own (lookahead: its adapter's)."""
+    """A row's EvictConfig; rule and budgets None = the method's own (lookahead: the paper's form), "adapter" = as
+    the adapter's .json recommends (row_scorer reads them)."""
     f = VARIANTS.get(name, dict(method=name))
     return EvictConfig(**{"budget": args.budget if budget is None else budget, "window": args.window,
                           "chunk_size": args.chunk_size, **f})
 
 
+class Bare:
+    """No adapter: nothing recommended."""
+    info = {}
+
+
 def row_scorer(name, args, module=None, budget=None):
     """A row's Scorer (methods.make_scorer checks budget, window and rule: ValueError naming the row)."""
     try:
-        return make_scorer(row_config(name, args, budget), module)
+        eviction, (rule, budgets) = row_config(name, args, budget), adapter_selection(module or Bare())
+        eviction.rule = rule if eviction.rule == "adapter" else eviction.rule  # what the .json recommends, by name
+        eviction.budgets = budgets if eviction.budgets == "adapter" else eviction.budgets
+        return make_scorer(eviction, module)
     except ValueError as e:
         raise ValueError(f"row {name}: {e}") from None
 
@@ -211,14 +222,10 @@ def random_model(config_path, device, dtype=None):
     materialised once on `device`, so an 8B model never exists in float32 on the CPU."""
     cfg = ModelConfig.from_hf_config(config_path)
     cfg.name = Path(config_path).stem
+    dtype = dtype or default_dtype(device)
+    check_memory(cfg, config_path, device, dtype)  # counted from the config: said now, not by the OOM killer
     with torch.device("meta"):
-        model = Transformer(cfg).to(dtype or default_dtype(device))
-    need = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
-    have = cli.free_memory_gib(device)
-    if have is not None and need > 0.9 * have:  # said now, not by the kernel's OOM killer halfway through
-        raise ValueError(f"{cfg.name}'s weights take {need:.1f} GiB in {str(next(model.parameters()).dtype)[6:]}, "
-                         f"more than the {have:.1f} GiB free on {device}: run --random-init {config_path} on a "
-                         f"GPU (--device cuda), or time a smaller config")
+        model = Transformer(cfg).to(dtype)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty makes new Parameters: tie the head again
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -226,6 +233,13 @@ def random_model(config_path, device, dtype=None):
         for name, p in model.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
     return model.requires_grad_(False).eval()
+
+
+def check_memory(cfg, config_path, device, dtype):
+    """--random-init's weights within the memory free on `device`, counted from its config.json before any module
+    is built (a config of a million layers took minutes to build on the meta device before this was said)."""
+    cli.check_fits_memory(cfg, dtype, device, f"run --random-init {config_path} on a GPU (--device cuda), or time a "
+                                              f"smaller config")
 
 
 def adapter_path(cfg, args):
@@ -567,6 +581,7 @@ def check_args(args):
                             ("--threads", args.threads, 1)]:
         if value is not None and value < lo:  # None: the default (torch's threads)
             raise ValueError(f"{flag} {value}: must be at least {lo}")
+    cli.check_threads("--threads", args.threads)  # at most the cores: above them every op waits
     if args.h2o_max_len is not None and args.h2o_max_len < 1:  # h2o would be skipped at every length
         raise ValueError(f"--h2o-max-len {args.h2o_max_len}: must be at least 1 (h2o is skipped above this prompt "
                          "length); to leave h2o out altogether, drop it from --methods")
@@ -574,8 +589,11 @@ def check_args(args):
         quick(args)
     args.batches = cli.counts(args.batches, "--batches")
     args.lengths = cli.counts(args.lengths, "--lengths") if args.lengths else DEFAULT_LENGTHS[args.mode][cuda]
+    if isinstance(args.methods, str) and not [m for m in args.methods.split(",") if m.strip()]:
+        # "" is not "the default rows": it names none (an empty variable in a script), and was run as every default
+        raise ValueError(f"--methods {args.methods!r} names no row: name some, or leave --methods out for the default")
     if isinstance(args.methods, str) or args.methods is None:
-        args.methods = [m for m in (args.methods or DEFAULT_METHODS.get(args.mode, "")).split(",") if m]
+        args.methods = [m.strip() for m in (args.methods or DEFAULT_METHODS.get(args.mode, "")).split(",") if m.strip()]
     allowed = (list(DECODE_METHODS) if args.mode == "decode-cost"
                else [m for m in METHODS if m != "oracle"] + list(VARIANTS))
     bad = [m for m in args.methods if m not in allowed]
@@ -613,6 +631,9 @@ def check_args(args):
         cfg = job_config(args, config_path, prepare=False)
         if cfg is not None:
             check_fits(args, cfg, lengths, random_init=bool(config_path))
+        if config_path:  # a random model's weights within memory, counted from its config, before it is built
+            check_memory(cfg, config_path, args.device, getattr(torch, args.dtype) if args.dtype
+                         else default_dtype(args.device))
     args.clock = time.process_time if args.clock == "cpu" else time.perf_counter  # CUDA: events either way
 
 
@@ -697,8 +718,8 @@ def check_fits(args, cfg, lengths, random_init):
     for n in lengths:
         if n + extra > ctx:
             plus = f" + {what}" if extra else ""
-            raise ValueError(f"{flag} {n}{plus} = {n + extra} positions, past {cfg.name}'s context of {ctx} "
-                             f"(max_position_embeddings in its config.json): {fix}")
+            raise ValueError(f"{flag} {n}{plus} = {n + extra} positions, past {cfg.name}'s context of "
+                             f"{cli.context_words(cfg, ' (max_position_embeddings in its config.json)')}: {fix}")
 
 
 # -----------------------------------------------------------------------------
@@ -725,12 +746,8 @@ def add_row(path, row):
     """Add one row to --json: its rows are read again (another run may have added some since) and the whole
     written to a temporary file that then replaces it (os.replace, atomic): a kill mid-write leaves it whole."""
     rows = earlier_rows(path) + [row]
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: two runs never share it
-    try:
-        tmp.write_text(json.dumps(dict(torch=torch.__version__, rows=rows), indent=1))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    files.write_atomic(path, json.dumps(dict(torch=torch.__version__, rows=rows), indent=1))  # a temporary of its
+    # own, then os.replace; a full disk one `error:` line
 
 
 def run(args, jobs):

@@ -26,12 +26,13 @@ expected answers found). The tables give the mean over prompts and, per budget, 
 with their mean (RULER's average over tasks);
 --plot draws the mean score against the share of the prompt kept (C / prompt tokens), one line per
 method, as kvpress's leaderboard plot does. RULER-4K, 55 prompts (RULER-8K: --lengths 8192 --out
-runs/ruler8k); "lookahead" is the shipped adapter as it selects (its rule and per-layer budgets),
-"lookahead-paper" the same adapter in the paper's form (its mean scores max-pooled, width 7, as
-KVCache-Factory pools (the paper states no kernel), then the top C in every layer):
+runs/ruler8k); "lookahead" is the shipped adapter in the paper's form (its mean scores max-pooled, width 7,
+as KVCache-Factory pools (the paper states no kernel), then the top C in every layer; "lookahead-paper" is the
+same, named), "lookahead-shipped" the same adapter as its .json recommends (the span rule and per-layer budgets,
+beyond the paper):
 
     python -m research.evaluate --suite ruler --lengths 4096 --per-task 5 --budgets 64,128,256,512 --threads 2 \
-        --methods full,streaming,snapkv,pyramidkv,h2o,laq,oracle,lookahead,lookahead-paper \
+        --methods full,streaming,snapkv,pyramidkv,h2o,laq,oracle,lookahead,lookahead-shipped \
         --out runs/ruler4k --plot runs/ruler4k/plot.png
 
 Several adapters side by side (the learning curve): --adapters A,B,... makes one row per adapter,
@@ -70,9 +71,10 @@ writes OUT/results.md (these tables, plus accuracy per task) and OUT/results.jso
 (sample, method, budget), with the settings they were made with: the model, the adapter and how it
 selects, --pool, --uniform-budgets, ...). Rerunning the same command skips every entry already in
 results.json, so an interrupted run continues where it stopped; new methods or budgets are added. The settings
-keep the model's identity (config.json and samples of its weights): another model of the same name and shape is
-refused there. An --out holding files evaluate.py did not write (and no results.json of an earlier run) is
-refused, so nothing of the user's is replaced.
+keep the model's identity (config.json and samples of its weights, and a digest of every byte of both, kept in
+--out after the first run: support/files.weights_identity): another model of the same name and shape is refused
+there, however few of its tensors differ. An --out holding files evaluate.py did not write (and no results.json of
+an earlier run) is refused, so nothing of the user's is replaced.
 
 The held-out check (the adapters against the untrained module on the held-out rows of a train.py
 run, OUT/data.jsonl): recall@C per method and, with --answer-kl, the answer KL and the share of the
@@ -127,6 +129,7 @@ from tqdm import tqdm
 
 from support import cli
 from support import data
+from support import files
 from research import harness
 from research import ruler
 from baselines import FullKV, Unpooled
@@ -134,11 +137,13 @@ from eviction import EvictConfig, Prefilled, decode, greedy, keep_slots, prefill
 from extensions.decode import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
 from research.harness import mean_of, results_table, task_means
 from lookaheadkv import answer_attention
-from methods import METHODS, RULES, load_adapter, make_scorer, parse_rule, selection_of, untrained
+from methods import METHODS, load_adapter, make_scorer, selection_of, untrained
+from support.selection import RULES, adapter_selection, parse_rule
 from support.metrics import Stopwatch, answer_kl, forced_logprobs, gap_closed, recall_of_kept
 from model import ModelConfig
 
 UNTRAINED = "lookahead-untrained"
+SHIPPED_FORM = "lookahead-shipped"  # the adapter as its .json recommends (beyond the paper: span rule, budgets)
 PAPER_FORM = "lookahead-paper"  # the adapter selecting as the paper states it (harness.PAPER_ROWS: max:7, C in
 # every layer), whatever --pool and --uniform-budgets say for the other methods
 ADAPTER_ROW = "lookahead@"  # --adapters A,B (--mode prefill): one row per adapter, lookahead@<file stem>
@@ -344,29 +349,34 @@ def reference(model, ids, max_new_tokens, stop_ids, watchers=None):
     return Reference(run, ref, response, logp, true, clock.ms(0, 1), answer_ms, scored)
 
 
-def eviction_config(method, budget, args, shared=False):
+def eviction_config(method, budget, args, shared=False, module=None):
     """The EvictConfig of a row: lookahead-untrained runs as lookahead. --pool (a selection rule) applies to
     the methods that smooth their scores, not to those that select by their own scores alone (streaming,
     random, oracle); None = the method's own (avg:5 for attention scores, the adapter's for lookahead).
     shared: the prefill is FullKV's, watched by every method: LookaheadKV then runs its M rows in a second
     pass on the prompt cache (its two-pass form, the same scores) instead of inside the prefill, where the
     other methods' hooks would take them for the prompt's last queries."""
+    if method == SHIPPED_FORM:  # module: the adapter, whose .json's recommendation it reads
+        rule, budgets = adapter_selection(module) if module is not None else (None, None)
+        return EvictConfig("lookahead", budget, window=args.window, rule=rule, budgets=budgets,
+                           options=dict(one_pass=False) if shared else {})
     if method == PAPER_FORM:
         _, rule, _ = harness.PAPER_ROWS[PAPER_FORM]
         return EvictConfig("lookahead", budget, window=args.window, rule=parse_rule(rule), budgets=uniform_budgets,
-                           own=dict(one_pass=False) if shared else {})
+                           options=dict(one_pass=False) if shared else {})
     name = "lookahead" if method == UNTRAINED or method.startswith(ADAPTER_ROW) else method
     rule = parse_rule(args.pool) if args.pool and not issubclass(METHODS[name], Unpooled) else None
     return EvictConfig(name, budget, window=args.window, rule=rule,
                        budgets=uniform_budgets if args.uniform_budgets else None,
-                       own=dict(one_pass=False) if shared and name == "lookahead" else {})
+                       options=dict(one_pass=False) if shared and name == "lookahead" else {})
 
 
 def watchers(methods_budgets, S, modules, args):
     """{method: scorer} to watch FullKV's prefill of a prompt of S tokens: every method that evicts there (a
     budget below S), each at its smallest such budget. The oracle is left out: its scorer needs FullKV's
     answer, and it watches nothing (it scores on a copy of FullKV's run, prefill_once)."""
-    return {m: make_scorer(eviction_config(m, min(b for b in budgets if b < S), args, shared=True), modules.get(m))
+    return {m: make_scorer(eviction_config(m, min(b for b in budgets if b < S), args, shared=True, module=modules.get(m)),
+                           modules.get(m))
             for m, budgets in methods_budgets.items()
             if m not in ("full", "oracle") and any(b < S for b in budgets)}
 
@@ -374,7 +384,8 @@ def watchers(methods_budgets, S, modules, args):
 def selections(args, methods, budgets, modules):
     """{method: "rule, budget policy"} (methods.selection_of): what each row of the tables selected by."""
     response = torch.zeros(1, 1, dtype=torch.long)  # the oracle's scorer is only described here, never run
-    return {m: ", ".join(selection_of(make_scorer(eviction_config(m, max(budgets), args), modules.get(m), response)))
+    return {m: ", ".join(selection_of(make_scorer(eviction_config(m, max(budgets), args, module=modules.get(m)),
+                                                  modules.get(m), response)))
             for m in methods}
 
 
@@ -402,7 +413,7 @@ def compact_caches(model, ids, method, budgets, full, modules, args):
     score_ms scoring + this budget's eviction, as compress() reports it."""
     module = modules.get(method)  # lookahead, trained or not
     shared = method in full.scored  # it watched FullKV's prefill (--mode prefill)
-    eviction = eviction_config(method, min(budgets), args, shared)  # the smallest: it evicts if any budget does
+    eviction = eviction_config(method, min(budgets), args, shared, module)  # the smallest: it evicts if any budget does
     scorer = make_scorer(eviction, module, full.response)
     if shared:
         (run, score_ms), prefill_ms = full.scored[method], full.prefill_ms
@@ -516,7 +527,8 @@ def plot_kept_share(results, methods, budgets, path):
     ax.legend(fontsize=7)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
+    # atomic, mode 0644, a full disk one line (files.write_with); the format by path's suffix, not the temporary's
+    files.write_with(path, lambda tmp: fig.savefig(tmp, dpi=150, format=Path(path).suffix[1:].lower()))
     plt.close(fig)
 
 # -----------------------------------------------------------------------------
@@ -595,7 +607,7 @@ def start_caches(model, ids, method, budgets, full, modules, args):
 def decode_evictor(method, budget, modules, args):
     """The cache held to `budget` after the prefill by the method's decode-phase form (a fresh scorer each:
     DecodeEviction adapts the one it is given)."""
-    scorer = make_scorer(eviction_config(method, budget, args), modules.get(method))
+    scorer = make_scorer(eviction_config(method, budget, args, module=modules.get(method)), modules.get(method))
     return DecodeEviction(scorer, args.every, args.window)
 
 
@@ -756,7 +768,7 @@ def save_heldout(out, args, budgets, paths, table, n):
             for i, (label, m, r) in enumerate(table)]
     save_json(dict(heldout=str(args.heldout), held_out_rows=n, budgets=budgets, answer_kl=args.answer_kl, rows=rows),
               out / "heldout.json")
-    (out / "heldout.md").write_text(harness.tables(table, budgets, n) + "\n")
+    files.write_atomic(out / "heldout.md", harness.tables(table, budgets, n) + "\n")
 
 
 class PromptLog(dict):
@@ -788,7 +800,10 @@ def heldout_log(out, args, budgets, model, rows, adapters):
     the untrained module, also measures the baselines) are read back from OUT/heldout-prompts.jsonl and not
     measured again: a run resumes, and a run that adds an adapter measures only the new one."""
     path = out / "heldout-prompts.jsonl"
-    run = digest(model.config.fingerprint(), budgets, args.answer_kl, args.window,
+    folder = cli.resolve_model(args.model)
+    weights = files.weights_identity(folder, cache_dir=out)  # the same config, other tensors: another model, whose
+    files.keep_identity(folder, out, weights)  # prompts are measured again
+    run = digest(model.config.fingerprint(), weights, budgets, args.answer_kl, args.window,
                  list(harness.compared_rows([m for _, m in adapters])))
     ids = [digest(r["prompt_ids"], r["response_ids"]) for r in rows]
     logs = {label: PromptLog(path, digest(run, i == 0, m.info, *[v for _, v in sorted(m.state_dict().items())]), ids)
@@ -866,9 +881,12 @@ def get_args(argv=None):
     a("--limit", type=int, default=None, help="evaluate only the first N prompts (--heldout: held-out rows)")
     a("--max-new-tokens", type=int, default=None, help=f"length cap of every answer (conversation: of turn 2's; "
       f"default {MAX_NEW_TOKENS}; --suite ruler: each task's own tokens_to_generate, RULER's)")
-    a("--every", type=int, default=32, help="decode, conversation: evict each time the cache holds C + every slots")
-    a("--fidelity-tokens", type=int, default=64, help="decode: fidelity over FullKV's first this many tokens")
-    a("--first-answer-tokens", type=int, default=64, help="conversation: length cap of the answer to turn 1")
+    a("--every", type=int, default=None, help="decode, conversation: evict each time the cache holds C + every slots "
+      "(default 32)")
+    a("--fidelity-tokens", type=int, default=None, help="decode: fidelity over FullKV's first this many tokens "
+      "(default 64)")
+    a("--first-answer-tokens", type=int, default=None, help="conversation: length cap of the answer to turn 1 "
+      "(default 64)")
     a("--out", default=None, help="folder for results.json and results.md (default: runs/eval, runs/eval-decode, "
       "runs/eval-conversation; --heldout: heldout.json and heldout.md, written only if given)")
     a("--plot", default=None, help="save recall, answer KL and accuracy against budget to this image, e.g. "
@@ -897,7 +915,12 @@ def get_args(argv=None):
       help="instead of tasks: the held-out check of --adapters against the untrained module on the held-out rows "
       "of OUT/data.jsonl (a train.py --out folder)")
     a("--answer-kl", action="store_true", help="--heldout: also the answer KL (one forward per row and budget)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.given = {flag for flag in MODE_FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None}
+    for flag, (_, default) in MODE_FLAGS.items():  # the defaults, once what was given is known (check_mode_flags)
+        key = flag[2:].replace("-", "_")
+        setattr(args, key, default if getattr(args, key) is None else getattr(args, key))
+    return args
 
 
 def parse_list(text):
@@ -1001,8 +1024,9 @@ def read_results(path):
     return saved
 
 
-BEFORE_RESULTS = {"results.tmp", ".lock"}  # what a run killed before its first results.json may leave in --out
-# (save_json's temporary file, cli.claim_folder's lock); --plot goes wherever it is told
+BEFORE_RESULTS = {"results.tmp", ".lock", files.CACHE_NAME}  # what a run killed before its first results.json may
+# leave in --out (save_json's temporary file, cli.claim_folder's lock, the weights' identity); --plot goes wherever
+# it is told
 
 
 def check_out_is_ours(out):
@@ -1011,7 +1035,7 @@ def check_out_is_ours(out):
     written, since results.md and results.json would replace files of the same name."""
     if (out / "results.json").exists():
         return
-    theirs = sorted(p.name for p in out.iterdir() if p.name not in BEFORE_RESULTS)
+    theirs = sorted(p.name for p in out.iterdir() if p.name not in BEFORE_RESULTS and not files.is_temporary(p.name))
     if theirs:
         raise ValueError(f"--out {out} holds files evaluate.py did not write ({', '.join(theirs[:3])}"
                          f"{', ...' if len(theirs) > 3 else ''}) and no results.json of an earlier run: pass a new "
@@ -1050,6 +1074,19 @@ def check_same_model(saved, model_id, folder, path):
     return model_id
 
 
+def check_same_weights(saved, weights_id, folder, path):
+    """results.json's rows were made on these very weights (files.weights_identity: every byte of config.json and
+    the *.safetensors, where the settings record it), or ValueError before the model loads. model_id's samples
+    (check_same_model) miss a tensor changed between them; this reads every byte, once per folder (cached in
+    --out). Returns weights_id, for the settings."""
+    was = saved["settings"].get("weights_id")
+    if was is not None and was != weights_id:
+        raise ValueError(f"{path} holds results made on other weights than {folder}'s (weights_id {was}, these are "
+                         f"{weights_id}: the same name, shape and sampled bytes, another tensor somewhere): pass "
+                         f"another --out, e.g. --out {path.parent}-{weights_id[:8]}")
+    return weights_id
+
+
 def drop_changed(saved, rows, prompts):
     """A row whose prompt changed under the same id (an edited --tasks file) is made again: its old results
     go, said in one line, and results.json keeps each row's prompt digest for the next resume."""
@@ -1066,12 +1103,14 @@ def drop_changed(saved, rows, prompts):
 def check_args(args):
     """Every flag, before the model loads: (methods, budgets, lengths, tasks rows or None, adapter paths)."""
     check_suite(args)
+    check_mode_flags(args)
     for flag, value, lo in [("--max-new-tokens", args.max_new_tokens, 1), ("--every", args.every, 1),
                             ("--fidelity-tokens", args.fidelity_tokens, 1), ("--per-task", args.per_task, 1),
                             ("--first-answer-tokens", args.first_answer_tokens, 1), ("--window", args.window, 0),
                             ("--limit", args.limit, 1), ("--threads", args.threads, 1)]:
         if value is not None:
             cli.at_least(flag, value, lo)
+    cli.check_threads("--threads", args.threads)  # at most the cores: above them every op waits
     budgets = list(dict.fromkeys(cli.counts(args.budgets, "--budgets")))
     lengths = cli.counts(args.lengths, "--lengths")
     if args.pool:
@@ -1104,6 +1143,23 @@ def check_args(args):
     rows = read_tasks(args.tasks, args.mode == "conversation", ctx) if args.tasks else None
     check_lengths(args, lengths, ctx)
     return methods, budgets, lengths, rows, paths
+
+
+MODE_FLAGS = {  # flag -> (the modes that read it, its default): given in another mode it would be dropped silently
+    "--every": (("decode", "conversation"), 32),
+    "--fidelity-tokens": (("decode",), 64),
+    "--first-answer-tokens": (("conversation",), 64),
+}
+
+
+def check_mode_flags(args):
+    """A flag that only some modes read is refused in the others (--first-answer-tokens 8 with --mode prefill
+    ran as if it were not there). Its argparse default is None, so that get_args knows it was given (args.given)
+    before it fills in the default (every mode's settings record it, as results.json's of earlier runs do)."""
+    for flag, (modes, _) in MODE_FLAGS.items():
+        if flag in getattr(args, "given", ()) and (args.mode not in modes or args.heldout):
+            where = "--heldout" if args.heldout else f"--mode {args.mode}"
+            raise ValueError(f"{flag} is read by --mode {' and '.join(modes)}, not {where}: drop it")
 
 
 def early_context(model):
@@ -1145,14 +1201,18 @@ def check_methods(args, paths, budgets):
     prefill_mode = args.mode == "prefill"
     if args.mode == "conversation" and args.chat is False:
         raise ValueError("--mode conversation needs the chat format (ChatML or Llama-3): drop --no-chat")
-    known = (tuple(METHODS) + (PAPER_FORM,) if prefill_mode else ("full",) + DECODE_METHODS) + (UNTRAINED,)
-    methods = parse_list(args.methods or ",".join(m for m in known if m not in (UNTRAINED, PAPER_FORM)))
+    known = (tuple(METHODS) + (PAPER_FORM, SHIPPED_FORM) if prefill_mode else ("full",) + DECODE_METHODS) + (UNTRAINED,)
+    if args.methods is not None and not parse_list(args.methods):  # "" ran every method, as if it were not given
+        raise ValueError(f"--methods {args.methods!r} names no method: name some ({', '.join(known)}), or leave "
+                         "--methods out for all of them")
+    methods = parse_list(args.methods or ",".join(m for m in known if m not in (UNTRAINED, PAPER_FORM, SHIPPED_FORM)))
     bad = [m for m in methods if m not in known]
     if bad:
         raise ValueError(f"unknown method(s) {', '.join(bad)} for --mode {args.mode}; choose from {', '.join(known)}")
     methods = list(dict.fromkeys(["full"] + methods + ([UNTRAINED] if args.untrained else [])))  # full first
-    if len(paths) > 1 and PAPER_FORM in methods:
-        raise ValueError(f"--methods {PAPER_FORM} reads one adapter: run it with one --adapter")
+    for form in (PAPER_FORM, SHIPPED_FORM):
+        if len(paths) > 1 and form in methods:
+            raise ValueError(f"--methods {form} reads one adapter: run it with one --adapter")
     if len(paths) > 1:  # lookahead: one row per adapter
         methods = [x for m in methods for x in ([ADAPTER_ROW + s for s in stems] if m == "lookahead" else [m])]
     for m in methods:  # each method's own checks (budget vs its protected tokens, the rule), before any work
@@ -1200,13 +1260,15 @@ def load_modules(args, model, methods, paths):
         return {m: mod.to(dev).to(dtype).eval() for m, mod in modules.items() if m in methods}, paths[0]
     path = paths[0] if paths else cli.default_adapter_path(cfg)
     modules = {}
-    if "lookahead" in methods or PAPER_FORM in methods or (UNTRAINED in methods and path.exists()):
+    if "lookahead" in methods or PAPER_FORM in methods or SHIPPED_FORM in methods or (UNTRAINED in methods and
+                                                                                         path.exists()):
         if not path.exists():
             raise ValueError(f"no lookahead adapter at {path}: train one with python train.py --model {args.model} "
                              f"--adapter-out {path}, pass --adapter, or drop lookahead from --methods")
         modules["lookahead"] = load_adapter(path, cfg, dev)
-        if PAPER_FORM in methods:  # the same adapter, selecting as the paper states
-            modules[PAPER_FORM] = modules["lookahead"]
+        for form in (PAPER_FORM, SHIPPED_FORM):  # the same adapter, selecting as the paper states / as it recommends
+            if form in methods:
+                modules[form] = modules["lookahead"]
     if UNTRAINED in methods:
         like = modules.get("lookahead")  # the untrained row alone, without any adapter: the default shape
         modules[UNTRAINED] = untrained(model, args.seed, like)
@@ -1216,9 +1278,8 @@ def load_modules(args, model, methods, paths):
 
 
 def save_json(obj, path):
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)  # atomic: an interruption mid-write leaves the previous file whole
+    """Atomic (files.write_atomic): an interruption or a full disk mid-write leaves the previous file whole."""
+    files.write_atomic(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
 
 
 def prompt_ids(args, model, tok, rows, chat):
@@ -1241,7 +1302,8 @@ def prompt_ids(args, model, tok, rows, chat):
         if len(ids) + more + answer_cap > ctx:
             cap = f"its {answer_cap} answer tokens" if args.suite == "ruler" else f"--max-new-tokens {answer_cap}"
             raise ValueError(f"prompt {r['id']} is {len(ids)} tokens" + (f" (+ {more}: turn 2)" if more else "")
-                             + f"; with {cap} it exceeds the model's context of {ctx}: shorten it"
+                             + f"; with {cap} it exceeds the model's context of {cli.context_words(model.config)}: "
+                             f"shorten it"
                              + ("" if args.suite == "ruler" else " or lower --max-new-tokens"))
     return prompts
 
@@ -1262,7 +1324,7 @@ def run_settings(args, model, modules, adapter_path, chat, paths=()):
             settings[f"adapter_rule@{p.stem}"] = rule_key(modules[ADAPTER_ROW + p.stem].info)
     if modules and not any(m.startswith(ADAPTER_ROW) for m in modules):  # the adapter (the untrained row has its
         # shape and selects as it does): a retrained one needs a new --out
-        like = modules.get("lookahead", modules.get(PAPER_FORM))
+        like = modules.get("lookahead", modules.get(PAPER_FORM, modules.get(SHIPPED_FORM)))
         if like is not None:
             settings["adapter"] = hashlib.sha256(adapter_path.read_bytes()).hexdigest()[:16]
         settings["adapter_rule"] = rule_key((like or modules[UNTRAINED]).info)  # and another selection in its .json
@@ -1281,7 +1343,7 @@ def write_reports(args, out, results, methods, budgets, selected=None):
     metrics = MODE_METRICS[args.mode]
     said = "selection: " + "; ".join(f"{m} ({s})" for m, s in selected.items()) + "\n\n" if selected else ""
     print(said + report(results, methods, budgets, per_task=args.suite == "ruler", metrics=metrics))  # RULER: per task
-    (out / "results.md").write_text(said + report(results, methods, budgets, per_task=True, metrics=metrics))
+    files.write_atomic(out / "results.md", said + report(results, methods, budgets, per_task=True, metrics=metrics))
     if args.plot and args.suite == "ruler":
         plot_kept_share(results, methods, budgets, args.plot)
     elif args.plot and args.mode == "prefill":
@@ -1312,6 +1374,8 @@ def evaluate(args):
     saved = read_results(path)
     folder = cli.resolve_model(args.model)
     model_id = check_same_model(saved, model_identity(folder), folder, path)
+    weights_id = check_same_weights(saved, files.weights_identity(folder, cache_dir=out), folder, path)
+    files.keep_identity(folder, out, weights_id)  # hashed once: read back from --out by the next run on it
 
     model, tok, folder = cli.load(folder, args.device)
     args.model = str(folder)
@@ -1327,7 +1391,8 @@ def evaluate(args):
     prompts = prompt_ids(args, model, tok, rows, chat)
 
     # resume: entries already in results.json are kept, if they were made with the same settings
-    settings = {**run_settings(args, model, modules, adapter_path, chat, paths), "model_id": model_id}
+    settings = {**run_settings(args, model, modules, adapter_path, chat, paths), "model_id": model_id,
+                "weights_id": weights_id}
     clash = [k for k in settings if k in saved["settings"] and saved["settings"][k] != settings[k]]
     if clash:
         was = ", ".join(f"{k} {saved['settings'][k]} (now {settings[k]})" for k in clash)

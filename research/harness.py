@@ -15,7 +15,6 @@ one every row shares and a new module needs only its rows run again.
 """
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -24,11 +23,14 @@ from tqdm import tqdm
 from baselines import full_answer
 from eviction import EvictConfig, keep_slots, prefill_and_score, uniform_budgets
 from lookaheadkv import answer_attention, kl_loss, lookahead_pass
-from methods import adapter_selection, make_scorer, parse_rule
+from methods import make_scorer
+from support.selection import adapter_selection, parse_rule
+from support import files
 from support.metrics import answer_kl, forced_logprobs, gap_closed, recall_of_kept
 from model import KVCache
 
-# row -> (method, rule, budgets): None = the method's own (lookahead: its adapter's rule and budgets)
+# row -> (method, rule, budgets): None = the method's own; for lookahead, as its adapter's .json recommends
+# (the shipped adapter: span:8:1024 and per-layer budgets; row_scorer asks for them by name)
 ROWS = {"oracle": ("oracle", None, None), "lookahead": ("lookahead", None, None),
         "lookahead-unpooled": ("lookahead", "none", None), "snapkv": ("snapkv", None, None),
         "pyramidkv": ("pyramidkv", None, None), "h2o": ("h2o", None, None), "streaming": ("streaming", None, None)}
@@ -70,11 +72,10 @@ def heldout_ground_truth(model, rows, out=None):
         cache, gt, extra = ground_truth(model, r["prompt_ids"], r["response_ids"])
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            # a file named by its content, written whole under a name of this process's own, then moved in at
-            # once: a train.py run and an evaluate.py --heldout run on one folder never mix their halves
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            torch.save(dict(k=cache.k, v=cache.v, gt=gt, extra=extra), tmp)
-            os.replace(tmp, path)
+            # a file named by its content, written whole under a temporary name of its own, then moved in at
+            # once (files.write_with): a train.py run and an evaluate.py --heldout run on one folder never mix
+            # their halves, and a full disk is one `error:` line
+            files.write_with(path, lambda tmp: torch.save(dict(k=cache.k, v=cache.v, gt=gt, extra=extra), tmp))
         items.append((cache, gt, extra))
     return items
 
@@ -88,9 +89,13 @@ def row_scorer(row, C, module, window, response=None):
     """The Scorer of a ROWS entry at budget C ("adapter" budgets: the adapter's, given to another method);
     lookahead in its two-pass form (the module docstring says why)."""
     method, rule, budgets = row
-    budgets = {"uniform": uniform_budgets, "adapter": adapter_selection(module)[1], None: None}[budgets]
-    eviction = EvictConfig(method, C, window=window, rule=None if rule is None else parse_rule(rule), budgets=budgets,
-                           own=dict(one_pass=False) if method == "lookahead" else {})
+    recommended = adapter_selection(module) if module is not None else (None, None)  # the adapter's .json's
+    if method == "lookahead":  # None: as the adapter's .json recommends (the rows' "lookahead": as shipped)
+        rule, budgets = (rule or recommended[0]), (budgets or "adapter")
+    budgets = {"uniform": uniform_budgets, "adapter": recommended[1], None: None}[budgets]
+    rule = parse_rule(rule) if isinstance(rule, str) else rule
+    eviction = EvictConfig(method, C, window=window, rule=rule, budgets=budgets,
+                           options=dict(one_pass=False) if method == "lookahead" else {})
     return make_scorer(eviction, module=module, response=response)
 
 
@@ -291,7 +296,8 @@ def plot_results(results, methods, budgets, path, metrics=("recall", "answer_kl"
     fig.legend(*axes[-1].get_legend_handles_labels(), loc="lower center", ncol=len(methods), fontsize=8)
     fig.tight_layout(rect=(0, 0.08, 1, 1))  # room for the legend below the plots
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
+    # atomic, mode 0644, a full disk one line (files.write_with); the format by path's suffix, not the temporary's
+    files.write_with(path, lambda tmp: fig.savefig(tmp, dpi=150, format=Path(path).suffix[1:].lower()))
     plt.close(fig)
 
 

@@ -32,7 +32,7 @@ from eviction import EvictConfig
 from extensions import layer_budgets, layer_loss
 from lookaheadkv import kl_loss
 from research import fast_data, harness
-from support import cli, recipe
+from support import cli, recipe, selection
 from support.data import load_batch, sample_path
 
 
@@ -102,11 +102,11 @@ def training_loss(cfg, model_cfg):
 
 
 def check(cfg):
-    return recipe.check_run(cfg, parser(), methods.parse_rule, read_adapter)
+    return recipe.check_run(cfg, parser(), selection.parse_rule, read_adapter)
 
 
 # -----------------------------------------------------------------------------
-# The pieces train.py takes
+# The steps of train.py's Recipe that the research options change
 
 
 def draw_rows(rows, n, seed):
@@ -138,23 +138,43 @@ def harness_check(model, cfg, rows, src):
     return check if heldout else None
 
 
-def pieces(cfg, checked):
-    """train.Pieces for this run (checked: check's tuple): --init's module, --loss-weights' loss, --train-rows'
-    draw, the fast data maker, the harness's held-out check, and what the adapter's .json says of them."""
-    init = {}
+class LabRecipe(train.Recipe):
+    """train.py's recipe with the research options: --init's module, --loss-weights' loss, --train-rows' draw,
+    the fast data maker, the harness's held-out check, and what the adapter's .json says of them."""
 
-    def start(model, cfg, adapter):
+    def __init__(self, cfg, checked):
+        super().__init__(cfg)
+        self.checked, self.init = checked, {}
+        self.weighted_loss = training_loss(cfg, checked.model_cfg)
+
+    def check(self):
+        return self.checked
+
+    def build_dataset(self, model, tok, out, rows):
+        return fast_data.build_dataset(model, tok, self.cfg, out, rows)
+
+    def train_rows(self, rows):
+        return draw_rows(rows, self.cfg.train_rows, self.cfg.seed) if self.cfg.train_rows else rows
+
+    def start(self, model, adapter):
         if adapter is None:
-            return train.new_module(model, cfg)
-        module = adapter.to(cfg.device)
-        init.update(module.info, path=Path(module.info["path"]).name)
+            return train.new_module(model, self.cfg)
+        module = adapter.to(self.cfg.device)
+        self.init.update(module.info, path=Path(module.info["path"]).name)
         if "layer_weights" in module.info:  # measured for the init's weights, not the new ones
-            train.print0(f"--init {cfg.init}: its per-layer weights are dropped; measure them again for the trained "
-                         "adapter (python -m research.train_lab --stage budgets)")
-        module.info = dict(rule=cfg.rule)
+            train.print0(f"--init {self.cfg.init}: its per-layer weights are dropped; measure them again for the "
+                         "trained adapter (python -m research.train_lab --stage budgets)")
+        module.info = dict(rule=self.cfg.rule) if self.cfg.rule is not None else {}
         return module
 
-    def describe(cfg, log, info):
+    def loss(self, target, prediction):
+        return self.weighted_loss(target, prediction)
+
+    def heldout(self, model, rows, src):
+        return harness_check(model, self.cfg, rows, src)
+
+    def describe(self, log, info):
+        cfg, init = self.cfg, self.init
         if cfg.train_rows:
             info["train_data"]["drawn"] = dict(asked=cfg.train_rows, seed=cfg.seed)
         if cfg.loss_weights:  # beyond the paper: the layer-weighted loss (extensions/layer_loss.py)
@@ -162,10 +182,6 @@ def pieces(cfg, checked):
         if init:  # step 0 was the init adapter, not an untrained module: keep the init's own reference
             info.update(untrained=init.get("untrained"), init=dict(
                 path=init["path"], steps=init.get("steps"), heldout=log[0] if log else None))
-
-    draw = (lambda rows, cfg: draw_rows(rows, cfg.train_rows, cfg.seed)) if cfg.train_rows else (lambda rows, cfg: rows)
-    return train.Pieces(check=lambda cfg: checked, build_dataset=fast_data.build_dataset, train_rows=draw,
-                        start=start, loss=training_loss(cfg, checked[3]), heldout=harness_check, describe=describe)
 
 
 # -----------------------------------------------------------------------------
@@ -228,7 +244,7 @@ def run(cfg):
     checked = check(cfg)  # everything checked before the model loads
     if cfg.stage == "budgets":
         return budgets(cfg, checked)
-    train.train(cfg, pieces(cfg, checked))
+    train.train(cfg, LabRecipe(cfg, checked))
 
 
 if __name__ == "__main__":

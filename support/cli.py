@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from support import lock
+from support import files, lock
 from support.metrics import keep_fraction
-from model import ModelConfig, load_model
+from model import ModelConfig, default_dtype, load_model
 from support.tokenizer import Tokenizer, decode_utf8
 
 # -----------------------------------------------------------------------------
@@ -63,6 +63,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def one_line(e):
+    """The exception in one line. An OSError the system raised (it has an errno) is said in words, naming the file
+    and what to do (support/files.os_error_line): a full disk is not a bare "[Errno 28] No space left on device"."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return " ".join(files.os_error_line(e).split())
     return " ".join(str(e).split()) or type(e).__name__
 
 
@@ -108,6 +112,66 @@ def fraction(flag, value):
         raise ValueError(f"{flag} {value}: must be a fraction between 0 and 1")
 
 
+def cores():
+    """The CPU cores this process may run on (its affinity, as taskset or a container sets it; else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_threads(flag, value):
+    """--threads within 1 .. the cores this process may use (None: torch's own choice). Above them torch's threads
+    wait for one another at every op (--threads 1000 on 2 cores: a 3-second run did not end in 120 s); there is
+    nothing to gain there, so it is refused, naming the count."""
+    if value is None:
+        return
+    n = cores()
+    if value < 1 or value > n:
+        raise ValueError(f"{flag} {value}: this machine gives this process {n} CPU core{'s' * (n > 1)}: use "
+                         f"{flag} 1 to {n} (1 when other jobs share the cores)")
+
+
+def check_given_for(mode, given, allowed):
+    """A flag that `mode` would drop without a word is refused: given, [(flag, whether the user gave it)];
+    allowed, the flags the mode reads. The first one given but not read is named."""
+    for flag, was_given in given:
+        if was_given and flag not in allowed:
+            raise ValueError(f"{flag} has no effect {mode}: drop it")
+
+
+def check_generate_flags(args):
+    """generate.py's flags that its mode would ignore, refused before any file is read: --show prints the kept
+    tokens under the text answer (with --json the stats are one JSON object, and in a chat each turn has a stats
+    line only); --no-chat is a chat's contradiction (a chat is the chat template, turn after turn). Call it
+    from support/generate_checks.check_flags."""
+    if args.turns is not None:
+        check_given_for("in a chat (--turns): each turn prints its answer and one stats line",
+                        [("--show", args.show), ("--no-chat", args.chat is False)], ())
+    elif args.json:
+        check_given_for("with --json (the answer and stats as one JSON object)", [("--show", args.show)], ())
+
+
+def context_words(cfg, plain=""):
+    """The model's context for a message: "2048" (+ `plain`, what sets it otherwise), or where a sliding_window
+    shortens it, "4096 (its sliding_window in config.json, shorter than max_position_embeddings 32768)", so that a
+    message about a length past the context names what made it short, not only the flag it compared."""
+    ctx = cfg.max_context
+    if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
+        return (f"{ctx} (its sliding_window in config.json, shorter than max_position_embeddings "
+                f"{cfg.max_position_embeddings})")
+    return f"{ctx}{plain}"
+
+
+def check_window_fits(flag, window, cfg):
+    """A --window within the model's context, said with what sets the context (context_words): a sliding_window
+    in config.json shortens it, and the user who never passed --window learns why the default 32 no longer fits.
+    support/generate_checks.check_fits_model can call it in place of its own --window check."""
+    if window is not None and window > cfg.max_context:
+        raise ValueError(f"{flag} {window} is longer than the model's context of {context_words(cfg, ' tokens')}: "
+                         f"no prompt has that many; use a {flag} of at most {cfg.max_context}")
+
+
 SEEDS = (-2**63, 2**64 - 1)  # what torch.manual_seed and Generator.manual_seed take (a negative one is remapped)
 
 
@@ -139,13 +203,18 @@ def counts(text, flag):
 
 
 def input_file(flag, path):
-    """A file we will read: it exists and is a file (a folder or a missing path says so)."""
+    """A file we will read: it exists and is a regular file. What it is instead is said as it is (files.kind_of):
+    a folder, a symlink loop, a device (/dev/null, /dev/zero: empty, or endless), a pipe; "no such file" only
+    when nothing is there."""
     p = Path(path)
-    if p.is_dir():
+    kind = files.kind_of(p)
+    if kind == "a file":
+        return p
+    if kind == "a folder":
         raise ValueError(f"{flag} {path} is a folder: pass a file")
-    if not p.is_file():
+    if kind == "missing":
         raise FileNotFoundError(f"{flag} {path}: no such file")
-    return p
+    raise ValueError(f"{flag} {path} is {kind}, not a regular file: pass a file")
 
 
 BYTES_PER_TOKEN = 64  # more than any token of our tokenizers spans: a longer prompt cannot fit the context
@@ -180,10 +249,12 @@ def universal_newlines(text):
 
 
 def output_folder(flag, path):
-    """A folder we will write into: made if missing; ValueError if it is a file or not writable."""
+    """A folder we will write into: made if missing; ValueError if it is a file (or a device, a symlink loop: said
+    as what it is, files.kind_of) or not writable."""
     p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise ValueError(f"{flag} {path} is a file, not a folder: pass a folder (it is made if missing)")
+    kind = files.kind_of(p)
+    if kind not in ("a folder", "missing"):
+        raise ValueError(f"{flag} {path} is {kind}, not a folder: pass a folder (it is made if missing)")
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -202,8 +273,11 @@ def output_file(flag, path, suffix):
     p = Path(path)
     if p.suffix != suffix:
         raise ValueError(f"{flag} {path}: the name must end in {suffix}")
-    if p.is_dir():
+    kind = files.kind_of(p)
+    if kind == "a folder":
         raise ValueError(f"{flag} {path} is a folder: pass a file name ending in {suffix}")
+    if kind not in ("a file", "missing"):  # a device, a pipe, a symlink loop: nothing a file can replace
+        raise ValueError(f"{flag} {path} is {kind}, not a file: pass a file name ending in {suffix}")
     output_folder(flag + " (its folder)", p.parent if str(p.parent) else ".")
     return p
 
@@ -253,8 +327,13 @@ def load(model_dir=None, device="cpu", dtype=None, tokenizer=True):
     """(model, tokenizer or None, folder): the tokenizer is read first, so a broken tokenizer.json stops
     before the weights load."""
     folder = resolve_model(model_dir)
-    tok = Tokenizer(folder, ModelConfig.from_hf_config(folder)) if tokenizer else None
-    model = load_model(folder, device, getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    cfg = ModelConfig.from_hf_config(folder)
+    tok = Tokenizer(folder, cfg) if tokenizer else None
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    # weights past the memory free are said now, counted from config.json, not by the OOM killer mid-load
+    check_fits_memory(cfg, dtype or default_dtype(device), device, f"the model in {folder} needs a machine (or "
+                      f"device) with more free memory, or a smaller --dtype where the script has one")
+    model = load_model(folder, device, dtype)
     return model, tok, folder
 
 
@@ -289,6 +368,21 @@ def free_memory_gib(device):
     except OSError:
         pass
     return None
+
+
+def check_fits_memory(cfg, dtype, device, what):
+    """ValueError, before any module is built, when the weights cfg describes (weights/checks.parameter_count, in
+    `dtype`) take more than 90% of the memory free on `device` (free_memory_gib; unknown: no check). `what` says
+    where the config came from and what to do, e.g. "--random-init c.json: time a smaller config"."""
+    from weights.checks import parameter_count
+
+    need = parameter_count(cfg) * torch.empty((), dtype=dtype).element_size() / 2**30
+    have = free_memory_gib(device)
+    if have is not None and need > 0.9 * have:
+        raise ValueError(f"{cfg.name}'s weights take {need:,.1f} GiB in {str(dtype).removeprefix('torch.')} "
+                         f"({cfg.num_hidden_layers:,} layers of hidden size {cfg.hidden_size}), more than the "
+                         f"{have:.1f} GiB free on {device}: {what}")
+    return need
 
 
 def check_logits(logits, folder):
@@ -370,6 +464,8 @@ def report(args, stats, printed, tok, ids, kept_slots):
           f"ttft {stats['ttft_ms']:.0f} ms")
     print(f"decode {stats['decode_tokens_per_s'] or 0:.1f} tok/s  KV cache {stats['kv_bytes_full'] / 1e6:.1f} MB -> "
           f"{stats['kv_bytes_kept'] / 1e6:.1f} MB")
+    if "recommends" in stats:  # the adapter's .json recommends a selection beyond the paper: said, not applied
+        print(f"the adapter recommends {stats['recommends']} (beyond the paper; not applied)")
     if "peak_slots" in stats:  # beyond the paper: --decode-budget held the cache while decoding
         print(f"decode budget {args.decode_budget} every {args.every}: evictions while decoding "
               f"{stats['decode_evictions']}, peak {stats['peak_slots']} slots per (layer, KV head), KV cache "

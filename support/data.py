@@ -746,17 +746,13 @@ def is_correct(output, answers):
 # files
 
 def write_jsonl(rows, path):
-    """Write rows as JSON lines, atomically: a crash leaves the old file (or none), never half a new one."""
+    """Write rows as JSON lines, atomically (files.write_atomic): a crash or a full disk leaves the old file (or
+    none), never half a new one."""
+    from support import files
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    files.write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 def is_id(v):
     return isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))
@@ -851,13 +847,19 @@ def cache_file(path, meta):
     return None if meta.get("cache") is None else Path(path).parent / meta["cache"]
 
 def save_safetensors(path, tensors, metadata=None):
-    """Written to a temporary name first: a kill leaves no half file."""
+    """Through files.write_with: written to a temporary name first (a kill leaves no half file), and a full disk is
+    one `error:` line (safetensors' own error is a SafetensorError traceback)."""
     from safetensors.torch import save_file
 
+    from support import files
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, str(path.with_suffix(".tmp")), metadata)
-    os.replace(path.with_suffix(".tmp"), path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(files.os_error_line(e, path.parent)) from None
+    tensors = {n: t.contiguous().cpu() for n, t in tensors.items()}
+    files.write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata))
 
 def save_sample(path, sample, store_dtype, prefix=None):
     """The prompt's cache in store_dtype (bfloat16 halves the disk: the cache is an input, not a

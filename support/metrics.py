@@ -18,6 +18,7 @@ keep_fraction draws its kept tokens (--show).
 import time
 
 import torch
+from tqdm import tqdm
 
 
 def recall_of_kept(kept, true):
@@ -94,19 +95,67 @@ def keep_fraction(kept, S):
     return (torch.bincount(slots, minlength=S) / (len(kept) * kept[0].shape[1])).cpu()
 
 
-def answer_stats(args, model, selection, S, kept, text, timing, cache, evictor=None):
+def answer_stats(args, model, selection, S, kept, text, timing, cache, evictor=None, module=None):
     """What generate.py ran and what it cost, as --json prints it. selection: (rule, budget policy) in words
     (methods.selection_of); kept: (slots per layer, bytes) of the cache right after the eviction; timing:
     prefill_ms, evict_ms, ttft_ms, decode_tokens_per_s; cache, evictor: at the end of the answer (beyond the
-    paper: --decode-budget's DecodeEviction, whose log holds (position, slots before, slots after) per eviction)."""
+    paper: --decode-budget's DecodeEviction, whose log holds (position, slots before, slots after) per eviction);
+    module: the adapter, whose .json may recommend a selection beyond the paper (said, never applied unasked)."""
     cfg, itemsize = model.config, model.lm_head.weight.element_size()
     (per_layer, kv_kept), (rule, budgets) = kept, selection
     kv_full = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * S * itemsize  # K and V, every slot
     stats = dict(method=args.method, rule=rule, budgets=budgets, budget=args.budget, prompt_tokens=S,
                  kept_tokens=round(sum(per_layer) / len(per_layer)), kept_range=[min(per_layer), max(per_layer)],
                  text=text, **timing, kv_bytes_full=kv_full, kv_bytes_kept=kv_kept)
+    recommends = recommended_flags(module.info) if module is not None else ""
+    if recommends and (rule, budgets) != (module.info.get("rule", rule), "per-layer budgets"):
+        stats["recommends"] = recommends
     if evictor is not None:  # the cache only grows between evictions: its peak is where one began, or an end
         stats.update(decode_budget=args.decode_budget, every=args.every, decode_evictions=len(evictor.log),
                      peak_slots=max([max(per_layer), len(cache)] + [before for _, before, _ in evictor.log]),
                      kv_bytes_end=cache.nbytes())
     return stats
+
+
+def recommended_flags(info):
+    """The flags that select as an adapter's .json recommends, e.g. "--pool span:8:1024 --layer-budgets"."""
+    return " ".join(([f"--pool {info['rule']}"] if info.get("rule") else [])
+                    + (["--layer-budgets"] if info.get("layer_weights") else []))
+
+
+@torch.no_grad()
+def heldout_answer_kl(model, rows, scorers, progress=lambda it, **kw: it):
+    """{name: mean answer KL} of each Scorer over held-out rows (prompt_ids, response_ids: the base model's own
+    greedy answer): the answer teacher-forced through the full cache and through each compressed one."""
+    from eviction import EvictConfig, compress  # support sits beside the path: imported where it is used
+    from methods import make_scorer
+
+    dev, kl = model.lm_head.weight.device, {name: [] for name in scorers}
+    for r in progress(rows, desc="held-out answer KL"):
+        ids, response = torch.tensor([r["prompt_ids"]], device=dev), torch.tensor([r["response_ids"]], device=dev)
+        cache, _, pos, _ = compress(model, ids, make_scorer(EvictConfig("full")))
+        full = forced_logprobs(model, cache, response, pos)
+        for name, scorer in scorers.items():
+            cache, _, pos, _ = compress(model, ids, scorer)
+            kl[name].append(answer_kl(full, forced_logprobs(model, cache, response, pos)))
+    return {name: sum(v) / max(len(v), 1) for name, v in kl.items()}
+
+
+def compare(model, rows, budget, modules):
+    """train.py's last words (its --compare): the held-out answer KL at C = budget in the paper's form of each
+    module ({label: LookaheadModule}), SnapKV's and the shipped adapter's (if the model has one), printed."""
+    from eviction import EvictConfig
+    from methods import load_adapter, make_scorer
+    from support.cli import default_adapter_path
+
+    device, shipped = model.lm_head.weight.device, default_adapter_path(model.config)
+    modules = {**modules, "snapkv": None}
+    if shipped.is_file():
+        modules["shipped adapter"] = load_adapter(shipped, model.config, device)
+    scorers = {name: make_scorer(EvictConfig("lookahead" if m is not None else "snapkv", budget), m)
+               for name, m in modules.items()}
+    kl = heldout_answer_kl(model, rows, scorers, tqdm)
+    print(f"held-out answer KL at C = {budget} ({len(rows)} prompts, the paper's form; lower is better):")
+    for name, value in kl.items():
+        print(f"  {name:<20s} {value:.4f}")
+    return kl

@@ -5,17 +5,21 @@ the adapter's backups and .json metadata, and the memory warning. research/train
 (--data, --train-rows, --init, --loss-weights, budget, window) are read here too when its config has them.
 Every check raises ValueError with one line: what is wrong, and what to do.
 """
+import argparse
 import dataclasses
+import errno
 import json
 import os
 import shutil
 import tempfile
+import time
 import types
+import typing
 from pathlib import Path
 
 import torch
 
-from support import cli, data
+from support import cli, data, files
 from support.data import sample_bytes, sample_ok, sample_path, unreadable_sample
 from lookaheadkv import LookaheadModule
 from model import ModelConfig, default_dtype
@@ -75,11 +79,21 @@ def parse_targets(text):
 # Every check that needs no model weights, so a bad value stops at once, not after an hour of answering
 
 
+class Checked(typing.NamedTuple):
+    """What a checked run reads (check_run)."""
+    out: Path  # the run's folder
+    src: Path  # where its samples are (OUT, or research/train_lab.py's --data)
+    dest: Path  # the adapter's path
+    model_cfg: ModelConfig
+    rows: list  # the rows of src/data.jsonl
+    adapter: object  # the adapter the run starts from or measures (train_lab's --init), or None
+    ckpt: object  # the checkpoint to resume from, or None
+
+
 def check_run(cfg, parser, parse_rule, read_adapter=None):
-    """Returns what the run reads: (out, src: where its samples are, dest, model config, rows of src/data.jsonl,
-    adapter or None, checkpoint or None). read_adapter(cfg, model_cfg): the adapter the run starts from or
-    measures (research/train_lab.py's --init), else none. parse_rule: methods.parse_rule (support sits below
-    methods)."""
+    """Returns what the run reads (Checked). read_adapter(cfg, model_cfg): the adapter the run starts from or
+    measures (research/train_lab.py's --init), else none. parse_rule: support.selection.parse_rule."""
+    cfg.run_start = getattr(cfg, "run_start", None) or time.perf_counter()  # --max-minutes counts from here
     check_choices(cfg, parser._option_string_actions["--stage"].choices)
     check_given(cfg)
     cfg.device = cfg.device or cli.default_device()
@@ -89,19 +103,25 @@ def check_run(cfg, parser, parse_rule, read_adapter=None):
     cli.check_model_dir(cfg.model)
     check_numbers(cfg)
     parse_targets(cfg.targets)
-    parse_rule(cfg.rule)
+    if cfg.rule is not None:  # a selection the adapter's .json recommends (beyond the paper); None: none
+        parse_rule(cfg.rule)
     out, dest = output_paths(cfg)
     src = data_folder(cfg, out)
     model_cfg = ModelConfig.from_hf_config(cli.resolve_model(cfg.model))
-    check_rule(cfg.rule, model_cfg, parse_rule)
+    if cfg.rule is not None:
+        check_rule(cfg.rule, model_cfg, parse_rule)
     rows = read_rows(src, model_cfg, trim=cfg.stage in ("data", "all"))
     check_data_dtype(cfg, src, rows)
     check_samples(cfg, src, rows)
     adapter = read_adapter(cfg, model_cfg) if read_adapter else None
     check_fit(cfg, model_cfg, src, rows, adapter)
     check_disk(cfg, model_cfg, rows)
+    if cfg.stage in ("train", "all"):  # what the checkpoint and the adapter record, and a resume must match
+        cfg.weights_id = files.weights_identity(cli.resolve_model(cfg.model), cache_dir=out)
     ckpt = checkpoint_to_resume(cfg, out, model_cfg, adapter, parser)
-    return out, src, dest, model_cfg, rows, adapter, ckpt
+    if getattr(cfg, "weights_id", None):  # every check passed: kept beside the run for the next one
+        files.keep_identity(cli.resolve_model(cfg.model), out, cfg.weights_id)
+    return Checked(out, src, dest, model_cfg, rows, adapter, ckpt)
 
 
 def data_folder(cfg, out):
@@ -131,6 +151,9 @@ def check_given(cfg):
         if value is not None and not value.strip():
             raise ValueError(f"{flag} {value!r} is empty: give a value, or leave it out (in a --config file: drop "
                              f"the key) for the default")
+    if not str(cfg.targets).replace(",", " ").strip():  # "" trained the embeddings alone, no LoRA, without a word
+        raise ValueError(f"--targets {cfg.targets!r} names no target: write none for the embeddings alone (no LoRA), "
+                         f"all (the default), or a comma list of {', '.join(LookaheadModule.TARGETS)}")
 
 
 def check_choices(cfg, stages):
@@ -183,6 +206,7 @@ def check_fit(cfg, model_cfg, out, rows, adapter):
     and the M lookahead rows after it within its context. The recipe's longest prompt counts when this run
     makes prompts; the longest OUT/data.jsonl holds always. M and rank are --init's adapter's when there is one."""
     ctx, name = model_cfg.max_context, model_cfg.name
+    ctx_words = cli.context_words(model_cfg)  # names a sliding_window that shortens it
     M = adapter.n_tokens if adapter is not None else cfg.n_tokens
     if adapter is None and cfg.rank > model_cfg.hidden_size:
         raise ValueError(f"rank {cfg.rank}: at most {name}'s hidden size {model_cfg.hidden_size} (a LoRA of higher "
@@ -193,16 +217,16 @@ def check_fit(cfg, model_cfg, out, rows, adapter):
         after, room = ("--max-new-tokens", cfg.max_new_tokens) if cfg.max_new_tokens >= M else ("n_tokens", M)
         if longest + CHAT_ROOM + room > ctx:
             raise ValueError(f"{key} {longest} + {CHAT_ROOM} (the chat template) + {after} {room} is "
-                             f"{longest + CHAT_ROOM + room} tokens, past {name}'s context of {ctx}: lower {key} or "
-                             f"{after}")
+                             f"{longest + CHAT_ROOM + room} tokens, past {name}'s context of {ctx_words}: lower {key} "
+                             f"or {after}")
     longest = max((len(r["prompt_ids"]) for r in rows), default=0)
     if longest + M > ctx:
         raise ValueError(f"n_tokens {M}: {out / 'data.jsonl'}'s longest prompt ({longest} tokens) with the M "
-                         f"lookahead rows after it is past {name}'s context of {ctx}: lower n_tokens")
+                         f"lookahead rows after it is past {name}'s context of {ctx_words}: lower n_tokens")
 
 
 def check_rule(rule, model_cfg, parse_rule):
-    """The recipe's selection rule (the adapter's .json names it) as methods.parse_rule reads it for this model: a
+    """The recipe's selection rule (the adapter's .json names it) as support.selection.parse_rule reads it for this model: a
     width within its context ("max:99999999999" passed the syntax check alone and then hung in the first held-out
     check, pooling over a window that size). Its vocabulary is not passed: a span shortlist past it is the whole
     vocabulary (extensions/span.shortlist clamps it), and the default span:8:1024 would refuse every small model."""
@@ -289,9 +313,40 @@ def output_paths(cfg):
     check_writable("--out", out, out, [out / "ckpt.pt", out / "ckpt.tmp", out / "log.jsonl"])
     if cfg.stage != "data":  # the data stage writes no adapter
         # what LookaheadModule.save writes: the pair, each through a temporary name
-        files = [dest, dest.with_suffix(".json"), dest.with_suffix(".safetensors.tmp"), dest.with_suffix(".json.tmp")]
-        check_writable("--adapter-out" if cfg.adapter_out else "--out", dest, dest.parent, files)
+        written = [dest, dest.with_suffix(".json"), dest.with_suffix(".safetensors.tmp"), dest.with_suffix(".json.tmp")]
+        check_writable("--adapter-out" if cfg.adapter_out else "--out", dest, dest.parent, written)
+        check_adapter_dest("--adapter-out" if cfg.adapter_out else "--out", dest)  # nothing of the user's replaced
     return out, dest
+
+
+def is_adapter(path):
+    """Whether `path` (.safetensors) and its .json are an adapter pair as save_adapter writes them: the .json an
+    object with the adapter keys (weights/checks.ADAPTER_KEYS), the tensors the module's alone (embeddings,
+    lora.*), read from the header only."""
+    from safetensors import safe_open
+    from weights.checks import ADAPTER_KEYS
+
+    try:
+        meta = json.loads(path.with_suffix(".json").read_text())
+        with safe_open(str(path), framework="pt") as f:
+            names = set(f.keys())
+    except Exception:  # unreadable, not JSON, not safetensors: not one of ours
+        return False
+    return (isinstance(meta, dict) and all(k in meta for k in ADAPTER_KEYS) and "embeddings" in names
+            and all(n == "embeddings" or n.startswith("lora.") for n in names))
+
+
+def check_adapter_dest(flag, dest):
+    """Saving replaces dest and its .json: refused, before the model loads, unless what is there is an adapter pair
+    this project saved (is_adapter; the old pair is then kept as NAME.prev). --adapter-out DIR/model.safetensors
+    replaced a model's weights with the adapter (and DIR/config.safetensors would replace its config.json): no
+    file the run did not make is replaced."""
+    there = [p for p in (dest, dest.with_suffix(".json")) if p.exists()]
+    if there and not is_adapter(dest):
+        which = " and ".join(str(p) for p in there)
+        raise ValueError(f"{flag} {dest}: saving the adapter would replace {which}, which is not an adapter this "
+                         f"project saved (a .safetensors of the adapter's tensors with its .json): pass a new file "
+                         f"name, or move it away")
 
 
 def check_writable(flag, path, folder, files):
@@ -342,7 +397,7 @@ def read_rows(out, model_cfg, trim=False):
         return []
     text = path.read_text()
     if trim and text and not text.endswith("\n"):
-        path.write_text(text[: text.rfind("\n") + 1])
+        files.write_atomic(path, text[: text.rfind("\n") + 1])
     rows = data.read_jsonl(path, required=("id", "prompt_ids", "response_ids"), allow_empty=True)
     for r in rows:
         if r.get("fingerprint") != model_cfg.fingerprint():
@@ -369,8 +424,29 @@ def resume_keys(Config):
 
 def schedule_of(cfg):
     """The settings a checkpoint is only good for (--resume with others would train a mix of two runs and record
-    one of them in the adapter's .json): every config field but MAY_CHANGE's, checked (check_run) first."""
-    return {k: getattr(cfg, k) for k in resume_keys(type(cfg))}
+    one of them in the adapter's .json): every config field but MAY_CHANGE's, checked (check_run) first, and the
+    identity of the base model's weights (files.weights_identity, set by check_run): --model may move, the weights
+    may not (a copy with the same config and other tensors resumed without a word)."""
+    return Schedule({k: getattr(cfg, k) for k in resume_keys(type(cfg))}, getattr(cfg, "weights_id", None))
+
+
+class Schedule(dict):
+    """schedule_of's settings, a dict of config fields, and (not a field, so not a key) the identity of the base
+    model's weights, which save_checkpoint records beside them as the checkpoint's "weights_id"."""
+
+    def __init__(self, settings, weights_id=None):
+        super().__init__(settings)
+        self.weights_id = weights_id
+
+
+def other_weights(ck, schedule):
+    """Why a checkpoint's base weights are not this run's, or None: it records their identity (save_checkpoint);
+    one from before it did is not checked for it."""
+    was, now = ck.get("weights_id"), getattr(schedule, "weights_id", None)
+    if was is None or now is None or was == now:
+        return None
+    return (f"trained on other weights (identity {was}; --model's are {now}: the same config, other tensors, "
+            f"e.g. a fine-tuned copy)")
 
 
 def checkpoint_to_resume(cfg, out, model_cfg, adapter, parser):
@@ -386,10 +462,13 @@ def checkpoint_to_resume(cfg, out, model_cfg, adapter, parser):
 
 
 def save_checkpoint(path, module, opt, step, log, settings=None):
-    tmp = path.with_suffix(".tmp")
-    torch.save(dict(module=module.state_dict(), meta=module.metadata(), opt=opt.state_dict(), step=step, log=log,
-                    rng=torch.get_rng_state(), settings=settings), tmp)
-    os.replace(tmp, path)  # atomic: a kill mid-save leaves the previous checkpoint intact
+    """OUT/ckpt.pt through files.write_with (atomic: a kill or a full disk mid-save leaves the previous checkpoint
+    intact, and a full disk is one `error:` line, not torch's "file write failed" traceback)."""
+    weights_id = getattr(settings, "weights_id", None)  # schedule_of's (a Schedule): the base weights' identity
+    settings = dict(settings) if settings is not None else None  # a plain dict in the file
+    files.write_with(path, lambda tmp: torch.save(dict(
+        module=module.state_dict(), meta=module.metadata(), opt=opt.state_dict(), step=step, log=log,
+        rng=torch.get_rng_state(), settings=settings, weights_id=weights_id), tmp))
 
 
 def load_checkpoint(path):
@@ -423,6 +502,9 @@ def read_checkpoint(path, model_cfg, now, schedule, parser):
     if ck["meta"]["base_fingerprint"] != model_cfg.fingerprint():
         raise ValueError(f"--resume: {path} was trained for {ck['meta'].get('base_model')}, not {model_cfg.name}: "
                          "use another --out")
+    if why := other_weights(ck, schedule):
+        raise ValueError(f"--resume: {path} was {why}: resume with the model it was trained on, or pass another "
+                         "--out")
     differ = checkpoint_differences(ck, now, schedule, parser)
     if differ:
         raise ValueError(f"--resume: {path} was made with other settings: {'; '.join(differ)}. It is not corrupt: "
@@ -440,6 +522,8 @@ def check_own_checkpoint(out, model_cfg, now, schedule, parser):
         why = "a file train.py cannot read as a checkpoint"
     elif ck["meta"]["base_fingerprint"] != model_cfg.fingerprint():
         why = f"trained for {ck['meta'].get('base_model')}, not {model_cfg.name}"
+    elif other_weights(ck, schedule):
+        why = other_weights(ck, schedule)
     else:
         differ = checkpoint_differences(ck, now, schedule, parser)
         if not differ:
@@ -447,6 +531,14 @@ def check_own_checkpoint(out, model_cfg, now, schedule, parser):
         why = f"made with other settings: {'; '.join(differ)}"
     raise ValueError(f"--out {out} holds another run's checkpoint ({path}: {why}): pass another --out, continue that "
                      f"run with its own settings and --resume, or delete {path} to start this one over there")
+
+
+def past_max_minutes(cfg):
+    """Whether --max-minutes has run out, counted from the run's start (check_run): the data stage checks it
+    between batches too ("data included", as the flag's help says; it ran on past it), and a run that spent its
+    time there stops before training, its rows kept (the same command with --resume goes on)."""
+    start = getattr(cfg, "run_start", None)
+    return bool(cfg.max_minutes) and start is not None and time.perf_counter() - start > 60 * cfg.max_minutes
 
 
 def claim_folders(out, src):
@@ -516,15 +608,27 @@ def adapter_metadata(cfg, train_rows, n_held, step, total, stopped_early, log):
                 stopped_early=stopped_early, batch=cfg.batch, lr=cfg.lr, epochs=cfg.epochs,
                 heldout=log[-1] if log else None, untrained=log[0] if log else None)
     info["train_data"].update(folder=getattr(cfg, "data", None) or cfg.out)  # the data stage's folder it trained on
+    if getattr(cfg, "weights_id", None):  # the base model's weights it was trained on (files.weights_identity)
+        info["base_weights"] = cfg.weights_id
+    if cfg.rule is None:  # nothing recommended beyond the paper: it selects in the paper's form
+        del info["rule"]
     return info
 
 
 def save_adapter(module, dest):
-    """module.save(dest), an adapter already there kept (keep_previous), saying where."""
-    if dest.exists() or dest.with_suffix(".json").exists():
-        _, kept = keep_previous(dest)
+    """module.save(dest) through files.write_many (the pair whole or not at all, mode 0644, a full disk one
+    `error:` line), an adapter already there kept (keep_previous), saying where. check_adapter_dest refused,
+    before the run, a dest that is not an adapter of ours."""
+    check_adapter_dest("--adapter-out", dest)  # again: the file may have been put there while the run trained
+    kept = keep_previous(dest)[1] if dest.exists() or dest.with_suffix(".json").exists() else None
+    try:
+        files.write_many([dest, dest.with_suffix(".json")], lambda tmp: module.save(tmp[0]))
+    except BaseException:
+        for p in kept or ():  # the old pair is still at dest: no backup of it is needed
+            p.unlink(missing_ok=True)
+        raise
+    if kept:
         print(f"{dest} existed: replaced; the previous one is kept as {' + '.join(str(p) for p in kept)}")
-    module.save(dest)
 
 
 def backup_names(dest):
@@ -536,24 +640,50 @@ def backup_names(dest):
 
 
 def keep_previous(dest):
-    """Copy the adapter at dest (+ .json) to the first backup name (backup_names) free of both files: an earlier
+    """Keep the adapter at dest (+ .json) under the first backup name (backup_names) free of both files: an earlier
     backup is never replaced (a second run on one --adapter-out replaced .prev, the first adapter with it, while
-    saying it was kept). The first file is made with O_EXCL, so two runs saving at once keep theirs under two names.
-    Returns (the backup's .safetensors path, the files written)."""
+    saying it was kept). Each file is kept as a hard link (os.link: atomic, no disk space, and it fails if the name
+    is taken, so two runs saving at once keep theirs under two names); the new adapter then replaces dest with a
+    new file, leaving the link the old one. Where links are not supported, a copy, whole or removed (a full disk
+    left a truncated file under the backup's name). Returns (the backup's .safetensors path, the files kept)."""
     sources = [src for src in (dest, dest.with_suffix(".json")) if src.exists()]
     for prev in backup_names(dest):
         copies = [(src, prev.with_suffix(src.suffix)) for src in sources]
         if any(p.exists() for p in (prev, prev.with_suffix(".json"))):
             continue
         try:
-            with open(copies[0][0], "rb") as first, open(copies[0][1], "xb") as f:  # "xb": the claim
-                shutil.copyfileobj(first, f)
+            keep_one(*copies[0])  # the claim
         except FileExistsError:  # taken meanwhile by another run
             continue
-        shutil.copystat(*copies[0])
         for src, dst in copies[1:]:
-            shutil.copy2(src, dst)
+            keep_one(src, dst)
         return prev, [dst for _, dst in copies]
+
+
+def keep_one(src, dst):
+    """dst as a hard link to src, or (no links there) a copy made with O_EXCL that is removed if it fails part way;
+    FileExistsError if dst is taken; any other failure one ValueError line (files.os_error_line)."""
+    try:
+        os.link(src, dst)
+        return
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno in files.FULL or e.errno in files.DENIED and e.errno != errno.EPERM:
+            raise ValueError(files.os_error_line(e, dst)) from None
+    try:  # no hard links on this file system (EPERM, EXDEV, ENOTSUP...): a copy
+        with open(src, "rb") as first, open(dst, "xb") as f:  # "xb": the claim
+            try:
+                shutil.copyfileobj(first, f)
+            except BaseException:
+                f.close()
+                dst.unlink(missing_ok=True)
+                raise
+        shutil.copystat(src, dst)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        raise ValueError(files.os_error_line(e, dst)) from None
 
 
 # -----------------------------------------------------------------------------
@@ -583,3 +713,32 @@ def warn_memory(device):
     warning = memory_warning(peak_memory_gib(), cli.free_memory_gib("cpu")) if device == "cpu" else None
     if warning:
         cli.warn(warning)
+
+
+# -----------------------------------------------------------------------------
+# train.py's flags
+
+
+def parser(prog, doc, D, stages):
+    """train.py's flags, each a field of its TrainConfig D (whose values are the defaults the help names)."""
+    p = cli.Parser(prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                   argument_default=argparse.SUPPRESS)
+    a = p.add_argument
+    a("--config", metavar="JSON", help="a recipe: a JSON object of TrainConfig fields (research/configs/)")
+    a("--model", help="HF folder of the base model (default: weights/SmolLM2-135M-Instruct)")
+    a("--out", help=f"the run's folder: data.jsonl, samples, checkpoint, log (default {D.out})")
+    a("--adapter-out", help="the adapter, NAME.safetensors (default OUT/adapter.safetensors); one there is kept as NAME.prev")
+    a("--stage", choices=stages, help="data: build OUT's samples; train: train on them; all (default): both")
+    for flag, kind, what in [("--n-train", int, "training prompts"), ("--n-heldout", int, "held-out prompts"),
+                             ("--max-tokens", int, "longest prompt"), ("--max-new-tokens", int, "answer length cap"),
+                             ("--epochs", float, "passes over the rows"), ("--batch", int, "samples a step, all ranks"),
+                             ("--micro-batch", int, "samples a forward"), ("--lr", float, "peak learning rate"),
+                             ("--eval-every", int, "steps between checks"), ("--save-every", int, "steps between "
+                              "checkpoints"), ("--seed", int, "the seed")]:
+        a(flag, type=kind, help=f"{what} (default {getattr(D, flag[2:].replace('-', '_')):g})")
+    a("--targets", help="LoRA targets: all (default), none, or a comma list of q,k,v,o,gate,up,down _proj")
+    a("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    a("--max-minutes", type=float, help="stop after this long, data included (checkpoint + adapter saved)")
+    a("--device", help="cpu, cuda, cuda:1 (default: cuda if there is one)")
+    a("--dtype", choices=["float32", "bfloat16"], help="base model dtype (default: bfloat16 on CUDA, else float32)")
+    return p

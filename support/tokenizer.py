@@ -15,6 +15,13 @@ from pathlib import Path
 from weights.checks import read_json, redo, short_reason
 
 
+CONTROL = {  # each chat format's control tokens, as its template writes them
+    "chatml": ("<|im_start|>", "<|im_end|>", "<|endoftext|>"),
+    "llama3": ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+               "<|end_of_text|>"),
+}
+
+
 class Tokenizer:
     """tokenizer.json through the tokenizers library, the chat format its special tokens name, and the ids
     that stop decoding. cfg (a ModelConfig) if given: the tokenizer must fit its vocab_size."""
@@ -40,6 +47,8 @@ class Tokenizer:
             raise ValueError(f"{path / 'tokenizer.json'} makes token ids up to {max(vocab.values())} but "
                              f"{path / 'config.json'} says vocab_size {cfg.vocab_size}: the two files come from "
                              f"different models; use the tokenizer.json that came with the weights ({fix})")
+        if cfg is not None:
+            check_serves(path, vocab, cfg, configs, fix)
         if "<|im_start|>" in vocab:
             self.format = "chatml"  # SmolLM2, Qwen
             # a template that opens with a fixed system message (SmolLM2, Qwen2.5) uses it when
@@ -60,6 +69,12 @@ class Tokenizer:
             raise ValueError(f"stop token id {self.stop_ids[-1]} (config.json or generation_config.json's "
                              f"eos_token_id) is outside vocab_size {cfg.vocab_size} in {path}: {fix}")
         self.bos = "<|begin_of_text|>" if self.format == "llama3" else ""
+        # the chat template's own control tokens: a user's text that holds one is encoded as the control token
+        # itself (a turn ended, a role opened), said once (warn_control). The tokenizer's other special tokens
+        # (SmolLM2's <filename>, <jupyter_code>, ...) are no part of a chat's structure
+        specials = {t.content for t in self.tk.get_added_tokens_decoder().values() if t.special}
+        self.specials = [t for t in CONTROL.get(self.format, ()) if t in specials]
+        self.warned = set()
 
     def encode(self, text):
         return self.tk.encode(text, add_special_tokens=False).ids
@@ -67,8 +82,27 @@ class Tokenizer:
     def decode(self, ids):
         return self.tk.decode(list(ids), skip_special_tokens=False)
 
+    def control_text(self, text):
+        """The chat template's control tokens (<|im_end|>, <|eot_id|>, ...) that `text` holds."""
+        return [t for t in self.specials if t in text]
+
+    def warn_control(self, text):
+        """One `warning:` line when a user's text holds the template's control text, which encode() reads as the
+        control tokens themselves (the turn ends there, a role opens): said once per text, as chat() and
+        next_turn() wrap it (a chat's first turn is wrapped twice: checked, then answered)."""
+        found = self.control_text(text)
+        if not found or text in self.warned:
+            return
+        self.warned.add(text)
+        from support.cli import warn  # cli imports this file
+
+        warn(f"the message holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}, the chat template's "
+             f"control text: it is read as the control token itself (the turn ends or a role opens there), not as "
+             f"text; remove it if that is not meant")
+
     def chat(self, user, system=None):
         """The prompt text for one user turn, ready for the assistant's answer."""
+        self.warn_control(user)
         system = system if system is not None else self.default_system
         if self.format == "chatml":
             s = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
@@ -84,12 +118,58 @@ class Tokenizer:
         """The text that follows an assistant's answer: its end-of-turn token (decoding stops at a stop
         token without feeding it), then the next user turn, ready for the next answer. So
         chat(u1) + answer + next_turn(u2) is the template's own rendering of the conversation."""
+        self.warn_control(user)
         if self.format == "chatml":
             return f"<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
         if self.format == "llama3":
             h = lambda role: f"<|start_header_id|>{role}<|end_header_id|>\n\n"
             return "<|eot_id|>" + h("user") + user + "<|eot_id|>" + h("assistant")
         raise ValueError("this tokenizer has no chat format we know (ChatML or Llama-3): a conversation needs one")
+
+
+# A model's embedding may have more rows than its tokenizer has ids (Qwen2.5: 151936 for 151665 ids, padded to a
+# multiple the kernels like), never many more: a tokenizer this far short of vocab_size is another model's
+SPARE_IDS, SPARE_SHARE = 1024, 0.05
+
+
+def special_name(value):
+    """A special token as tokenizer_config.json writes it: a string, or {"content": "<|im_end|>", ...}; else None."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def check_serves(path, vocab, cfg, configs, fix):
+    """tokenizer.json against the model it claims to serve, before any weight loads: a tokenizer of another model
+    whose ids all fall below vocab_size encodes every prompt into other tokens, and the model answers nonsense with
+    exit 0. Two signs, each cheap and each true of every real checkpoint folder: (1) its size: ids far fewer than
+    config.json's vocab_size (more than SPARE_IDS and SPARE_SHARE of it unused); (2) its special tokens: the
+    eos_token and bos_token that tokenizer_config.json names must be in tokenizer.json, at the ids config.json and
+    generation_config.json give them (eos: any of their eos_token_id; bos: bos_token_id)."""
+    tok_file, n = path / "tokenizer.json", max(vocab.values(), default=-1) + 1
+    spare = cfg.vocab_size - n
+    if spare > SPARE_IDS and spare > SPARE_SHARE * cfg.vocab_size:
+        raise ValueError(f"{tok_file} has {n} token ids but {path / 'config.json'} says vocab_size {cfg.vocab_size}: "
+                         f"{spare} embedding rows no token would reach, so the tokenizer belongs to another model; "
+                         f"use the tokenizer.json that came with the weights ({fix})")
+    tc, gc = configs["tokenizer_config.json"], configs["generation_config.json"]
+    model = read_json(path / "config.json", fix) if (path / "config.json").is_file() else {}
+    eos_ids = set(cfg.eos_token_id) | set(generation_eos(gc, path, fix))
+    bos_id = model.get("bos_token_id")
+    bos_ids = {bos_id} if isinstance(bos_id, int) and not isinstance(bos_id, bool) else set()
+    for key, ids, where in (("eos_token", eos_ids, "eos_token_id in config.json or generation_config.json"),
+                            ("bos_token", bos_ids, "bos_token_id in config.json")):
+        name = special_name(tc.get(key))
+        if name is None or not ids:
+            continue
+        if name not in vocab:
+            raise ValueError(f"{tok_file} has no token {name!r}, the {key} of {path / 'tokenizer_config.json'}: the "
+                             f"tokenizer belongs to another model; use the tokenizer.json that came with the weights "
+                             f"({fix})")
+        if vocab[name] not in ids:
+            raise ValueError(f"{tok_file} gives {key} {name!r} the id {vocab[name]}, but {where} says "
+                             f"{', '.join(map(str, sorted(ids)))}: the tokenizer belongs to another model; use the "
+                             f"tokenizer.json that came with the weights ({fix})")
 
 
 def chat_template(tc, path, fix):

@@ -25,22 +25,28 @@ import pytest
 import torch
 
 from eviction import EvictConfig, compress, greedy, uniform_budgets
-from methods import make_scorer, parse_rule
+from methods import make_scorer
+from support.selection import adapter_selection, parse_rule
 
 RECORD = Path(__file__).parent / "data" / "behaviour_record.json"
 DECODE_RECORD = Path(__file__).parent / "data" / "behaviour_decode.json"
 
 
-def configs(C):
-    """The recorded configurations, in today's words."""
+def configs(C, adapter):
+    """The recorded configurations, in today's words. "lookahead_paper" is today's default, the paper's form
+    (max-pool 7, C in every layer), recorded 2026-12-06 when it became the default (issue 60). The other lookahead
+    rows were recorded when the adapter's .json selection applied by default: its per-layer budgets are now asked
+    for by name (generate.py --layer-budgets), and they keep their record under it."""
     out = {m: EvictConfig(m, C) for m in ["full", "streaming", "random", "snapkv", "pyramidkv", "h2o", "laq", "oracle"]}
-    # the adapter's rule then: span:8 with the exact surprisal (it now ships the shortlist gate, span:8:1024)
+    out["lookahead_paper"] = EvictConfig("lookahead", C)
+    layered = adapter_selection(adapter)[1]  # the shipped adapter's per-layer budgets
+    # the adapter's rule then: span:8 with the exact surprisal (it now recommends the shortlist gate, span:8:1024)
     exact = parse_rule("span:8")
-    out["lookahead"] = EvictConfig("lookahead", C, rule=exact)
-    out["lookahead_twopass"] = EvictConfig("lookahead", C, rule=exact, own=dict(one_pass=False))
+    out["lookahead"] = EvictConfig("lookahead", C, rule=exact, budgets=layered)
+    out["lookahead_twopass"] = EvictConfig("lookahead", C, rule=exact, options=dict(one_pass=False), budgets=layered)
     out["lookahead_uniform"] = EvictConfig("lookahead", C, budgets=uniform_budgets, rule=exact)
     for rule, name in [("none", "none1"), ("avg:5", "avg5"), ("max:7", "max7"), ("span:4", "span4")]:
-        out[f"lookahead_{name}"] = EvictConfig("lookahead", C, rule=parse_rule(rule))
+        out[f"lookahead_{name}"] = EvictConfig("lookahead", C, rule=parse_rule(rule), budgets=layered)
     out["snapkv_max7"] = EvictConfig("snapkv", C, rule=parse_rule("max:7"))
     out["snapkv_span8"] = EvictConfig("snapkv", C, rule=parse_rule("span:8"))
     out["h2o_none"] = EvictConfig("h2o", C, rule=parse_rule("none"))
@@ -69,7 +75,7 @@ def test_every_method_keeps_what_it_kept_before_the_restructure(real_model, need
     full = compress(model, ids, make_scorer(EvictConfig("full")))
     response = torch.tensor([greedy(model, *full[:3], 12, tok.stop_ids)[0]])
     assert response[0].tolist() == record["response"]
-    todo = configs(record["budget"])
+    todo = configs(record["budget"], adapter)
     assert set(todo) == set(record["configs"])
     for name, eviction in todo.items():
         want = record["configs"][name]
@@ -88,10 +94,15 @@ def test_every_method_keeps_what_it_kept_before_the_restructure(real_model, need
 TURNS = ["Where is the blue lighthouse? Answer in one sentence.", "And what number did I ask about?"]
 # generate.py runs: the cache evicted to 40 after the prefill and held there while decoding (an eviction every 8 tokens, the last
 # 16 slots kept), and a two-turn chat at --budget 64, for every method with a decode-phase form
+# (lookahead: as its adapter's .json recommends, the default when the record was written; "_paper": today's default)
 DECODE_RUNS = {f"decode_{m}": ["--method", m, "--budget", "40", "--decode-budget", "40", "--every", "8", "--window",
                                "16", "--max-new-tokens", "32"] for m in ["streaming", "snapkv", "h2o", "lookahead"]}
-DECODE_RUNS["decode_lookahead_uniform"] = DECODE_RUNS["decode_lookahead"] + ["--uniform-budgets"]
+DECODE_RUNS["decode_lookahead_paper"] = list(DECODE_RUNS["decode_lookahead"])
+DECODE_RUNS["decode_lookahead_uniform"] = DECODE_RUNS["decode_lookahead"] + ["--pool", "span:8:1024", "--uniform-budgets"]
+DECODE_RUNS["decode_lookahead"] += ["--pool", "span:8:1024", "--layer-budgets"]
 DECODE_RUNS.update({f"chat_{m}": ["--method", m, "--budget", "64", "--max-new-tokens", "20"] for m in ["snapkv", "lookahead"]})
+DECODE_RUNS["chat_lookahead_paper"] = list(DECODE_RUNS["chat_lookahead"])
+DECODE_RUNS["chat_lookahead"] += ["--pool", "span:8:1024", "--layer-budgets"]
 KEPT_FIELDS = ("text", "answer_ids", "decode_evictions", "peak_slots", "kv_bytes_end", "cache_before", "kept")
 
 

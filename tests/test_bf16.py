@@ -27,13 +27,16 @@ import torch.nn.functional as F
 
 import lookaheadkv as lk
 import train
-from eviction import EvictConfig, prefill_and_score
+from eviction import EvictConfig, Pool, prefill_and_score
 from extensions.span import SpanRule, token_surprisal
 from lookaheadkv import LookaheadModule, lookahead_pass
 from methods import make_scorer
 from test_lookaheadkv import compress_by, rand_ids, random_module, tiny_model
 
 BF16 = torch.bfloat16
+
+
+NONE = Pool("none")  # lookahead unpooled: see models()
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +46,7 @@ def models():
     with torch.no_grad():
         m32 = tiny_model(num_hidden_layers=3)
         module = random_module(m32.config, 8, LookaheadModule.TARGETS)
-    module.info["rule"] = "none"  # as an adapter's .json names it: make_scorer applies it
-    # lookahead selects unpooled here. These tests compare scores and top-C under rounding: LookaheadKV's
+    # lookahead selects unpooled here (NONE, passed by name). These tests compare scores and top-C under rounding: LookaheadKV's
     # default max-pooling (the paper's form) makes plateaus of equal scores, whose margins are 0; and random
     # tokens are mostly unpredictable, so the span rule (the shipped one) would share scores across whole runs
     # and leave no clear margin either: its bf16 path has a test of its own below
@@ -166,15 +168,15 @@ def test_one_pass_equals_two_pass_in_bf16(models):
     ids = rand_ids(1, 48, seed=5)
     run = {}
     for name, model, one_pass in (("fp32", m32, True), ("one", m16, True), ("two", m16, False)):
-        ec = EvictConfig("lookahead", budget=12, chunk_size=16, own=dict(one_pass=one_pass))
+        ec = EvictConfig("lookahead", budget=12, chunk_size=16, options=dict(one_pass=one_pass), rule=NONE)
         run[name] = prefill_and_score(model, ids, make_scorer(ec, module))
     bf16_err = (run["one"].scores - run["fp32"].scores).abs().max()
     assert 0 < bf16_err < 0.08 * run["fp32"].scores.max()  # the model did run in bf16, and not far off
     assert (run["one"].scores - run["two"].scores).abs().max() <= bf16_err
-    one, two = (compress_by(m16, ids, EvictConfig("lookahead", budget=12, chunk_size=16, own=dict(one_pass=p)), module=module)
-                for p in (True, False))
+    one, two = (compress_by(m16, ids, EvictConfig("lookahead", budget=12, chunk_size=16, options=dict(one_pass=p),
+                                                  rule=NONE), module=module) for p in (True, False))
     assert torch.allclose(one[1].float(), two[1].float(), atol=0.05)  # first-token logits: bf16 rounding apart
-    assert_same_kept_where_clear(run["fp32"], run["one"], module, EvictConfig("lookahead", budget=12),
+    assert_same_kept_where_clear(run["fp32"], run["one"], module, EvictConfig("lookahead", budget=12, rule=NONE),
                                  [kept_of(one), kept_of(two)], min_clear=1)
 
 
@@ -214,7 +216,7 @@ def test_eviction_keeps_fp32_slots_where_margins_are_clear(models, method):
     ids = rand_ids(1, 48, seed=5)
     n_clear = 0
     for C in (4, 8, 12):
-        ec = EvictConfig(method, budget=C, window=2, chunk_size=16)
+        ec = EvictConfig(method, budget=C, window=2, chunk_size=16, rule=NONE if method == "lookahead" else None)
         r32, r16 = (prefill_and_score(m, ids, make_scorer(ec, module)) for m in (m32, m16))
         res16 = compress_by(m16, ids, ec, module=module)
         assert res16[0].k[0].dtype == BF16

@@ -28,7 +28,7 @@ import model
 from support import tokenizer
 import train
 from extensions import chat
-from extensions.decode import DECODE_METHODS
+
 from weights import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,8 +44,8 @@ def one_line(message, *needles):
 
 
 def check_flags(argv):
-    """generate.py's checks of its flags alone (support/generate_checks.py), with generate.py's method builder."""
-    generate_checks.check_flags(generate_py.get_args(argv), generate_py.build, DECODE_METHODS)
+    """generate.py's checks of its flags alone (support/generate_checks.py)."""
+    generate_checks.check_flags(generate_checks.get_args(argv))
 
 
 def error_of(main, *argv):

@@ -206,8 +206,7 @@ def test_an_adapter_with_the_span_rule_selects_unpooled_while_decoding():
     """The span rule reads the prefill's hidden states, which generated tokens do not leave: decode-phase
     eviction with such an adapter selects unpooled (its window kept) instead of failing mid-answer."""
     model, mod, ids, _, _, _ = setup("lookahead")
-    mod.info["rule"] = "span:8"
-    scorer = make_scorer(EvictConfig("lookahead", C, window=W), mod)
+    scorer = make_scorer(EvictConfig("lookahead", C, window=W, rule=SpanRule(8)), mod)
     assert isinstance(scorer.rule, SpanRule)  # the prefill's eviction uses it
     cache, logits, pos, _ = ev_.compress(model, ids, scorer)
     ev = DecodeEviction(scorer, N, W)
@@ -556,7 +555,7 @@ print("ok")
 
 
 def test_the_rest_runs_without_the_chat(chat_model, tmp_path, monkeypatch):
-    """Deleting extensions/chat.py (and the lines that name it in generate.py) leaves every other feature
+    """Deleting extensions/chat.py (and the lines that name it in support/generate_checks.py) leaves every other feature
     working: no other file imports it, and generate.py answers a prompt, its cache held to --decode-budget
     (extensions/decode.py, which the chat builds on), without calling it (the cheap form of the check)."""
     from pathlib import Path
@@ -567,9 +566,10 @@ def test_the_rest_runs_without_the_chat(chat_model, tmp_path, monkeypatch):
     files = [*root.glob("*.py"), *root.glob("extensions/*.py"), *root.glob("support/*.py"), *root.glob("research/**/*.py"), *root.glob("weights/*.py")]
     naming = {p.name for p in files if p.name != "chat.py" and ("extensions.chat" in p.read_text()
                                                                    or "extensions import chat" in p.read_text())}
-    assert naming == {"generate.py"}, naming
-    for name in ("chat_loop", "turns_of"):
-        monkeypatch.setattr(generate, name, lambda *a, **k: pytest.fail("the chat was called"))
+    assert naming == {"generate_checks.py"}, naming  # where --turns asks for it
+    from extensions import chat
+    for name in ("chat_loop", "turns_of", "checked"):
+        monkeypatch.setattr(chat, name, lambda *a, **k: pytest.fail("the chat was called"))
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(words(60, 8))
     stats = generate.main(["--prompt", str(prompt), "--model", str(chat_model), "--device", "cpu", "--json",

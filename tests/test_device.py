@@ -81,6 +81,7 @@ from extensions.layer_budgets import LayerBudgets
 from extensions.span import SpanRule
 from lookaheadkv import LookaheadModule, lookahead_pass
 from methods import METHODS, make_scorer
+from support.selection import adapter_selection
 from model import KVCache, ModelConfig, Transformer
 from test_lookaheadkv import compress_by, settings
 
@@ -306,7 +307,7 @@ def test_compress_every_method_then_decode(method, check):
     if method == "oracle":
         kw["response"] = ids_on(2, 5, seed=3)
     for one_pass in (True, False) if method == "lookahead" else (True,):
-        ec = EvictConfig(method, budget=16, window=4, chunk_size=16, own=settings(method, one_pass, 3))
+        ec = EvictConfig(method, budget=16, window=4, chunk_size=16, options=settings(method, one_pass, 3))
         cache, logits, next_pos = compress_by(model, ids, ec, pad_mask=mask, **kw)[:3]
         on_device(logits, next_pos)
         assert_cache_on_device(cache)
@@ -321,12 +322,12 @@ def test_compress_every_method_then_decode(method, check):
 def test_span_rule_and_layer_budgets(method, check):
     """The ideas beyond the paper on the device: the span rule (the prefill's hidden states kept chunk by
     chunk, the LM head on the candidate tokens, span_scores) with per-layer budgets, on a left-padded batch
-    prefilled in chunks of 16; the adapter's own rule and weights (module.info) for lookahead."""
+    prefilled in chunks of 16; for lookahead, the rule and weights its .json recommends, asked for by name."""
     model = device_model()
     module = device_module(model.config)
     module.info = dict(rule="span:8", layer_weights=[0.5, 1.5])
     ids, mask = left_padded([40, 33])
-    rule, budgets = (SpanRule(8), LayerBudgets([0.5, 1.5])) if method == "snapkv" else (None, None)
+    rule, budgets = (SpanRule(8), LayerBudgets([0.5, 1.5])) if method == "snapkv" else adapter_selection(module)
     scorer = make_scorer(EvictConfig(method, budget=16, window=4, chunk_size=16, rule=rule, budgets=budgets), module)
     assert isinstance(scorer.rule, SpanRule)
     cache, logits, next_pos, kept = ev.compress(model, ids, scorer, pad_mask=mask)
@@ -497,7 +498,7 @@ PLANTS = {  # the function whose torch.arange loses its device -> a path that ru
     "group_attention": (lambda: ev.group_attention, _compress("snapkv")),  # the window queries' causal mask
     "protect": (lambda: ev.Scorer.protect, _compress("snapkv")),  # the protected window
     "score": (lambda: type(make_scorer(EvictConfig("streaming", 12))).score, _compress("streaming")),  # recency
-    "lookahead_pass": (lambda: lk.lookahead_pass, _compress("lookahead", own=dict(one_pass=False))),  # two-pass positions
+    "lookahead_pass": (lambda: lk.lookahead_pass, _compress("lookahead", options=dict(one_pass=False))),  # two-pass positions
     "evict": (lambda: DecodeEviction.evict, _decode_evicting),  # the decode-phase slot order / window
 }
 

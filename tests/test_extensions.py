@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import methods
+from support import selection
 from baselines import WindowHook
 from eviction import EvictConfig, Pool, compress, decode, prefill_and_score, select, uniform_budgets
 from extensions.decode import DecodeEviction
@@ -136,7 +137,7 @@ def test_span_rule_hand_values():
     assert torch.allclose(stacked, torch.tensor(p).expand(2, 1, 3, 7))
     with pytest.raises(ValueError, match="span width 0 must be >= 1"):
         SpanRule(0)
-    assert repr(methods.parse_rule("span:4")) == "span:4" and methods.parse_rule("span:4").kernel == 4
+    assert repr(selection.parse_rule("span:4")) == "span:4" and selection.parse_rule("span:4").kernel == 4
 
 
 def test_token_surprisal_is_the_models_own_next_token_loss():
@@ -160,8 +161,7 @@ def test_token_surprisal_is_the_models_own_next_token_loss():
     assert torch.allclose(some[where], got[where], atol=1e-6)
     # in the prefill (chunked, the lookahead rows riding along): the prompt rows' hidden states
     mod = random_module(model.config)
-    mod.info["rule"] = "span:4"
-    ec = EvictConfig("lookahead", budget=12, chunk_size=16)
+    ec = EvictConfig("lookahead", budget=12, chunk_size=16, rule=SpanRule(4))
     run = prefill_and_score(model, ids, make_scorer(ec, mod))
     assert torch.allclose(run.hook.states.states(), cap.h, atol=1e-5)
     scorer = make_scorer(ec, mod)
@@ -198,10 +198,10 @@ def test_the_shortlist_gate_is_a_lower_bound_and_exact_with_the_whole_vocabulary
         rule = SpanRule(4, first)
         got = make_scorer(EvictConfig("lookahead", rule=rule, **ec), mod).evict(run.scores, run)
         assert all(torch.equal(a, b) for a, b in zip(got, want)) == same, first
-    assert repr(methods.parse_rule("span:8:1024")) == "span:8:1024" and methods.parse_rule("span:8:1024").first == 1024
+    assert repr(selection.parse_rule("span:8:1024")) == "span:8:1024" and selection.parse_rule("span:8:1024").first == 1024
     for bad in ("avg:5:3", "span:8:x", "span:8:0"):
         with pytest.raises(ValueError, match="span|selection rule"):
-            methods.parse_rule(bad)
+            selection.parse_rule(bad)
 
 
 def test_a_span_wider_than_the_prompt_smooths_as_the_prompt_wide_one(monkeypatch):
@@ -311,10 +311,11 @@ def test_layer_budgets_refuse_a_wrong_number_of_layers():
                                                         budgets=LayerBudgets((1.0, 2.0))))
 
 
-def test_adapter_rule_and_layer_weights_ride_in_its_json_and_make_scorer_applies_them(tmp_path):
-    """An adapter's selection rule and per-layer weights (mean 1) travel in its .json (module.info);
-    methods.make_scorer applies them to lookahead; EvictConfig(budgets=uniform_budgets) keeps C in every
-    layer as the paper does, and an explicit rule replaces the adapter's; SnapKV can be given the weights."""
+def test_adapter_rule_and_layer_weights_ride_in_its_json_and_apply_only_when_asked(tmp_path):
+    """An adapter's recommended selection rule and per-layer weights (mean 1) travel in its .json (module.info);
+    methods.make_scorer never applies them unasked (the default is the paper's form: max-pool 7, C in every
+    layer); support.selection.adapter_selection reads them for a flag that asks (generate.py --pool,
+    --layer-budgets); SnapKV can be given the weights."""
     model = tiny_model(num_hidden_layers=3)
     cfg = model.config
     S, C = 60, 12
@@ -324,16 +325,18 @@ def test_adapter_rule_and_layer_weights_ride_in_its_json_and_make_scorer_applies
     mod.save(path)
     back = methods.load_adapter(path, cfg)
     assert back.info == dict(rule="span:4", layer_weights=[0.5, 2.0, 0.5])
-    scorer = make_scorer(EvictConfig("lookahead", budget=C), back)
+    paper = make_scorer(EvictConfig("lookahead", budget=C), back)
+    assert repr(paper.rule) == "max:7" and paper.layer_budgets(3, S) == [C] * 3
+    rule, budgets = selection.adapter_selection(back)
+    scorer = make_scorer(EvictConfig("lookahead", budget=C, rule=rule, budgets=budgets), back)
     assert repr(scorer.rule) == "span:4" and isinstance(scorer.eviction.budgets, LayerBudgets)
     ids = rand_ids(1, S, seed=4)
     kept = compress(model, ids, scorer)[3]
     assert [k.shape[-1] for k in kept] == [6, 24, 6]
-    flat = compress_by(model, ids, EvictConfig("lookahead", budget=C, budgets=uniform_budgets), module=back)[3]
+    flat = compress_by(model, ids, EvictConfig("lookahead", budget=C), module=back)[3]
     assert [k.shape[-1] for k in flat] == [C] * 3
-    assert repr(make_scorer(EvictConfig("lookahead", budget=C, budgets=uniform_budgets), back).rule) == "span:4"
-    # an explicit rule replaces the adapter's, its budgets stay
-    none = make_scorer(EvictConfig("lookahead", budget=C, rule=Pool("none")), back)
+    # another rule with the adapter's budgets
+    none = make_scorer(EvictConfig("lookahead", budget=C, rule=Pool("none"), budgets=budgets), back)
     assert repr(none.rule) == "none" and none.layer_budgets(3, S) == [6, 24, 6]
     # the budgets change how many slots, not the order: each layer's kept set nests in the larger one's
     a = compress(model, ids, none)[3]
@@ -345,9 +348,6 @@ def test_adapter_rule_and_layer_weights_ride_in_its_json_and_make_scorer_applies
     assert [k.shape[-1] for k in compress_by(model, ids, snap)[3]] == [6, 24, 6]
     # other methods ignore the adapter's selection
     assert repr(make_scorer(EvictConfig("snapkv", budget=C, window=4), back).rule) == "avg:5"
-    # an untrained module selecting like the adapter (harness: "same rule")
-    like = methods.selecting_like(LookaheadModule(cfg, n_tokens=4), back)
-    assert like.info == back.info
 
 
 @pytest.mark.parametrize("info, said", [(dict(rule="chunk:4"), "selection rule 'chunk:4'"),
@@ -492,9 +492,10 @@ def test_selection_of_names_the_rule_and_the_budget_policy():
     cfg = tiny_model().config
     shipped = LookaheadModule(cfg, n_tokens=4)
     shipped.info.update(rule="span:8:1024", layer_weights=[1.0] * cfg.num_hidden_layers)
-    assert selection_of(make_scorer(EvictConfig("lookahead", 16), shipped)) == ("span:8:1024", "per-layer budgets")
-    paper = make_scorer(EvictConfig("lookahead", 16, rule=Pool("max", 7), budgets=uniform_budgets), shipped)
-    assert selection_of(paper) == ("max:7", "C in every layer")
+    assert selection_of(make_scorer(EvictConfig("lookahead", 16), shipped)) == ("max:7", "C in every layer")
+    rule, budgets = selection.adapter_selection(shipped)
+    as_recommended = make_scorer(EvictConfig("lookahead", 16, rule=rule, budgets=budgets), shipped)
+    assert selection_of(as_recommended) == ("span:8:1024", "per-layer budgets")
     assert selection_of(make_scorer(EvictConfig("pyramidkv", 16, window=4))) == ("avg:5", "pyramid budgets")
     assert selection_of(make_scorer(EvictConfig("snapkv", 16, window=4, budgets=LB([1, 3])))) == ("avg:5", "per-layer budgets")
     assert selection_of(make_scorer(EvictConfig("full"))) == ("none", "nothing evicted")

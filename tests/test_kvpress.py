@@ -163,7 +163,7 @@ def test_pyramidkv_selects_like_kvpress_given_its_budgets(tiny):
     theirs = run_press(sdpa, ids, press)
     sizes = [x.shape[-1] for x in theirs]
     assert sizes == [press.get_layer_budget(layer.self_attn, S) for layer in sdpa.model.layers] == [96, 75, 53, 32]
-    [mine] = ours(model, ids, C, [("pyramidkv", {"budgets": lambda *a, **k: sizes, "own": {"beta": 2}})])
+    [mine] = ours(model, ids, C, [("pyramidkv", {"budgets": lambda *a, **k: sizes, "options": {"beta": 2}})])
     assert all(torch.equal(x, y) for x, y in zip(mine, theirs))
 
 
@@ -181,7 +181,7 @@ def test_pyramidkv_budgets_follow_kvcache_factory_not_kvpress(tiny):
     for beta, theirs_sizes, our_sizes, expect in [(20, [64] * 4, [95, 74, 54, 33], 0.724),
                                                   (2, [96, 75, 53, 32], [80, 69, 59, 48], 0.842)]:
         theirs = run_press(sdpa, ids, PyramidKVPress(compression_ratio=ratio(S, C), window_size=W, beta=beta))
-        snap, mine = ours(model, ids, C, ["snapkv", ("pyramidkv", {"own": {"beta": beta}})])
+        snap, mine = ours(model, ids, C, ["snapkv", ("pyramidkv", {"options": {"beta": beta}})])
         assert [x.shape[-1] for x in theirs] == theirs_sizes and [x.shape[-1] for x in mine] == our_sizes
         assert sum(our_sizes) == sum(theirs_sizes) == 4 * C
         if beta == 20:  # kvpress's fallback is SnapKV itself

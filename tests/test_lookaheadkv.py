@@ -19,6 +19,7 @@ import baselines
 import eviction as ev
 import lookaheadkv as lk
 import methods
+from support import selection
 from support import metrics
 from baselines import H2OHook, WindowHook
 from eviction import EvictConfig, Pool, compress, decode, select, stack_layers
@@ -118,7 +119,7 @@ class Capture(Hook):
 
 
 def settings(method, one_pass=True, draft_tokens=4):
-    """EvictConfig.own for a test's method: lookahead's pass, LAQ's draft length; the others have none here."""
+    """EvictConfig.options for a test's method: lookahead's pass, LAQ's draft length; the others have none here."""
     return {"lookahead": dict(one_pass=one_pass), "laq": dict(draft_tokens=draft_tokens)}.get(method, {})
 
 
@@ -137,7 +138,7 @@ def test_every_method_keeps_min_S_C_per_head_and_decodes(method):
     cfg = model.config
     S, C, W = 48, 24, 8
     ids = rand_ids(1, S)
-    ec = EvictConfig(method, budget=C, window=W, own=dict(draft_tokens=4) if method == "laq" else {})
+    ec = EvictConfig(method, budget=C, window=W, options=dict(draft_tokens=4) if method == "laq" else {})
     full, full_logits, full_pos, _ = compress_by(model, ids, EvictConfig("full"))
     torch.manual_seed(0)
     cache, logits, next_pos, kept = compress_by(model, ids, ec, **method_kwargs(method, cfg))
@@ -231,29 +232,29 @@ def test_select_never_prefers_padding():
     ("pyramidkv", dict(budget=4, window=8), "too small for pyramidkv"),
     ("h2o", dict(budget=8, window=8), "too small for h2o"),
     ("laq", dict(budget=8, window=8), "too small for laq"),
-    ("streaming", dict(budget=4, own=dict(n_sink=4)), "too small for streaming"),
+    ("streaming", dict(budget=4, options=dict(n_sink=4)), "too small for streaming"),
 ])
 def test_budget_below_protected_tokens_is_refused(method, kw, msg):
     model = tiny_model()
     with pytest.raises(ValueError, match=msg):
         compress_by(model, rand_ids(1, 40), EvictConfig(method, **kw))
     # one slot more than the protected tokens is fine
-    b = kw.get("window", kw.get("own", {}).get("n_sink")) + 1
+    b = kw.get("window", kw.get("options", {}).get("n_sink")) + 1
     cache, *_ = compress_by(model, rand_ids(1, 40), EvictConfig(method, **{**kw, "budget": b}))
     assert cache.k[-1].shape[2] <= b
 
 
 def test_each_method_takes_its_own_settings_only():
-    """A method's own options live with its class (Scorer.default_options); EvictConfig.own sets them by
+    """A method's own options live with its class (Scorer.default_options); EvictConfig.options sets them by
     name, and an option the method does not have is refused, not silently ignored."""
     assert methods.METHODS["streaming"].default_options == dict(n_sink=4)
     assert methods.METHODS["snapkv"].default_options == {}
-    assert methods.make_scorer(EvictConfig("streaming", 16, own=dict(n_sink=2))).sinks == 2
+    assert methods.make_scorer(EvictConfig("streaming", 16, options=dict(n_sink=2))).sinks == 2
     assert methods.make_scorer(EvictConfig("laq", 40)).options == dict(draft_tokens=8)  # the default
     with pytest.raises(ValueError, match="method snapkv has no setting n_sink; its own: none"):
-        methods.make_scorer(EvictConfig("snapkv", 64, own=dict(n_sink=4)))
+        methods.make_scorer(EvictConfig("snapkv", 64, options=dict(n_sink=4)))
     with pytest.raises(ValueError, match="method pyramidkv has no setting one_pass; its own: beta"):
-        methods.make_scorer(EvictConfig("pyramidkv", 64, own=dict(one_pass=False)))
+        methods.make_scorer(EvictConfig("pyramidkv", 64, options=dict(one_pass=False)))
 
 
 def test_missing_inputs_are_refused():
@@ -331,7 +332,7 @@ def test_two_pass_equals_one_masked_pass(targets):
     # the same through compress: one_pass=True vs the two-pass reference
     res = {}
     for one_pass in (True, False):
-        res[one_pass] = compress_by(model, ids, EvictConfig("lookahead", budget=C, own=dict(one_pass=one_pass)), module=mod)
+        res[one_pass] = compress_by(model, ids, EvictConfig("lookahead", budget=C, options=dict(one_pass=one_pass)), module=mod)
     (c1, l1, p1, k1), (c2, l2, p2, k2) = res[True], res[False]
     assert torch.allclose(l1, l2, atol=ATOL) and torch.equal(p1, p2)
     assert all(torch.equal(a, b) for a, b in zip(k1, k2))
@@ -550,7 +551,7 @@ def test_the_defaults_are_the_shipped_configuration():
     assert got == {k: shipped[k] for k in got}
     # how it selects rides in module.info (methods.make_scorer applies it): the shipped rule parses,
     # its per-layer weights are one per layer of SmolLM2-135M (30)
-    assert repr(methods.parse_rule(shipped["rule"])) == shipped["rule"]
+    assert repr(selection.parse_rule(shipped["rule"])) == shipped["rule"]
     assert len(shipped["layer_weights"]) == 30 and mod.info == {}
     assert len([n for n, _ in mod.named_parameters() if n.endswith("_B")]) == 7 * model.config.num_hidden_layers
     # float32 whatever the model's dtype (the module trains in float32)
@@ -732,7 +733,7 @@ def test_chunked_prefill_changes_nothing(method, extra):
         kw["module"] = random_module(model.config, 8)
     if method == "oracle":
         kw["response"] = rand_ids(1, 5, seed=14)
-    base = dict(budget=20, window=8, own=dict(draft_tokens=4) if method == "laq" else extra)
+    base = dict(budget=20, window=8, options=dict(draft_tokens=4) if method == "laq" else extra)
     _same_compress_by(model, ids, EvictConfig(method, **base), EvictConfig(method, chunk_size=16, **base), **kw)
 
 
@@ -935,7 +936,7 @@ def test_inference_never_builds_an_S_by_S_tensor(method, monkeypatch):
     if method == "lookahead":
         kw["module"] = random_module(model.config, 8)
     for one_pass in ((True, False) if method == "lookahead" else (True,)):
-        ec = EvictConfig(method, budget=32, window=8, chunk_size=chunk, own=settings(method, one_pass, 4))
+        ec = EvictConfig(method, budget=32, window=8, chunk_size=chunk, options=settings(method, one_pass, 4))
         with Shapes() as rec:
             cache, logits, next_pos, _ = compress_by(model, ids, ec, **kw)
             for _ in decode(model, cache, logits, next_pos, 3):
@@ -957,15 +958,15 @@ def test_even_or_non_positive_pooling_width_is_refused(kernel):
         Pool("max", kernel)
     # as text (--pool, an adapter's "rule"): an even width says so, a negative one is no width at all
     with pytest.raises(ValueError, match="must be odd" if kernel >= 0 else "selection rule 'avg:-1'"):
-        methods.parse_rule(f"avg:{kernel}")
+        selection.parse_rule(f"avg:{kernel}")
 
 
 def test_rules_parse_from_text_and_unknown_ones_are_refused():
-    assert [repr(methods.parse_rule(t)) for t in ("none", "avg:5", "max:7", "avg", "max", "span:8", "span")] == [
+    assert [repr(selection.parse_rule(t)) for t in ("none", "avg:5", "max:7", "avg", "max", "span:8", "span")] == [
         "none", "avg:5", "max:7", "avg:5", "max:7", "span:8", "span:8"]
     for bad in ("sum:3", "chunk:4", "carry:3", "none:3", "avg:x", ""):
         with pytest.raises(ValueError, match="selection rule"):
-            methods.parse_rule(bad)
+            selection.parse_rule(bad)
     with pytest.raises(ValueError, match="unknown pooling 'sum'"):
         Pool("sum", 3)
 
@@ -1015,7 +1016,7 @@ def test_laq_pools_its_final_rescores(monkeypatch):
     seen = {}
     real = baselines.laq_scores
     monkeypatch.setattr(baselines, "laq_scores", lambda *a: seen.setdefault("s", real(*a)))
-    _, _, _, kept = compress_by(model, ids, EvictConfig("laq", budget=C, window=W, rule=Pool("avg", 5), own=dict(draft_tokens=4)))
+    _, _, _, kept = compress_by(model, ids, EvictConfig("laq", budget=C, window=W, rule=Pool("avg", 5), options=dict(draft_tokens=4)))
     win = (torch.arange(S) >= S - W)[None, None]
     pooled = select(Pool("avg", 5).smooth(stack_layers(seen["s"]), W), C, protect=win)
     unpooled = select(stack_layers(seen["s"]), C, protect=win)
@@ -1065,7 +1066,7 @@ def test_adapter_json_keys_beyond_the_modules_shape_are_kept_unread(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(meta))
     module = methods.load_adapter(tmp_path / "a.safetensors", cfg)
     assert module.info == dict(note="a person's words", train_data=dict(n_train=3))
-    assert methods.adapter_selection(module) == (None, None)  # nothing of it selects
+    assert selection.adapter_selection(module) == (None, None)  # nothing of it selects
     module.save(tmp_path / "b.safetensors")
     assert json.loads((tmp_path / "b.json").read_text()) == meta
 

@@ -88,7 +88,7 @@ def test_one_pass_and_two_pass_keep_the_same_tokens():
     ids = torch.tensor([tok.encode(tok.chat(text))])
     with torch.no_grad():
         runs = [compress(model, ids, make_scorer(EvictConfig("lookahead", budget=128, chunk_size=256,
-                                                             own=dict(one_pass=one_pass)), module))
+                                                             options=dict(one_pass=one_pass)), module))
                 for one_pass in (True, False)]
     (c1, logits1, _, kept1), (c2, logits2, _, kept2) = runs
     assert ids.shape[1] > 3 * 256  # four chunks

@@ -23,6 +23,7 @@ from support import cli
 from support import data, recipe
 import lookaheadkv as lk
 import methods
+from support import selection
 import train
 from baselines import full_answer
 from eviction import EvictConfig, prefill_and_score
@@ -299,7 +300,7 @@ def test_resume_equals_uninterrupted_run(model_dir, tmp_path, stub_prompts, monk
         write_data(out, model_dir)
     train.main(argv(model_dir, a))  # 4 steps straight (4 samples / batch 2 x 2 epochs)
     meta_a = json.loads((a / "adapter.json").read_text())
-    assert meta_a["steps"] == 4 and meta_a["rule"] == "span:8:1024"
+    assert meta_a["steps"] == 4 and "rule" not in meta_a  # nothing recommended beyond the paper's form
 
     # run B: checkpoint every step, killed right after step 2's checkpoint
     orig_save = recipe.save_checkpoint
@@ -506,7 +507,7 @@ def own_checkpoint(model_dir, out, *flags, **recipe):
     training; (its path, its bytes)."""
     cfg = train.get_args(argv(model_dir, out, *flags, **recipe))
     (out / "ckpt.pt").unlink(missing_ok=True)
-    train.Pieces().check(cfg)
+    train.Recipe(cfg).check()
     module = LookaheadModule(ModelConfig.from_hf_config(model_dir), n_tokens=cfg.n_tokens, rank=cfg.rank,
                              alpha=cfg.alpha, targets=train.recipe.parse_targets(cfg.targets))
     train.recipe.save_checkpoint(out / "ckpt.pt", module, torch.optim.AdamW(module.parameters()), 1, [],
@@ -519,7 +520,7 @@ def own_checkpoint(model_dir, out, *flags, **recipe):
     (["--n-train", "8"], {}, "--n-train 6 (this run: 8)"),  # resumed without a word, after answering 2 more prompts
     (["--dtype", "bfloat16"], {}, '--dtype "float32" (this run: "bfloat16")'),  # a step, then a traceback
     ([], dict(warmup=0.5), "warmup 0.25 (this run: 0.5)"),  # a recipe key without a flag: named as the key
-    ([], dict(rule="max:7"), 'rule "span:8:1024" (this run: "max:7")'),
+    ([], dict(rule="max:7"), 'rule null (this run: "max:7")'),
 ], ids=["micro-batch", "n-train", "dtype", "recipe-key", "rule"])
 def test_resume_with_any_other_setting_is_refused_naming_it(model_dir, tmp_path, monkeypatch, flags, recipe, says):
     """Issue 53: the checkpoint records every setting that defines the run (recipe.resume_keys(train.TrainConfig)); --resume with one
@@ -573,7 +574,7 @@ def test_out_holding_another_runs_checkpoint_is_refused_without_resume(model_dir
     assert "holds another run's checkpoint" in error_line(e) and "cannot read as a checkpoint" in error_line(e)
     assert path.read_bytes() == b"not a checkpoint" and not (out / "log.jsonl").exists()
     own_checkpoint(model_dir, out)  # this run's own: checked, and started over (None: nothing to resume)
-    assert train.Pieces().check(train.get_args(argv(model_dir, out)))[-1] is None
+    assert train.Recipe(train.get_args(argv(model_dir, out))).check().ckpt is None
 
 
 def test_adapter_backups_never_replace_an_earlier_one(model_dir, tmp_path, capsys):
@@ -617,7 +618,7 @@ def test_an_adapter_out_that_cannot_be_written_stops_before_the_model_loads(mode
 
 def test_a_rule_wider_than_the_context_stops_before_the_model_loads(model_dir, tmp_path, monkeypatch):
     """Issue 53: "rule": "max:99999999999" passed the checks and hung at the first held-out check (a pooling window
-    that wide). The recipe's rule is read by methods.parse_rule with the model's context."""
+    that wide). The recipe's rule is read by selection.parse_rule with the model's context."""
     out = tmp_path / "o"
     write_data(out, model_dir)
     monkeypatch.setattr(cli_load_guard(), "load", no_model)
@@ -628,7 +629,7 @@ def test_a_rule_wider_than_the_context_stops_before_the_model_loads(model_dir, t
         assert error_line(e).startswith(f"error: rule '{rule}' (the recipe's selection rule): ") and says in \
             error_line(e), rule
     cfg = ModelConfig.from_hf_config(model_dir)
-    recipe.check_rule("span:512", cfg, methods.parse_rule), recipe.check_rule("max:511", cfg, methods.parse_rule)  # within TinyLlama's 512: taken
+    recipe.check_rule("span:512", cfg, selection.parse_rule), recipe.check_rule("max:511", cfg, selection.parse_rule)  # within TinyLlama's 512: taken
 
 
 def test_a_truncated_sample_is_named_deleted_and_rebuilt(model_dir, tmp_path, stub_prompts):

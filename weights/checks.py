@@ -287,6 +287,16 @@ def implied_shapes(cfg):
     return shapes
 
 
+def parameter_count(cfg):
+    """How many numbers model.Transformer(cfg) holds, from implied_shapes alone (nothing built: a config of a
+    million layers is counted in a microsecond, where building it on the meta device took minutes): the
+    embedding, the head unless tied, the final norm, and num_hidden_layers times a layer's tensors."""
+    shapes, n = implied_shapes(cfg), lambda shape: math.prod(shape)
+    top = ("model.embed_tokens.weight", "model.norm.weight") + (() if cfg.tie_word_embeddings else ("lm_head.weight",))
+    layer = sum(n(shape) for name, shape in shapes.items() if not name.startswith(("model.", "lm_head.")))
+    return sum(n(shapes[name]) for name in top) + cfg.num_hidden_layers * layer
+
+
 def check_shape(file, name, shape, want, cfg):
     """Tensor `name` of `file` has `shape`; the model wants `want`, as config.json's sizes imply."""
     if tuple(shape) != tuple(want):

@@ -30,6 +30,7 @@ from support import cli  # noqa: E402
 from eviction import EvictConfig, Pool, prefill_and_score, uniform_budgets  # noqa: E402
 from lookaheadkv import LookaheadHook  # noqa: E402
 from methods import load_adapter, make_scorer  # noqa: E402
+from support.selection import adapter_selection  # noqa: E402
 
 
 def fastest(fn, calls):
@@ -64,8 +65,9 @@ def parts(model, tok, module, S, calls):
                                             calls)
     ids = bench.text_ids(model, tok, S)
     full = fastest(lambda: prefill_and_score(model, ids, make_scorer(EvictConfig("full"))), 3)
+    recommended = dict(zip(("rule", "budgets"), adapter_selection(module)))  # beyond the paper: the .json's
     forms = (("the paper's form", dict(rule=Pool("max", 7), budgets=uniform_budgets)),
-             ("unpooled", dict(rule=Pool("none"), budgets=uniform_budgets)), ("as shipped", {}))
+             ("unpooled", dict(rule=Pool("none"), budgets=uniform_budgets)), ("as shipped", recommended))
     for name, over in forms:
         scorer = make_scorer(EvictConfig("lookahead", 128, **over), module)
         run = prefill_and_score(model, ids, scorer)

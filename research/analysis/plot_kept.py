@@ -22,7 +22,7 @@ import torch
 from support import cli
 from eviction import EvictConfig, compress, greedy
 from lookaheadkv import answer_attention, untrained_module
-from methods import load_adapter, make_scorer, selecting_like
+from methods import load_adapter, make_scorer
 from support.metrics import keep_fraction, recall_of_kept
 
 ALL = "streaming,random,snapkv,pyramidkv,h2o,laq,oracle,lookahead,lookahead-untrained"
@@ -70,7 +70,7 @@ def main():
     trained = load_adapter(cli.default_adapter_path(model.config), model.config)  # the shipped adapter
     torch.manual_seed(0)  # the untrained module: same shape, P ~ N(0, std of the token embeddings), LoRA B = 0
     untrained = untrained_module(model, trained.n_tokens, trained.rank, trained.alpha, trained.targets)
-    modules = {"lookahead": trained, "lookahead-untrained": selecting_like(untrained, trained)}  # the same rule
+    modules = {"lookahead": trained, "lookahead-untrained": untrained}
     rows = []
     for name in args.methods.split(","):
         module = modules.get(name)  # each method selects its own way: lookahead as its adapter, the oracle unsmoothed

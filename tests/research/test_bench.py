@@ -48,7 +48,8 @@ def kv_bytes(slots, B=1):
 def test_overhead_rows(tiny_config, tmp_path, capsys):
     out = tmp_path / "bench.json"
     rows = run(tiny_config, "--lengths", "64,128", "--json", str(out))
-    methods = ["full", "snapkv", "h2o", "laq", "lookahead", "lookahead-unpooled", "lookahead-2pass"]
+    methods = ["full", "snapkv", "h2o", "laq", "lookahead", "lookahead-shipped", "lookahead-unpooled",
+               "lookahead-2pass"]
     assert [(r["method"], r["S"]) for r in rows] == [(m, S) for S in (64, 128) for m in methods]
     for r in rows:
         assert r["prefill_ms"] > 0 and r["total_ms"] > 0
@@ -65,13 +66,14 @@ def test_overhead_rows(tiny_config, tmp_path, capsys):
     assert json.loads(out.read_text())["rows"] == rows
     printed = capsys.readouterr().out
     assert "overhead %" in printed and "middle half %" in printed and "fastest %" in printed
-    # no adapter for a random model: the untrained module of the shipped configuration, selecting by the
-    # shipped adapter's rule; the unpooled row is our variant (the paper pools first: lookahead-paper)
+    # no adapter for a random model: the untrained module of the shipped configuration, recommending the shipped
+    # adapter's rule (lookahead-shipped applies it); the unpooled row is our variant (the paper pools first)
     assert "untrained LookaheadModule (M=32, LoRA q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj r=8)" \
         in printed
-    assert "lookahead: rule span:8:1024, C every layer, one pass" in printed
+    assert "lookahead: rule max:7, C every layer, one pass" in printed  # the paper's form, the default
+    assert "lookahead-shipped: rule span:8:1024, C every layer, one pass" in printed  # as the .json recommends
     assert "lookahead-unpooled: rule none, C every layer, one pass" in printed
-    assert "lookahead-2pass: rule span:8:1024, C every layer, two passes" in printed
+    assert "lookahead-2pass: rule max:7, C every layer, two passes" in printed
 
 
 def test_overhead_skips_h2o_above_limit(tiny_config, capsys):
@@ -163,15 +165,18 @@ def test_lookahead_rows_use_the_shipped_adapter():
     assert path == ROOT / "weights" / "SmolLM2-135M-Instruct.lookahead.safetensors"
     module = load_adapter(path, cfg)
     scorers = bench.scorers_for(args, module)
-    assert list(scorers) == args.methods == ["full", "snapkv", "h2o", "laq", "lookahead", "lookahead-unpooled",
-                                             "lookahead-2pass"]
-    shipped, unpooled, two_pass = scorers["lookahead"], scorers["lookahead-unpooled"], scorers["lookahead-2pass"]
+    assert list(scorers) == args.methods == ["full", "snapkv", "h2o", "laq", "lookahead", "lookahead-shipped",
+                                             "lookahead-unpooled", "lookahead-2pass"]
+    paper, unpooled, two_pass = scorers["lookahead"], scorers["lookahead-unpooled"], scorers["lookahead-2pass"]
+    assert repr(paper.rule) == "max:7" and paper.eviction.budgets is None  # the paper's form: C in every layer
+    assert paper.layer_budgets(30, 1000) == [128] * 30
+    shipped = scorers["lookahead-shipped"]  # as the adapter's .json recommends (beyond the paper)
     assert isinstance(shipped.rule, SpanRule) and isinstance(shipped.eviction.budgets, LayerBudgets)
-    assert shipped.options["one_pass"] and not two_pass.options["one_pass"]
-    assert isinstance(two_pass.rule, SpanRule) and isinstance(two_pass.eviction.budgets, LayerBudgets)
+    assert paper.options["one_pass"] and shipped.options["one_pass"] and not two_pass.options["one_pass"]
+    assert repr(two_pass.rule) == "max:7"
     assert isinstance(unpooled.rule, Pool) and unpooled.rule.kind == "none"
     assert unpooled.eviction.budgets is uniform_budgets
-    assert shipped.module is unpooled.module is module
+    assert shipped.module is paper.module is unpooled.module is module
 
 
 def test_random_model_ties_and_inits(tiny_config):

@@ -426,20 +426,24 @@ def test_several_adapters_are_rows_of_one_run(tiny):
 
 
 def test_the_papers_form_is_a_row_of_its_own(tiny, capsys):
-    """lookahead-paper: the adapter selecting as the paper states (max-pool 7, C in every layer) beside the
-    methods' own selections in one run: the same rows as a run of lookahead with --pool max:7 --uniform-budgets.
-    The adapter names its own rule (unpooled): one that names none selects in the paper's form already."""
+    """lookahead and lookahead-paper: the adapter selecting as the paper states (max-pool 7, C in every layer),
+    the same rows as a run of lookahead with --pool max:7 --uniform-budgets; lookahead-shipped: as its .json
+    recommends (here unpooled), beside them in one run."""
     (tiny / "unpooled.safetensors").write_bytes((tiny / "adapter.safetensors").read_bytes())
     (tiny / "unpooled.json").write_text(json.dumps(dict(json.loads((tiny / "adapter.json").read_text()), rule="none")))
     base = ["--model", str(tiny / "tiny-llama"), "--tasks", str(tiny / "tasks.jsonl"), "--budgets", "8,16",
             "--window", "4", "--max-new-tokens", "6", "--device", "cpu", "--adapter", str(tiny / "unpooled.safetensors")]
-    one = evaluate.main(base + ["--methods", "snapkv,lookahead,lookahead-paper", "--out", str(tiny / "paper1")])
-    assert "lookahead-paper (max:7, C in every layer)" in capsys.readouterr().out
+    one = evaluate.main(base + ["--methods", "snapkv,lookahead,lookahead-paper,lookahead-shipped", "--out",
+                                str(tiny / "paper1")])
+    said = capsys.readouterr().out
+    assert "lookahead-paper (max:7, C in every layer)" in said and "lookahead (max:7, C in every layer)" in said
+    assert "lookahead-shipped (none, C in every layer)" in said  # as the adapter's .json recommends
     apart = evaluate.main(base + ["--methods", "lookahead", "--pool", "max:7", "--uniform-budgets", "--out",
                                   str(tiny / "paper2")])
     rows = lambda results, m: [{k: v for k, v in r.items() if not k.endswith("_ms") and k != "method"}
                                for r in results if r["method"] == m]
-    assert rows(one, "lookahead-paper") == rows(apart, "lookahead") != rows(one, "lookahead")
+    assert rows(one, "lookahead-paper") == rows(apart, "lookahead") == rows(one, "lookahead")
+    assert rows(one, "lookahead") != rows(one, "lookahead-shipped")
 
 
 def test_interrupted_run_says_the_command_that_resumes(tiny, monkeypatch):
@@ -457,7 +461,7 @@ def test_interrupted_run_says_the_command_that_resumes(tiny, monkeypatch):
 
 def test_selection_rules_and_uniform_budgets_run(tiny):
     """--pool takes rule text (span:K included) and --uniform-budgets keeps C in every layer; the untrained row
-    selects as the adapter does (its .json's rule and layer weights)."""
+    has the adapter's shape and selects as lookahead does (the paper's form unless a flag asks otherwise)."""
     meta = json.loads((tiny / "adapter.json").read_text())
     (tiny / "layered.safetensors").write_bytes((tiny / "adapter.safetensors").read_bytes())
     (tiny / "layered.json").write_text(json.dumps({**meta, "rule": "span:4", "layer_weights": [0.5, 1.5]}))
@@ -471,7 +475,7 @@ def test_selection_rules_and_uniform_budgets_run(tiny):
     model = load_model(tiny / "tiny-llama")
     adapter = load_adapter(tiny / "layered.safetensors", model.config)
     untrained = evaluate.untrained(model, 0, adapter)
-    assert untrained.info["rule"] == "span:4" and untrained.info["layer_weights"] == [0.5, 1.5]
+    assert untrained.info == {}  # it selects as lookahead does by default: the paper's form
     assert untrained.n_tokens == adapter.n_tokens and untrained.rank == adapter.rank
     assert torch.equal(untrained.embeddings, evaluate.untrained(model, 0, adapter).embeddings)  # seeded
 

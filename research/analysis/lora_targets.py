@@ -1,0 +1,100 @@
+"""
+The LoRA targets, measured (issue 60 item 4): adapters trained on the same data rows with the LoRA on q,k only
+and on all seven projections, two seeds each, compared on held-out prompts by their answer KL in the paper's form
+(max-pool 7, C in every layer), paired per prompt. Each prompt is prefilled once; every adapter scores it in its
+two-pass form (the same scores as one-pass: tests/test_lookaheadkv.py) beside SnapKV, and each budget evicts
+into its own copy of the cache. Resumable: one JSON line per prompt in --out.
+
+    python -m research.analysis.lora_targets --heldout runs/quick --budgets 64,128,256 --out runs/targets/kl.jsonl \
+        --adapters qk-s0=runs/targets/qk-s0.safetensors,qk-s1=...,all-s0=...,all-s1=...
+
+It prints per adapter and budget the mean answer KL, then per budget the paired difference q,k - all (the mean
+over a target's seeds, per prompt) with a 95% bootstrap interval over prompts.
+"""
+import argparse
+import dataclasses
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from eviction import EvictConfig, prefill_and_score  # noqa: E402
+from methods import load_adapter, make_scorer  # noqa: E402
+from support import cli  # noqa: E402
+from support.metrics import answer_kl, forced_logprobs  # noqa: E402
+
+
+def rows_of(folder, limit):
+    rows = [json.loads(line) for line in (Path(folder) / "data.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["split"] == "heldout"][:limit]
+
+
+@torch.no_grad()
+def measure(model, row, scorers, budgets):
+    """{name@C: answer KL} of one held-out row."""
+    ids, response = torch.tensor([row["prompt_ids"]]), torch.tensor([row["response_ids"]])
+    names = list(scorers)
+    runs = prefill_and_score(model, ids, [scorers[n] for n in names])  # one prefill, each scorer watching
+    full = forced_logprobs(model, runs[0].cache, response, runs[0].next_pos)
+    out = {}
+    for name, run in zip(names, runs):
+        for C in budgets:
+            scorer = make_scorer(dataclasses.replace(scorers[name].eviction, budget=C), getattr(scorers[name], "module", None))
+            cache = run.cache.copy()
+            for layer, idx in enumerate(scorer.evict(run.scores, run)):
+                cache.gather(layer, idx)
+            out[f"{name}@{C}"] = answer_kl(full, forced_logprobs(model, cache, response, run.next_pos))
+    return out
+
+
+def bootstrap(diffs, n=2000, seed=0):
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choice(diffs) for _ in diffs) / len(diffs) for _ in range(n))
+    return means[int(0.025 * n)], means[int(0.975 * n)]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heldout", required=True)
+    p.add_argument("--adapters", required=True, help="label=path,...; labels qk-* and all-* are paired")
+    p.add_argument("--budgets", default="64,128,256")
+    p.add_argument("--limit", type=int, default=64)
+    p.add_argument("--out", required=True)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    model, _, _ = cli.load(None, "cpu", None, tokenizer=False)
+    scorers = {"snapkv": make_scorer(EvictConfig("snapkv", max(budgets)))}
+    for item in args.adapters.split(","):
+        label, path = item.split("=")
+        scorers[label] = make_scorer(EvictConfig("lookahead", max(budgets), options=dict(one_pass=False)),
+                                     load_adapter(path, model.config))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    rows = rows_of(args.heldout, args.limit)
+    for i, row in enumerate(tqdm(rows, desc="held-out prompts")):
+        if i < len(done):
+            continue
+        done.append(dict(id=row["id"], **measure(model, row, scorers, budgets)))
+        with open(out, "a") as f:
+            f.write(json.dumps(done[-1]) + "\n")
+    print(f"{len(done)} held-out prompts of {args.heldout}; answer KL (nats), the paper's form:")
+    for name in scorers:
+        print(f"  {name:<10s} " + "  ".join(f"C={C}: {sum(d[f'{name}@{C}'] for d in done) / len(done):.4f}"
+                                            for C in budgets))
+    qk, al = [n for n in scorers if n.startswith("qk")], [n for n in scorers if n.startswith("all")]
+    for C in budgets if qk and al else ():
+        diffs = [sum(d[f"{n}@{C}"] for n in qk) / len(qk) - sum(d[f"{n}@{C}"] for n in al) / len(al) for d in done]
+        lo, hi = bootstrap(diffs)
+        print(f"  C={C}: q,k - all = {sum(diffs) / len(diffs):+.4f} [{lo:+.4f}, {hi:+.4f}] (paired, 95% bootstrap)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""
+Beside the reading path: the text of a selection rule (--pool, an adapter .json's "rule") and an adapter's
+recommended selection, read into the objects eviction.py and extensions/ define, with their checks.
+
+The paper's rules (none, avg:K, max:K) are eviction.Pool. The span rule (span:K, span:K:N) and per-layer
+budgets are beyond the paper (extensions/span.py, extensions/layer_budgets.py): they are imported here, and
+only when a flag or a caller asks for them, so the reading path runs with extensions/ deleted.
+"""
+import importlib
+import json
+import math
+
+from eviction import Pool
+
+RULES = ("none", "avg:K", "max:K", "span:K", "span:K:N")  # what --pool accepts (K: the width; N: the gate's first ids)
+WIDTHS = {"avg": 5, "max": 7, "span": 8}  # a rule's width when the text names none (SnapKV's avg and max; span:8)
+OLD_KEYS = ("pool", "kernel", "window", "layer_budget")  # an adapter .json's keys before 2026-12-02
+
+
+def parse_rule(text, context=None, vocab=None):
+    """"avg:5", "max:7", "none", "span:8" -> the selection rule (ValueError naming the text otherwise).
+    context: the model's context length: a width wider than it is refused, as no prompt is that long (and a
+    huge width is one endless pooling op). vocab: the model's vocabulary size: a span shortlist past it is
+    refused (it would silently be the whole vocabulary, the exact surprisal)."""
+    kind, _, width = str(text).partition(":")
+    width, _, first = width.partition(":")
+    if (kind not in ("none", "avg", "max", "span") or (width and not number(width)) or (kind == "none" and width)
+            or (first and (kind != "span" or not number(first)))):
+        raise ValueError(f"selection rule {text!r}: use none, avg:K, max:K (K odd), span:K or span:K:N, e.g. max:7")
+    if kind == "span":  # beyond the paper
+        rule = extension("span", f"selection rule {text!r}").SpanRule(int(width or WIDTHS[kind]), int(first) if first else None)
+        rule.check_fits(context, vocab)
+        return rule
+    rule = Pool(kind, int(width or WIDTHS.get(kind, 1)))
+    if context is not None and rule.kernel > context:
+        raise ValueError(f"pooling width {rule.kernel} is wider than the model's context of {context} tokens: no "
+                         f"prompt is that long; use a width of at most {context}, e.g. {kind}:{WIDTHS[kind]}")
+    return rule
+
+
+def number(text):
+    """Whether text is a whole number in ASCII digits ("²".isdigit() is true, but int() refuses it)."""
+    return text.isascii() and text.isdigit()
+
+
+def layer_budgets(weights):
+    """The per-layer budget policy of these weights (extensions/layer_budgets.py, beyond the paper)."""
+    return extension("layer_budgets", "per-layer budgets").LayerBudgets(weights)
+
+
+class MissingExtension(ValueError):
+    """A flag or an adapter asks for an idea beyond the paper whose file is not in this checkout."""
+
+
+def extension(name, what):
+    """extensions/NAME.py, imported when a flag or an adapter asks for `what` (ValueError if it is not there)."""
+    try:
+        return importlib.import_module(f"extensions.{name}")
+    except ModuleNotFoundError as e:
+        if e.name not in ("extensions", f"extensions.{name}"):
+            raise
+        raise MissingExtension(f"{what} is beyond the paper and lives in extensions/{name}.py, which this checkout does "
+                         "not have: restore the file, or select in the paper's form (no --pool)") from None
+
+
+def adapter_selection(module):
+    """(selection rule, budget policy) an adapter's .json recommends; None for what it leaves to the method.
+    Nothing applies them unless asked (generate.py --pool, --layer-budgets): the default is the paper's form."""
+    rule, weights = module.info.get("rule"), module.info.get("layer_weights")
+    return (parse_rule(rule) if rule else None), (layer_budgets(weights) if weights else None)
+
+
+def check_adapter_selection(path, info, n_layers, context=None):
+    """An adapter .json's recommended "rule" and "layer_weights", checked when it is loaded (ValueError naming
+    the file): a broken recommendation is a broken file, whether or not a flag asks for it. A recommendation
+    whose extension is not in this checkout (extensions/ deleted) cannot be used, and is not checked."""
+    old = [k for k in OLD_KEYS if k in info]
+    if old:  # an adapter saved before 2026-12-02: say so rather than select differently
+        raise ValueError(f"adapter {path}: its .json names {', '.join(old)}, keys of an older format: write its rule "
+                         f"as \"rule\": \"span:8\" (pool:kernel) and layer_budget as \"layer_weights\"")
+    try:
+        check_selection(info.get("rule"), info.get("layer_weights"), n_layers, context)
+    except ValueError as e:
+        if isinstance(e, MissingExtension):
+            return  # never applied unasked: a recommendation of a deleted extension is only unusable
+        raise ValueError(f"adapter {path}: its .json's selection is not usable ({e}): fix or retrain it") from None
+
+
+def check_selection(rule, weights, n_layers, context=None):
+    """An adapter's "rule" and "layer_weights" (None: not given) as selection would read them, or ValueError.
+    A weight must be a JSON number: float() would take "2" or true as 2.0 and 1.0 without a word. Its span
+    shortlist is not held to the model's vocabulary: an adapter's rule is a recipe for any model."""
+    if rule is not None:
+        parse_rule(rule, context)
+    if weights is not None:
+        if not (isinstance(weights, list) and all(isinstance(w, (int, float)) and not isinstance(w, bool)
+                                                  for w in weights)):
+            raise ValueError(f"layer_weights must be a list of numbers, got {json.dumps(weights)[:60]}")
+        budgets = layer_budgets(weights)  # each finite and >= 0, not all 0
+        if not math.isfinite(sum(weights)):  # each finite, their sum not (1e308 twice): spread_budgets' NaN
+            raise ValueError(f"layer_weights sum to {sum(weights)}: write them with mean 1")
+        budgets(128, n_layers, 10**6)  # one per layer
+
+
+def check_scorer(scorer):
+    """What methods.make_scorer refuses in a method's EvictConfig (ValueError): an option the method does not
+    have, a rule that is no selection rule, a budget below 1 KV slot or below the tokens the method always keeps."""
+    eviction = scorer.eviction
+    unknown = sorted(set(eviction.options) - set(scorer.default_options))
+    if unknown:
+        raise ValueError(f"method {eviction.method} has no setting {', '.join(unknown)}; its own: "
+                         f"{', '.join(scorer.default_options) or 'none'}")
+    if not (isinstance(scorer.rule, Pool) or hasattr(scorer.rule, "wrap")):
+        raise ValueError(f"selection rule {scorer.rule!r} is not a pooling or a span rule: read it with "
+                         "support.selection.parse_rule")
+    if eviction.budget < 1:
+        raise ValueError(f"budget {eviction.budget} must be at least 1 KV slot per (layer, KV head)")
+    window, sinks = scorer.window, scorer.sinks
+    if scorer.evicts and eviction.budget < window + sinks + 1:
+        kept = f"the last {window} tokens" if window else f"{sinks} sink tokens"
+        smaller = " or a smaller window" if window else ""
+        raise ValueError(f"budget {eviction.budget} is too small for {eviction.method}: it always keeps {kept}; "
+                         f"use a budget > {window + sinks}{smaller}")
