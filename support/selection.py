@@ -26,7 +26,8 @@ def parse_rule(text, context=None, vocab=None):
     width, _, first = width.partition(":")
     if (kind not in ("none", "avg", "max", "span") or (width and not number(width)) or (kind == "none" and width)
             or (first and (kind != "span" or not number(first)))):
-        raise ValueError(f"selection rule {text!r}: use none, avg:K, max:K (K odd), span:K or span:K:N, e.g. max:7")
+        raise ValueError(f"selection rule {text!r}: use none, avg:K, max:K (K odd), span:K or span:K:N, "
+                         "e.g. max:7")
     if kind == "span":  # beyond the paper
         rule = extension("span", f"selection rule {text!r}").SpanRule(int(width or WIDTHS[kind]), int(first) if first else None)
         rule.check_fits(context, vocab)

@@ -92,8 +92,8 @@ def test_a_flag_beyond_the_paper_names_its_deleted_file(tiny_run, tmp_path):
     r = subprocess.run([sys.executable, "generate.py", "--prompt", str(prompt), "--model", str(folder), "--adapter",
                         str(adapter), "--pool", "span:8", "--device", "cpu"], cwd=dest, capture_output=True,
                        text=True, timeout=120)
-    assert r.returncode == 1 and r.stderr.startswith("error: --pool span:8: selection rule 'span:8' is beyond the paper and lives in "
-                                                     "extensions/span.py"), r.stderr
+    said = "error: --pool span:8: selection rule 'span:8' is beyond the paper and lives in extensions/span.py"
+    assert r.returncode == 1 and r.stderr.startswith(said), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
