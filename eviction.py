@@ -28,8 +28,8 @@ class EvictConfig:
     method: str = "full"
     budget: int = 128  # C: KV slots kept per (layer, KV head), protected tokens included
     window: int = 32  # snapkv/pyramidkv/h2o/laq: the last `window` prompt tokens are always kept
-    rule: object = None  # the smoothing before the top C (a Pool; methods.make_scorer wraps the method in a
-    # rule from extensions/); None = the method's default_rule (snapkv: avg-pool 5; lookahead: max-pool 7)
+    rule: object = None  # the smoothing before the top C (a Pool; a rule with .wrap, e.g. the span rule, wraps
+    # the method: methods.make_scorer); None = the method's default_rule (snapkv: avg-pool 5; lookahead: max-pool 7)
     budgets: object = None  # the budget policy, budgets(C, n_layers, S, least) -> slots per layer; None =
     # the method's default_budgets (C in every layer; pyramidkv: its pyramid)
     chunk_size: int = 4096  # prefill in chunks of this many tokens (bounded activations at 32K)

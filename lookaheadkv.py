@@ -39,12 +39,9 @@ class LookaheadModule(nn.Module):
     """M learnable lookahead embeddings P and, per layer and target projection, a LoRA
     W' = W + (alpha / r) B A applied ONLY to the lookahead rows:
         Q = [X; P] Wq + [0; P] dWq   (and the same for every other target)
-    The base model is frozen and never sees the LoRA on prompt rows, so the prompt's KV cache
-    is exactly the base model's. The paper's equations show q and k; its parameter count (20.6M, 0.26% of
-    Llama-3.1-8B) is what r = 8 on all seven projections gives. Which we default to is measured (RESULTS.md,
-    "The LoRA targets"). targets=() keeps the embeddings alone.
-    Only the M rows' attention over the prompt is ever read, so in the LAST layer only the q and k LoRA matter:
-    that layer's v, o and MLP change nothing any score sees, and their LoRA gets no gradient (None in training)."""
+    The prompt rows never see the LoRA, so the prompt's KV cache is exactly the base model's. The paper's
+    equations show q and k; all seven measured better (RESULTS.md 10.1): the default. targets=() keeps the
+    embeddings alone. The LAST layer's v, o and MLP LoRA change no score (none reads them): no gradient."""
 
     TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -106,9 +103,9 @@ class LookaheadModule(nn.Module):
     @classmethod
     def load(cls, path, cfg, device="cpu"):
         """An adapter saved by save(). Its .json's keys that shape the module (weights/checks.ADAPTER_KEYS) build
-        it; any other key is kept as it is (never refused, unread here) in `info` and written back by save(): how
-        it selects ("rule", "layer_weights": methods.py reads them), how it was made (train.py's record, a
-        person's notes: nothing reads them). Each check on the files (weights/checks.py) names the file."""
+        it; any other key is kept as it is (never refused, unread here) in `info` and written back by save(): the
+        selection it recommends ("rule", "layer_weights": support/selection.py), how it was made (train.py's record,
+        a person's notes: nothing reads them). Each check on the files (weights/checks.py) names the file."""
         path = Path(path)
         meta, tensors = checks.read_adapter(path)
         checks.check_adapter_metadata(meta, path.with_suffix(".json"), cfg, path.stat().st_size, cls.TARGETS,
@@ -148,9 +145,7 @@ class LookaheadHook(Hook):
 
     def attn(self, layer, q, k, key_valid):
         M = self.module.n_tokens  # the softmax runs over every key they see, the earlier lookahead rows too
-        # group_attention stacks the G query heads of a KV head as rows: row g*M + i is lookahead query i of
-        # query head kv*G + g (HF's repeat_kv order), which the per-head view below and attn_output rely on
-        self.probs = group_attention(q[:, :, -M:], k, key_valid)  # (B, H_kv, G*M, Tk), kept for attn_output
+        self.probs = group_attention(q[:, :, -M:], k, key_valid)  # (B, H_kv, G*M, Tk): row g*M+i: query i, head kv*G+g
         probs = self.probs[..., :self.S]  # (B, H_kv, G*M, S): only the prompt's columns are scores
         if self.per_query_head:  # training: the mean over the M queries of each query head
             B, Hkv, _, S = probs.shape
@@ -241,7 +236,7 @@ class LookaheadKV(Scorer):
     base, KVCache-Factory) and the top C per (layer, KV head) kept, C in every layer. One-pass (default): the
     rows ride in the prefill's last chunk, their K/V cut off after scoring; two-pass: a second forward of the
     M rows on the prompt cache (training's form). Both give the same scores (causal attention, LoRA on the
-    lookahead rows only). The shipped adapter selects its own way, named in its .json: methods.make_scorer."""
+    lookahead rows only). An adapter's .json may recommend another selection: it runs only when a flag asks."""
 
     default_rule = Pool("max", 7)
     default_options = dict(one_pass=True)  # the M rows ride in the prefill (fast); False: a 2nd forward (training's)

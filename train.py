@@ -37,7 +37,7 @@ import methods
 from baselines import full_answer
 from eviction import EvictConfig, compress
 from lookaheadkv import answer_attention, kl_loss, lookahead_pass
-from support import cli, data, metrics, recipe, selection
+from support import cli, data, recipe, selection
 from support.data import left_pad, load_batch, sample_ok, sample_path, save_sample
 
 # -----------------------------------------------------------------------------
@@ -385,7 +385,7 @@ def train(cfg, steps=None):
         recipe.save_adapter(module, run.dest)
         print(f"saved {run.dest} (+ .json) after {step} steps, {time.perf_counter() - train_start:.0f} s")
         if cfg.compare:  # the learner's run ends with what it bought, in answers
-            metrics.compare(model, [r for r in rows if r["split"] == "heldout"], cfg.compare,
+            recipe.compare(model, [r for r in rows if r["split"] == "heldout"], cfg.compare,
                             {"this adapter": module, "untrained (step 0)": new_module(model, cfg)})
     if ddp:
         dist.destroy_process_group()

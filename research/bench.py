@@ -201,15 +201,10 @@ def row_config(name, args, budget=None):
                           "chunk_size": args.chunk_size, **f})
 
 
-class Bare:
-    """No adapter: nothing recommended."""
-    info = {}
-
-
 def row_scorer(name, args, module=None, budget=None):
     """A row's Scorer (methods.make_scorer checks budget, window and rule: ValueError naming the row)."""
     try:
-        eviction, (rule, budgets) = row_config(name, args, budget), adapter_selection(module or Bare())
+        eviction, (rule, budgets) = row_config(name, args, budget), adapter_selection(module)
         eviction.rule = rule if eviction.rule == "adapter" else eviction.rule  # what the .json recommends, by name
         eviction.budgets = budgets if eviction.budgets == "adapter" else eviction.budgets
         return make_scorer(eviction, module)

@@ -357,7 +357,7 @@ def eviction_config(method, budget, args, shared=False, module=None):
     pass on the prompt cache (its two-pass form, the same scores) instead of inside the prefill, where the
     other methods' hooks would take them for the prompt's last queries."""
     if method == SHIPPED_FORM:  # module: the adapter, whose .json's recommendation it reads
-        rule, budgets = adapter_selection(module) if module is not None else (None, None)
+        rule, budgets = adapter_selection(module)
         return EvictConfig("lookahead", budget, window=args.window, rule=rule, budgets=budgets,
                            options=dict(one_pass=False) if shared else {})
     if method == PAPER_FORM:

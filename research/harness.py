@@ -89,7 +89,7 @@ def row_scorer(row, C, module, window, response=None):
     """The Scorer of a ROWS entry at budget C ("adapter" budgets: the adapter's, given to another method);
     lookahead in its two-pass form (the module docstring says why)."""
     method, rule, budgets = row
-    recommended = adapter_selection(module) if module is not None else (None, None)  # the adapter's .json's
+    recommended = adapter_selection(module)  # what the adapter's .json recommends
     if method == "lookahead":  # None: as the adapter's .json recommends (the rows' "lookahead": as shipped)
         rule, budgets = (rule or recommended[0]), (budgets or "adapter")
     budgets = {"uniform": uniform_budgets, "adapter": recommended[1], None: None}[budgets]

@@ -15,10 +15,13 @@ generate.py's stats of one answer (answer_stats: what ran, its KV bytes) time it
 keep_fraction draws its kept tokens (--show).
 """
 
+import dataclasses
 import time
 
 import torch
-from tqdm import tqdm
+
+from eviction import prefill_and_score
+from methods import make_scorer
 
 
 def recall_of_kept(kept, true):
@@ -124,38 +127,25 @@ def recommended_flags(info):
 
 
 @torch.no_grad()
-def heldout_answer_kl(model, rows, scorers, progress=lambda it, **kw: it):
-    """{name: mean answer KL} of each Scorer over held-out rows (prompt_ids, response_ids: the base model's own
-    greedy answer): the answer teacher-forced through the full cache and through each compressed one."""
-    from eviction import EvictConfig, compress  # support sits beside the path: imported where it is used
-    from methods import make_scorer
-
-    dev, kl = model.lm_head.weight.device, {name: [] for name in scorers}
-    for r in progress(rows, desc="held-out answer KL"):
-        ids, response = torch.tensor([r["prompt_ids"]], device=dev), torch.tensor([r["response_ids"]], device=dev)
-        cache, _, pos, _ = compress(model, ids, make_scorer(EvictConfig("full")))
-        full = forced_logprobs(model, cache, response, pos)
-        for name, scorer in scorers.items():
-            cache, _, pos, _ = compress(model, ids, scorer)
-            kl[name].append(answer_kl(full, forced_logprobs(model, cache, response, pos)))
-    return {name: sum(v) / max(len(v), 1) for name, v in kl.items()}
-
-
-def compare(model, rows, budget, modules):
-    """train.py's last words (its --compare): the held-out answer KL at C = budget in the paper's form of each
-    module ({label: LookaheadModule}), SnapKV's and the shipped adapter's (if the model has one), printed."""
-    from eviction import EvictConfig
-    from methods import load_adapter, make_scorer
-    from support.cli import default_adapter_path
-
-    device, shipped = model.lm_head.weight.device, default_adapter_path(model.config)
-    modules = {**modules, "snapkv": None}
-    if shipped.is_file():
-        modules["shipped adapter"] = load_adapter(shipped, model.config, device)
-    scorers = {name: make_scorer(EvictConfig("lookahead" if m is not None else "snapkv", budget), m)
-               for name, m in modules.items()}
-    kl = heldout_answer_kl(model, rows, scorers, tqdm)
-    print(f"held-out answer KL at C = {budget} ({len(rows)} prompts, the paper's form; lower is better):")
-    for name, value in kl.items():
-        print(f"  {name:<20s} {value:.4f}")
-    return kl
+def answer_kls(model, row, scorers, budgets):
+    """{name@C: answer KL} of one held-out row (prompt_ids, response_ids: the base model's own greedy answer):
+    ONE prefill of the prompt with every scorer watching (lookahead in its two-pass form: its one-pass rows
+    cannot ride beside other hooks; the same scores), then for each budget C the scores evicted into a copy of
+    the cache and the answer teacher-forced through it. A prompt of at most C tokens evicts nothing: KL 0."""
+    dev = model.lm_head.weight.device
+    ids, response = torch.tensor([row["prompt_ids"]], device=dev), torch.tensor([row["response_ids"]], device=dev)
+    names = list(scorers)
+    runs = prefill_and_score(model, ids, [scorers[n] for n in names])  # one Prefilled each, one shared cache
+    full = forced_logprobs(model, runs[0].cache, response, runs[0].next_pos)
+    out = {}
+    for name, run in zip(names, runs):
+        for C in budgets:
+            if run.scores is None or ids.shape[1] <= C:
+                out[f"{name}@{C}"] = 0.0
+                continue
+            at_C = make_scorer(dataclasses.replace(scorers[name].eviction, budget=C), getattr(scorers[name], "module", None))
+            cache = run.cache.copy()  # the shared cache stays whole for the next scorer and budget
+            for layer, idx in enumerate(at_C.evict(run.scores, run)):
+                cache.gather(layer, idx)
+            out[f"{name}@{C}"] = answer_kl(full, forced_logprobs(model, cache, response, run.next_pos))
+    return out

@@ -18,8 +18,12 @@ import typing
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from eviction import EvictConfig
+from methods import load_adapter, make_scorer
 from support import cli, data, files
+from support.metrics import answer_kls
 from support.data import sample_bytes, sample_ok, sample_path, unreadable_sample
 from lookaheadkv import LookaheadModule
 from model import ModelConfig, default_dtype
@@ -742,3 +746,25 @@ def parser(prog, doc, D, stages):
     a("--device", help="cpu, cuda, cuda:1 (default: cuda if there is one)")
     a("--dtype", choices=["float32", "bfloat16"], help="base model dtype (default: bfloat16 on CUDA, else float32)")
     return p
+
+
+# -----------------------------------------------------------------------------
+# The learner's run ends with what it bought (train.py --config research/configs/train-quick.json)
+
+
+def compare(model, rows, budget, modules):
+    """The held-out answer KL at C = budget in the paper's form of each module ({label: LookaheadModule}),
+    SnapKV's and the shipped adapter's (if the model has one), printed; returns {label: mean KL}."""
+    device, shipped = model.lm_head.weight.device, cli.default_adapter_path(model.config)
+    modules = {**modules, "snapkv": None}
+    if shipped.is_file():
+        modules["shipped adapter"] = load_adapter(shipped, model.config, device)
+    scorers = {name: make_scorer(EvictConfig("snapkv", budget) if m is None else
+                                 EvictConfig("lookahead", budget, options=dict(one_pass=False)), m)
+               for name, m in modules.items()}
+    kls = [answer_kls(model, r, scorers, (budget,)) for r in tqdm(rows, desc="held-out answer KL")]
+    print(f"held-out answer KL at C = {budget} ({len(rows)} prompts, the paper's form; lower is better):")
+    mean = {name: sum(k[f"{name}@{budget}"] for k in kls) / max(len(kls), 1) for name in scorers}
+    for name, value in mean.items():
+        print(f"  {name:<20s} {value:.4f}")
+    return mean

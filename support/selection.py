@@ -65,9 +65,11 @@ def extension(name, what):
 
 
 def adapter_selection(module):
-    """(selection rule, budget policy) an adapter's .json recommends; None for what it leaves to the method.
+    """(selection rule, budget policy) an adapter's .json recommends (module None: no adapter); None for what it
+    leaves to the method.
     Nothing applies them unless asked (generate.py --pool, --layer-budgets): the default is the paper's form."""
-    rule, weights = module.info.get("rule"), module.info.get("layer_weights")
+    info = module.info if module is not None else {}  # no adapter: nothing recommended
+    rule, weights = info.get("rule"), info.get("layer_weights")
     return (parse_rule(rule) if rule else None), (layer_budgets(weights) if weights else None)
 
 

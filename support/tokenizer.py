@@ -10,7 +10,10 @@ a prompt.
 
 import json
 import re
+import sys
 from pathlib import Path
+
+from tqdm import tqdm
 
 from weights.checks import read_json, redo, short_reason
 
@@ -94,11 +97,10 @@ class Tokenizer:
         if not found or text in self.warned:
             return
         self.warned.add(text)
-        from support.cli import warn  # cli imports this file
-
-        warn(f"the message holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}, the chat template's "
-             f"control text: it is read as the control token itself (the turn ends or a role opens there), not as "
-             f"text; remove it if that is not meant")
+        # cli.warn's line (cli imports this file, so it is written here): on a line of its own, past any progress bar
+        tqdm.write(f"warning: the message holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}, the chat "
+                   f"template's control text: it is read as the control token itself (the turn ends or a role opens "
+                   f"there), not as text; remove it if that is not meant", file=sys.stderr)
 
     def chat(self, user, system=None):
         """The prompt text for one user turn, ready for the assistant's answer."""

@@ -11,6 +11,7 @@ from support import metrics
 from eviction import EvictConfig, compress, keep_slots
 from extensions.layer_budgets import swap_gains
 from methods import make_scorer
+from conftest import REORDER_ATOL
 from test_lookaheadkv import V, tiny_model  # one tiny-model builder for the tests
 
 
@@ -130,3 +131,28 @@ def test_stopwatch_on_cpu():
     clock.mark()
     assert not clock.cuda and len(clock.marks) == 3
     assert clock.ms(0, 1) > 0 and clock.ms(0, 2) >= clock.ms(0, 1) and clock.ms(1, 2) >= 0
+
+
+def test_answer_kls_of_one_shared_prefill_equal_each_method_alone():
+    """support.metrics.answer_kls (one prefill, every scorer watching, each budget evicted into a copy) gives
+    each method's answer KL as its own compress() does: SnapKV as is, LookaheadKV two-pass beside it equal to
+    its one-pass form alone (the same scores, rounding apart); a budget holding the whole prompt gives 0."""
+    from test_lookaheadkv import random_module
+
+    model = tiny_model()
+    ids, answer = rand_ids(1, 40, seed=3), rand_ids(1, 9, seed=4)
+    module = random_module(model.config, 4)
+    row = dict(prompt_ids=ids[0].tolist(), response_ids=answer[0].tolist())
+    scorers = {"snapkv": make_scorer(EvictConfig("snapkv", 24, window=4)),
+               "lookahead": make_scorer(EvictConfig("lookahead", 24, options=dict(one_pass=False)), module)}
+    got = metrics.answer_kls(model, row, scorers, (12, 24, 40))
+    cache, _, pos, _ = full_cache(model, ids)
+    full = metrics.forced_logprobs(model, cache, answer, pos)
+    for C in (12, 24):
+        for name, ec in (("snapkv", EvictConfig("snapkv", C, window=4)), ("lookahead", EvictConfig("lookahead", C))):
+            cache, _, pos, _ = compress(model, ids, make_scorer(ec, module if name == "lookahead" else None))
+            alone = metrics.answer_kl(full, metrics.forced_logprobs(model, cache, answer, pos))
+            # the two forms' logits agree to REORDER_ATOL (conftest: float32 summed in another order); a KL's
+            # terms p (log p - log q) move by at most twice the logits' change
+            assert got[f"{name}@{C}"] == pytest.approx(alone, abs=2 * REORDER_ATOL), (name, C)
+    assert got["snapkv@12"] > 0 and got["snapkv@40"] == got["lookahead@40"] == 0.0

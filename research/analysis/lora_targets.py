@@ -1,9 +1,9 @@
 """
 The LoRA targets, measured (issue 60 item 4): adapters trained on the same data rows with the LoRA on q,k only
 and on all seven projections, two seeds each, compared on held-out prompts by their answer KL in the paper's form
-(max-pool 7, C in every layer), paired per prompt. Each prompt is prefilled once; every adapter scores it in its
-two-pass form (the same scores as one-pass: tests/test_lookaheadkv.py) beside SnapKV, and each budget evicts
-into its own copy of the cache. Resumable: one JSON line per prompt in --out.
+(max-pool 7, C in every layer), paired per prompt (support.metrics.answer_kls: one prefill per prompt, every adapter scoring it in its
+two-pass form beside SnapKV, each budget evicted into its own copy of the cache). Resumable: one JSON line per
+prompt in --out.
 
     python -m research.analysis.lora_targets --heldout runs/quick --budgets 64,128,256 --out runs/targets/kl.jsonl \
         --adapters qk-s0=runs/targets/qk-s0.safetensors,qk-s1=...,all-s0=...,all-s1=...
@@ -12,7 +12,6 @@ It prints per adapter and budget the mean answer KL, then per budget the paired 
 over a target's seeds, per prompt) with a 95% bootstrap interval over prompts.
 """
 import argparse
-import dataclasses
 import json
 import random
 import sys
@@ -22,33 +21,15 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from eviction import EvictConfig, prefill_and_score  # noqa: E402
+from eviction import EvictConfig  # noqa: E402
 from methods import load_adapter, make_scorer  # noqa: E402
 from support import cli  # noqa: E402
-from support.metrics import answer_kl, forced_logprobs  # noqa: E402
+from support.metrics import answer_kls  # noqa: E402
 
 
 def rows_of(folder, limit):
     rows = [json.loads(line) for line in (Path(folder) / "data.jsonl").read_text().splitlines() if line.strip()]
     return [r for r in rows if r["split"] == "heldout"][:limit]
-
-
-@torch.no_grad()
-def measure(model, row, scorers, budgets):
-    """{name@C: answer KL} of one held-out row."""
-    ids, response = torch.tensor([row["prompt_ids"]]), torch.tensor([row["response_ids"]])
-    names = list(scorers)
-    runs = prefill_and_score(model, ids, [scorers[n] for n in names])  # one prefill, each scorer watching
-    full = forced_logprobs(model, runs[0].cache, response, runs[0].next_pos)
-    out = {}
-    for name, run in zip(names, runs):
-        for C in budgets:
-            scorer = make_scorer(dataclasses.replace(scorers[name].eviction, budget=C), getattr(scorers[name], "module", None))
-            cache = run.cache.copy()
-            for layer, idx in enumerate(scorer.evict(run.scores, run)):
-                cache.gather(layer, idx)
-            out[f"{name}@{C}"] = answer_kl(full, forced_logprobs(model, cache, response, run.next_pos))
-    return out
 
 
 def bootstrap(diffs, n=2000, seed=0):
@@ -82,7 +63,7 @@ def main():
     for i, row in enumerate(tqdm(rows, desc="held-out prompts")):
         if i < len(done):
             continue
-        done.append(dict(id=row["id"], **measure(model, row, scorers, budgets)))
+        done.append(dict(id=row["id"], **answer_kls(model, row, scorers, budgets)))
         with open(out, "a") as f:
             f.write(json.dumps(done[-1]) + "\n")
     print(f"{len(done)} held-out prompts of {args.heldout}; answer KL (nats), the paper's form:")
