@@ -28,7 +28,10 @@ memory the compressed cache really holds: the slots kept per (layer, KV head) an
 slots, not masked ones (KVzip and AdaKV keep every slot's tensor and hide the evicted ones behind kvpress's
 attention patch; LookaheadKV's per-layer budgets pad each layer to the largest C_l the same way): "held_mb" is
 what the tensors occupy, "kept_mb" what is not hidden. At the end (and with --report alone), the mean per
-(protocol, press, C), per task, and RULER's average over tasks, printed and written to summary.md.
+(protocol, press, C), per task, and RULER's average over tasks, and LookaheadKV (both forms) against each other
+press paired over the rows both ran (the mean difference, a 95% bootstrap interval over rows), printed and
+written to summary.md. Rows go sample by sample over the tasks (sample 0 of all 11 tasks, then sample 1, ...),
+so a run stopped early holds as many samples of every task, give or take one.
 
 The full run (11 tasks x 5 samples x 2 protocols x (2 budgets x 9 presses + full): many CPU hours; KVzip alone
 costs 2-3 prefills a row):
@@ -137,10 +140,16 @@ def run_after(pipe, context, question, prefix, press, max_new_tokens):
 
 
 def rows(tok, args):
+    """The RULER rows, sample 0 of every task first, then sample 1, ..."""
     from research import ruler
 
     tasks = {t: ruler.TASKS[t] for t in args.tasks} if args.tasks else ruler.TASKS
-    return [s for n in args.lengths for s in ruler.make_suite(tok, n, args.per_task, args.seed, tasks=tasks)]
+    out = []
+    for n in args.lengths:
+        suite = ruler.make_suite(tok, n, args.per_task, args.seed, tasks=tasks)  # task by task
+        # sample by sample over the tasks instead: a run stopped early has as many rows of every task
+        out += [suite[t * args.per_task + i] for i in range(args.per_task) for t in range(len(tasks))]
+    return out
 
 
 def report(results, out):
@@ -164,7 +173,23 @@ def report(results, out):
                      f"{mean([r['held_mb'] for r in rs]):.2f} |")
         per_task.append(f"| {protocol} | {press} | {C or '-'} | " +
                         " | ".join(f"{by_task[t]:.2f}" if t in by_task else "" for t in tasks) + " |")
-    text = "\n".join(lines + per_task) + "\n"
+    # paired over the rows both ran: ours minus each other press, a 95% bootstrap interval over rows
+    from support.metrics import paired_ci
+
+    score = {(r["protocol"], r["press"], r["budget"], r["id"]): r["score"] for r in results}
+    paired = ["", "| protocol | C | ours | against | rows | ours - theirs [95% CI] |", "|---|---|---|---|---|---|"]
+    for protocol, C in sorted({(p, c) for p, _, c in groups if c}):
+        for ours in ("lookahead", "lookahead-shipped"):
+            for other in PRESSES:
+                theirs = (protocol, other, 0 if other == "full" else C)
+                ids = [i for (*key, i) in score if tuple(key) == (protocol, ours, C) and (*theirs, i) in score]
+                if other in (ours, "lookahead") or not ids:  # (shipped - paper: once, the other way round)
+                    continue
+                diffs = [score[protocol, ours, C, i] - score[(*theirs, i)] for i in ids]
+                lo, hi = paired_ci(diffs)
+                paired.append(f"| {protocol} | {C} | {ours} | {other} | {len(ids)} | "
+                              f"{mean(diffs):+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+    text = "\n".join(lines + per_task + paired) + "\n"
     (out / "summary.md").write_text(text)
     print(text)
 

@@ -16,6 +16,7 @@ keep_fraction draws its kept tokens (--show).
 """
 
 import dataclasses
+import random
 import time
 
 import torch
@@ -89,6 +90,13 @@ class Stopwatch:
             self.marks[j].synchronize()
             return self.marks[i].elapsed_time(self.marks[j])
         return (self.marks[j] - self.marks[i]) * 1e3
+
+
+def paired_ci(diffs, n=2000, seed=0):
+    """95% bootstrap interval of the mean of paired differences (one per prompt): resample prompts."""
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choice(diffs) for _ in diffs) / len(diffs) for _ in range(n))
+    return means[int(0.025 * n)], means[int(0.975 * n)]
 
 
 def keep_fraction(kept, S):

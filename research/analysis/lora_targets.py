@@ -13,7 +13,6 @@ over a target's seeds, per prompt) with a 95% bootstrap interval over prompts.
 """
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -24,18 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from eviction import EvictConfig  # noqa: E402
 from methods import load_adapter, make_scorer  # noqa: E402
 from support import cli  # noqa: E402
-from support.metrics import answer_kls  # noqa: E402
+from support.metrics import answer_kls, paired_ci  # noqa: E402
 
 
 def rows_of(folder, limit):
     rows = [json.loads(line) for line in (Path(folder) / "data.jsonl").read_text().splitlines() if line.strip()]
     return [r for r in rows if r["split"] == "heldout"][:limit]
-
-
-def bootstrap(diffs, n=2000, seed=0):
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choice(diffs) for _ in diffs) / len(diffs) for _ in range(n))
-    return means[int(0.025 * n)], means[int(0.975 * n)]
 
 
 def main():
@@ -73,7 +66,7 @@ def main():
     qk, al = [n for n in scorers if n.startswith("qk")], [n for n in scorers if n.startswith("all")]
     for C in budgets if qk and al else ():
         diffs = [sum(d[f"{n}@{C}"] for n in qk) / len(qk) - sum(d[f"{n}@{C}"] for n in al) / len(al) for d in done]
-        lo, hi = bootstrap(diffs)
+        lo, hi = paired_ci(diffs)
         print(f"  C={C}: q,k - all = {sum(diffs) / len(diffs):+.4f} [{lo:+.4f}, {hi:+.4f}] (paired, 95% bootstrap)")
 
 
