@@ -57,3 +57,25 @@ def test_bad_flags_are_one_error_line_before_anything_loads(tmp_path, flags, mes
         kvpress_eval.main(["--out", str(tmp_path / "out"), *flags])
     assert str(e.value).startswith(message)
     assert not (tmp_path / "out").exists()
+
+
+def test_answers_are_compared_on_the_rows_both_ran(tmp_path, capsys):
+    """research/analysis/kvpress_answers.py: kvpress's rows (inside only) against ours, FullKV's at C = 0 against
+    evaluate's full row of any budget; a differing answer is printed and counted."""
+    from research.analysis import kvpress_answers
+    import json
+
+    kv, ours = tmp_path / "kv", tmp_path / "ours"
+    kv.mkdir(), ours.mkdir()
+    lines = [dict(protocol="inside", press="full", budget=0, id="a", answer=" 42."),
+             dict(protocol="inside", press="snapkv", budget=128, id="a", answer=" 4."),
+             dict(protocol="inside", press="snapkv", budget=512, id="a", answer=" 42."),
+             dict(protocol="after", press="snapkv", budget=128, id="a", answer="other"),
+             dict(protocol="inside", press="snapkv", budget=128, id="b", answer=" 7")]  # b: not in ours
+    (kv / "results.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    results = [dict(id="a", method="full", budget=128, output=" 42."), dict(id="a", method="snapkv", budget=128,
+               output=" 42. "), dict(id="a", method="snapkv", budget=512, output="42.")]
+    (ours / "results.json").write_text(json.dumps(dict(results=results)))
+    assert kvpress_answers.main([str(kv), str(ours), "--press", "snapkv", "--method", "snapkv"]) == 1
+    out = capsys.readouterr().out
+    assert "a snapkv C=128: ours ' 42. ', kvpress ' 4.'" in out and "2 answers equal, 1 differ" in out
