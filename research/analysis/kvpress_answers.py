@@ -28,8 +28,7 @@ def main(argv=None):
             sys.exit(f"error: {path} is missing: run research.kvpress_eval / research.evaluate with that --out")
     ours = {}
     for r in json.loads((args.our_run / "results.json").read_text())["results"]:
-        ours[r["id"], "full" if r["method"] == "full" else r["method"], 0 if r["method"] == "full" else r["budget"]] \
-            = r["output"]
+        ours[r["id"], r["method"], 0 if r["method"] == "full" else r["budget"]] = r["output"]  # FullKV: any budget
     equal, differ = 0, []
     for line in (args.kvpress_run / "results.jsonl").read_text().splitlines():
         r = json.loads(line)
