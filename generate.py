@@ -3,9 +3,9 @@ Generate with a compressed KV cache, as the paper does: load -> prefill -> score
 
     python generate.py --prompt examples/needle.txt --budget 128
 
-finds a number hidden in a speech of 878 tokens, keeping 128 KV slots per (layer, KV head) with LookaheadKV in
-the paper's form (its shipped adapter's M = 32 rows, max-pool 7, C in every layer). It streams the answer, then
-the stats block:
+finds a number hidden in a speech of 878 tokens, keeping 128 KV slots per (layer, KV head) with
+LookaheadKV in the paper's form (its shipped adapter's M = 32 rows, max-pool 7, C in every layer).
+It streams the answer, then the stats block:
 
     The special magic number for the blue lighthouse is 7381924.
     ---
@@ -14,77 +14,211 @@ the stats block:
     decode 14.7 tok/s  KV cache 40.5 MB -> 5.9 MB
     the adapter recommends --pool span:8:1024 --layer-budgets (beyond the paper; not applied)
 
-"prefill" is the prompt's forward pass (LookaheadKV's M rows ride in it); "eviction" is all the method adds after
-it: its scores, the pooling, the top C and the gather; ttft runs from the prefill's start to the first token.
+"prefill" is the prompt's forward pass (LookaheadKV's M rows ride in it); "eviction" is all the
+method adds after it: its scores, the pooling, the top C and the gather; ttft runs from the
+prefill's start to the first token.
 
     python generate.py --prompt examples/needle.txt --method snapkv --show   # the kept tokens, lit
     echo "What is 2+2?" | python generate.py --prompt - --method full --json  # one JSON object
 
-Beyond the paper, each only when its flag asks: --pool span:8:1024 (the span rule), --layer-budgets, --decode-budget
-(the cache held while decoding), --turns (a chat). --model takes any HF Llama/Mistral/Qwen2/Qwen3 folder. Every
-flag and file is checked before the weights load (support/generate_checks.py): a bad one is one `error:` line.
+Beyond the paper, each only when its flag asks: --pool span:8:1024 (the span rule), --layer-budgets,
+--decode-budget (the cache held while decoding), --turns (a chat). --model takes any HF Llama,
+Mistral, Qwen2 or Qwen3 folder. Every flag and file is checked before the weights load
+(support/generate_checks.py): a bad one is one `error:` line.
 """
+import argparse
 import time
+from pathlib import Path
 
 import torch
 
 from baselines import full_answer
-from eviction import compress, decode
-from methods import make_scorer, selection_of
-from support import cli
-from support.cli import check_logits, report, sampler, stream, warn, why_empty
-from support.generate_checks import checked_inputs, get_args
-from support.metrics import Stopwatch, answer_stats
+from eviction import EvictConfig, Stopwatch, compress, decode, uniform_budgets
+from methods import METHODS, load_adapter, make_scorer, selection_of
+from model import load_model
+from support.cli import Parser, print_stats, run
+from support.generate_checks import check
+from support.selection import extension
+from support.tokenizer import Tokenizer
 
 
-def main(argv=None):
-    return cli.run(lambda: cli.quiet_pipe(lambda: work(get_args(argv, __doc__))))
+def get_args(argv=None):
+    p = Parser("generate.py", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--prompt", default=None, help="a text file with the user message, or - for stdin")
+    a("--model", default=None,
+      help="an HF folder (default: weights/SmolLM2-135M-Instruct, prepared if missing)")
+    a("--method", default="lookahead", choices=METHODS, help="how to choose the kept tokens")
+    a("--budget", type=int, default=128,
+      help="KV slots kept per (layer, KV head), protected tokens included")
+    a("--adapter", default=None,
+      help="lookahead adapter .safetensors (default: the one shipped for the model)")
+    a("--window", type=int, default=32,
+      help="snapkv/pyramidkv/h2o/laq: last prompt tokens always kept (>= 1); with --decode-budget "
+      "or in a chat, every method's last slots kept at each later eviction")
+    a("--pool", default=None, metavar="RULE",
+      help="selection rule: none | avg:K | max:K | span:K | span:K:N (default: the method's own, "
+      "the paper's: lookahead max:7, snapkv avg:5). span:K:N is beyond the paper: the span rule "
+      "(extensions/span.py) keeps a run of tokens the model could not predict whole")
+    a("--layer-budgets", action="store_true",
+      help="beyond the paper (extensions/layer_budgets.py): lookahead keeps its adapter's "
+      "per-layer budgets (its .json's layer_weights, mean C) instead of C in every layer")
+    a("--uniform-budgets", action="store_true", help="C slots in every layer (the paper's; "
+      "pyramidkv: instead of its pyramid; lookahead: its default)")
+    a("--two-pass", action="store_true",
+      help="lookahead: score in a second forward (the reference form) instead of in the prefill")
+    a("--max-new-tokens", type=int, default=256)
+    a("--decode-budget", type=int, default=None, help="beyond the paper (extensions/decode.py): "
+      "hold the cache to this many slots while decoding too")
+    a("--every", type=int, default=32, help="with --decode-budget: re-score and evict once the "
+      "cache holds decode-budget + every slots")
+    a("--turns", default=None, help="beyond the paper (extensions/chat.py): a chat, a JSON list "
+      "of user turns, or - for stdin, one line a turn (/reset starts over, end of input ends it)")
+    a("--chat", action=argparse.BooleanOptionalAction, default=None,
+      help="wrap the prompt in the chat template (default: when the tokenizer has one)")
+    a("--temperature", type=float, default=0.0, help="0 = greedy")
+    a("--top-p", type=float, default=1.0)
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+      help="cpu, cuda or cuda:N")
+    a("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+      help="default: float32 on CPU, bfloat16 on CUDA")
+    a("--seed", type=int, default=0)
+    a("--show", action="store_true", help="print the prompt with the kept tokens highlighted "
+      "(brighter = kept by more layers and heads)")
+    a("--json", action="store_true", help="print one JSON object instead of streaming text")
+    return p.parse_args(argv)
 
 
-def work(args):
-    """Check every flag and file, load the weights, then answer the prompt (or run the chat of --turns)."""
-    run = checked_inputs(args)  # the model's folder, tokenizer, prompt ids, adapter and the method's Scorer
-    torch.manual_seed(args.seed)
-    model, _, _ = cli.load(run.folder, args.device, args.dtype, tokenizer=False)
-    if run.module is not None:
-        run.module.to(args.device, model.lm_head.weight.dtype)
-    if run.chat is not None:  # beyond the paper: --turns (extensions/chat.py)
-        return run.chat(args, model, run)
-    return answer(args, model, run)
+def sampler(args):
+    """decode()'s pick for --temperature/--top-p, seeded by --seed: None (greedy, the paper's) at
+    temperature 0, else a draw from the softmax at that temperature, cut to the nucleus of mass top_p."""
+    if args.temperature <= 0:
+        return None
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+
+    def pick(logits):  # (B, V) -> (B,)
+        probs = (logits.float() / args.temperature).softmax(-1)
+        if args.top_p < 1.0:  # nucleus: the smallest set of tokens whose mass reaches top_p
+            p, i = probs.sort(-1, descending=True)
+            p[(p.cumsum(-1) - p) > args.top_p] = 0
+            probs = torch.zeros_like(probs).scatter(-1, i, p)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return pick
+
+
+def eviction_of(args, module):
+    """The method as the flags set it: what they leave unset is the method's own, its paper's
+    (LookaheadKV: max-pool 7 and C in every layer, whatever its adapter's .json recommends)."""
+    budgets = uniform_budgets if args.uniform_budgets else None
+    if args.layer_budgets:  # beyond the paper: extensions/layer_budgets.py, asked for by its flag
+        budgets = extension("layer_budgets", "--layer-budgets").LayerBudgets(module.info["layer_weights"])
+    options = {k: v for k, v in dict(one_pass=not args.two_pass, seed=args.seed).items()
+               if k in METHODS[args.method].default_options}  # the flags that set its own options
+    # the rule as text ("max:7", "span:8:1024"): make_scorer reads it (support/selection.py)
+    return EvictConfig(args.method, args.budget, window=args.window, rule=args.pool,
+                       options=options, budgets=budgets)
 
 
 @torch.no_grad()
-def answer(args, model, run):
-    """Compress the prompt's cache, decode from it as the answer streams, then the stats block (or one JSON
-    object); returns the stats."""
-    ids = torch.tensor([run.ids], device=args.device)  # (1, S)
-    scorer, oracle_ms = run.scorer, 0.0
-    if scorer is None:  # the oracle: FullKV's greedy answer first, its time counted in the eviction
-        t = time.perf_counter()
-        full, response = full_answer(model, ids, args.max_new_tokens, run.tok.stop_ids)
-        check_logits(full.logits, run.folder)
-        scorer, oracle_ms = make_scorer(run.eviction, response=torch.tensor(response, device=args.device)), (
-            time.perf_counter() - t) * 1e3
+def generate(model, tok, ids, scorer, args, evictor=None):
+    """Prefill -> score -> evict, then decode on the compact cache, printing the answer as it comes.
+    evictor: --decode-budget's DecodeEviction (beyond the paper), or None. Returns (answer ids, the
+    text printed, the last token read, the cache, the kept slots, (slots per layer, bytes) after
+    the eviction, timings in ms)."""
+    ids = torch.tensor([ids], device=args.device)  # (1, S)
     t0, clock = time.perf_counter(), Stopwatch(args.device)
     clock.mark()
-    # 1. prefill (the M lookahead rows ride in it) -> 2. score -> 3. evict: top C per (layer, KV head), one gather
-    cache, logits, pos, kept_slots = compress(model, ids, scorer, clock=clock)  # marks: prefill, eviction
-    check_logits(logits, run.folder)
-    kept = [int(k.shape[2]) for k in cache.k], cache.nbytes()  # slots per layer (per-layer budgets vary them)
-    # 4. decode on the compact cache: positions go on from S (--decode-budget's evictor: None by default)
-    steps = decode(model, cache, logits, pos, args.max_new_tokens, run.tok.stop_ids, sampler(args),
-                   **cli.watch(run.evictor))
-    out, printed, _, last, t_first = stream(run.tok, steps, args.json)
-    n_decoded, t_end = max(len(out) - 1, 0), time.perf_counter()
-    timing = dict(prefill_ms=round(clock.ms(0, 1), 1), evict_ms=round(clock.ms(1, 2) + oracle_ms, 1),
-                  ttft_ms=round((t_first - t0) * 1e3 + oracle_ms, 1),
-                  decode_tokens_per_s=round(n_decoded / (t_end - t_first), 2) if n_decoded else None)
-    # 5. the stats: what ran (the rule and budgets by name), what it cost, what the cache holds
-    stats = answer_stats(args, model, selection_of(scorer), len(run.ids), kept, run.tok.decode(out), timing, cache,
-                         run.evictor, run.module)
-    if not stats["text"]:
-        warn(why_empty(last, run.tok, run.blank))
-    report(args, stats, printed, run.tok, run.ids, kept_slots)
+    # 1. prefill (the M lookahead rows ride in it) -> 2. score -> 3. evict: top C, one gather a layer
+    cache, logits, pos, kept = compress(model, ids, scorer, clock=clock)
+    if not torch.isfinite(logits).all():  # one bad tensor in the checkpoint: said, not an empty answer
+        folder = args.model or f"weights/{model.config.name}"
+        raise ValueError(f"the model in {folder} gives NaN or inf logits: a weight holds NaN or inf; "
+                         f"delete the folder {folder} and download the checkpoint again")
+    kv_kept = [int(k.shape[2]) for k in cache.k], cache.nbytes()  # per-layer budgets vary them
+    # 4. decode: positions go on from S whatever the cache holds; --decode-budget evicts as it grows
+    watch = {} if evictor is None else dict(hook=evictor.hook, after_step=evictor.after_step)
+    answer, printed, last, t_first = [], "", None, None
+    for token in decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids,
+                        sampler(args), **watch):
+        t_first, last = t_first or time.perf_counter(), token.item()
+        if last in tok.stop_ids:
+            break
+        answer.append(last)
+        text = tok.decode(answer)
+        if not args.json and not text.endswith("\ufffd"):  # wait for a character's last byte
+            print(text[len(printed):], end="", flush=True)
+            printed = text
+    t_end = time.perf_counter()
+    n = max(len(answer) - 1, 0)  # tokens decoded after the first
+    timing = dict(prefill_ms=round(clock.ms(0, 1), 1), evict_ms=round(clock.ms(1, 2), 1),
+                  ttft_ms=round((t_first - t0) * 1e3, 1),
+                  decode_tokens_per_s=round(n / (t_end - t_first), 2) if n else None)
+    return answer, printed, last, cache, kept, kv_kept, timing
+
+
+def main(argv=None):
+    """generate.py as a command: any bad flag or file is one `error:` line and exit 1."""
+    return run(lambda: answer(get_args(argv)))
+
+
+def answer(args):
+    """Check, load, build the method, compress the prompt, decode it, report: the stats."""
+    folder, text = check(args)  # every flag and file: raises, or the model's folder and the prompt
+    torch.manual_seed(args.seed)
+
+    # the model, its tokenizer, the adapter (the paper's M embeddings and their LoRA)
+    model = load_model(folder, args.device, args.dtype and getattr(torch, args.dtype))
+    tok = Tokenizer(folder, model.config)
+    module = None
+    if args.method == "lookahead":
+        default = Path(__file__).parent / "weights" / f"{model.config.name}.lookahead.safetensors"
+        module = load_adapter(args.adapter or default, model.config, args.device)
+        module.to(args.device, model.lm_head.weight.dtype)
+
+    # the method: e.g. LookaheadKV, max-pool 7, C = --budget in every layer
+    eviction = eviction_of(args, module)
+    if args.turns is not None:  # beyond the paper: a chat, evicted to --budget at every turn
+        chat = extension("chat", "--turns").chat
+        return chat(args, model, tok, folder, text, eviction, module)
+    evictor = None
+    if args.decode_budget is not None:  # beyond the paper: the cache held while decoding
+        held = make_scorer(EvictConfig(**{**vars(eviction), "budget": args.decode_budget}), module)
+        evictor = extension("decode", "--decode-budget").DecodeEviction(held, args.every, args.window)
+
+    # the prompt's ids, in the chat template unless --no-chat
+    ids = tok.encode(tok.chat(text) if args.chat is not False and tok.format else text)
+    response = None
+    if args.method == "oracle":  # needs FullKV's answer first: its time counts as its eviction
+        t = time.perf_counter()
+        _, response = full_answer(model, torch.tensor([ids], device=args.device),
+                                  args.max_new_tokens, tok.stop_ids)
+        response, oracle_ms = torch.tensor(response, device=args.device), (time.perf_counter() - t) * 1e3
+    scorer = make_scorer(eviction, module, response)
+
+    answer, printed, last, cache, kept, (per_layer, kv_bytes), timing = generate(
+        model, tok, ids, scorer, args, evictor)
+    if response is not None:
+        timing["evict_ms"], timing["ttft_ms"] = (round(timing[k] + oracle_ms, 1)
+                                                 for k in ("evict_ms", "ttft_ms"))
+
+    # the stats: what ran (the rule and budgets by name), what it cost, what the cache holds
+    cfg, (rule, budgets) = model.config, selection_of(scorer)
+    stats = dict(method=args.method, rule=rule, budgets=budgets, budget=args.budget,
+                 prompt_tokens=len(ids), kept_tokens=round(sum(per_layer) / len(per_layer)),
+                 kept_range=[min(per_layer), max(per_layer)], text=tok.decode(answer), **timing,
+                 kv_bytes_full=2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+                 * len(ids) * model.lm_head.weight.element_size(), kv_bytes_kept=kv_bytes)
+    info = module.info if module is not None else {}  # beyond the paper: said, never applied unasked
+    recommends = " ".join(([f"--pool {info['rule']}"] if info.get("rule") else [])
+                          + (["--layer-budgets"] if info.get("layer_weights") else []))
+    if recommends and (rule, budgets) != (info.get("rule", rule), "per-layer budgets"):
+        stats["recommends"] = recommends
+    if evictor is not None:  # the cache only grows between evictions: its peak is where one began
+        stats.update(decode_budget=args.decode_budget, every=args.every,
+                     decode_evictions=len(evictor.log), kv_bytes_end=cache.nbytes(),
+                     peak_slots=max([max(per_layer), len(cache)] + [b for _, b, _ in evictor.log]))
+    print_stats(args, stats, tok, printed, last, blank=not text.strip(), ids=ids, kept=kept)
     return stats
 
 

@@ -32,6 +32,8 @@ def make_scorer(eviction, module=None, response=None):
     if issubclass(method, Unpooled) and eviction.rule is not None:
         raise ValueError(f"method {eviction.method} selects by its own scores alone: a selection rule "
                          f"(--pool {eviction.rule}) does not apply to it")
+    if isinstance(eviction.rule, str):  # a rule's text, e.g. "max:7" (generate.py's --pool)
+        eviction = dataclasses.replace(eviction, rule=selection.parse_rule(eviction.rule))
     if hasattr(eviction.rule, "wrap"):  # beyond the paper: the method, unpooled, wrapped in the rule
         scorer = eviction.rule.wrap(method(dataclasses.replace(eviction, rule=Pool("none")), module, response))
     else:
@@ -52,8 +54,9 @@ def selection_of(scorer):
 
 
 def load_adapter(path, cfg, device="cpu"):
-    """A LookaheadModule from path (.safetensors + .json), its .json's recommended selection checked now rather
-    than after a prefill: ValueError naming the file."""
+    """A LookaheadModule from path (.safetensors + .json), its .json's recommended selection (beyond the
+    paper: applied only when a flag asks) checked now as text and numbers, no extension imported:
+    ValueError naming the file rather than a failure after a prefill."""
     module = LookaheadModule.load(path, cfg, device)
     selection.check_adapter_selection(path, module.info, cfg.num_hidden_layers, cfg.max_context)
     return module

@@ -24,6 +24,7 @@ import torch
 from support import cli
 from eviction import compress, decode
 from extensions.decode import DecodeEviction, add_turn
+from generate import sampler
 from methods import make_scorer
 
 # -----------------------------------------------------------------------------
@@ -172,7 +173,7 @@ def chat_loop(args, model, tok, folder, turns, build):
     """The chat of generate.py's flags (args) over `turns`. build() makes the prompt's Scorer and the
     DecodeEviction that holds the cache to --budget from turn 2 on (None: FullKV), once per conversation.
     Returns the turns' stats."""
-    pick = cli.sampler(args)  # one generator for the whole chat
+    pick = sampler(args)  # one generator for the whole chat
     talk, out = Conversation(), []
     for text in turns:
         if text.strip() == "/reset":
@@ -254,21 +255,16 @@ def report_turn(args, tok, st, printed, last):
 
 
 # -----------------------------------------------------------------------------
-# generate.py --turns: what support/generate_checks.py calls once every flag is checked
+# generate.py --turns: what generate.py calls once the model is loaded (turns_of checked the turns before)
 
 
-def checked(args, run):
-    """The turns of --turns, checked before the model loads; returns the chat to run once it has:
-    chat(args, model, run) -> the turns' stats. Each conversation gets its own Scorer and DecodeEviction."""
-    turns = turns_of(args, run.tok, run.cfg.max_context)
-
+def chat(args, model, tok, folder, turns, eviction, module):
+    """The chat of generate.py's flags over `turns` (turns_of's), each conversation with its own Scorer
+    of `eviction` (module: the adapter) and DecodeEviction: the turns' stats."""
     def fresh():
-        scorer = make_scorer(run.eviction, run.module)
+        scorer = make_scorer(eviction, module)
         if args.method == "full":
             return scorer, None
-        held = make_scorer(dataclasses.replace(run.eviction, budget=args.decode_budget or args.budget), run.module)
+        held = make_scorer(dataclasses.replace(eviction, budget=args.decode_budget or args.budget), module)
         return scorer, DecodeEviction(held, args.every if args.decode_budget is not None else None, args.window)
-
-    def chat(args, model, run):
-        return chat_loop(args, model, run.tok, run.folder, turns, build=fresh)
-    return chat
+    return chat_loop(args, model, tok, folder, turns, build=fresh)

@@ -139,7 +139,8 @@ from research.harness import mean_of, results_table, task_means
 from lookaheadkv import answer_attention
 from methods import METHODS, load_adapter, make_scorer, selection_of, untrained
 from support.selection import RULES, adapter_selection, parse_rule
-from support.metrics import Stopwatch, answer_kl, forced_logprobs, gap_closed, recall_of_kept
+from eviction import Stopwatch
+from support.metrics import answer_kl, forced_logprobs, gap_closed, recall_of_kept
 from model import ModelConfig
 
 UNTRAINED = "lookahead-untrained"

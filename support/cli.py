@@ -35,10 +35,13 @@ from support.tokenizer import Tokenizer, decode_utf8
 
 def run(fn, resume=None):
     """Call fn(); library errors become one `error:` line and exit 1. resume: the command that continues
-    an interrupted run (said on Ctrl-C or SIGTERM), or None."""
+    an interrupted run (said on Ctrl-C or SIGTERM), or None. Its output is flushed here, so a reader that
+    went away (`| head`) is a quiet exit, as Unix tools make it, not a traceback."""
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        return fn()
+        out = fn()
+        sys.stdout.flush()
+        return out
     except (ValueError, OSError) as e:
         if isinstance(e, BrokenPipeError):
             return quiet_exit()
@@ -70,23 +73,13 @@ def one_line(e):
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def quiet_pipe(fn):
-    """fn(), its output flushed here, so a reader that went away (`| head`) shows up as a BrokenPipeError
-    inside run (a quiet exit), and what is still buffered goes nowhere, not to a traceback at exit."""
-    try:
-        out = fn()
-        sys.stdout.flush()
-        return out
-    except BrokenPipeError:
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (tests)
-            pass
-        raise
-
-
 def quiet_exit():
-    """The reader of our stdout went away (`| head`): stop without a word, as Unix tools do."""
+    """The reader of our stdout went away (`| head`): stop without a word. What is still buffered goes
+    nowhere (stdout's descriptor on /dev/null), not to a traceback at exit."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (tests)
+        pass
     try:
         sys.stdout = open(os.devnull, "w")
     finally:
@@ -398,23 +391,6 @@ def watch(evictor):
     return {} if evictor is None else dict(hook=evictor.hook, after_step=evictor.after_step)
 
 
-def sampler(args):
-    """decode()'s pick for --temperature/--top-p, seeded by --seed: None (greedy, the paper's) at temperature 0,
-    else a draw from the softmax at that temperature, cut to the nucleus of mass top_p."""
-    if args.temperature <= 0:
-        return None
-    generator = torch.Generator(device=args.device).manual_seed(args.seed)
-
-    def pick(logits):  # (B, V) -> (B,)
-        probs = (logits.float() / args.temperature).softmax(-1)
-        if args.top_p < 1.0:  # nucleus: keep the smallest set of tokens whose mass reaches top_p
-            p, i = probs.sort(-1, descending=True)
-            p[(p.cumsum(-1) - p) > args.top_p] = 0
-            probs = torch.zeros_like(probs).scatter(-1, i, p)
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
-    return pick
-
-
 def stream(tok, steps, quiet=False):
     """Read decode()'s tokens until a stop token, printing the new text as it comes (unless quiet).
     Returns (answer ids, text printed, tokens read, the last token, time of the first token)."""
@@ -448,9 +424,13 @@ def why_empty(last, tok, blank_prompt):
     return f"the answer is empty: its tokens decode to no text{cause}"
 
 
-def report(args, stats, printed, tok, ids, kept_slots):
-    """The rest of the answer, then the stats block (four lines; five with --decode-budget) and with --show the
-    prompt's kept tokens; --json: the stats as one JSON object instead."""
+def print_stats(args, stats, tok, printed, last, blank, ids, kept):
+    """The rest of the answer, then the stats block (four lines; five with --decode-budget) and with
+    --show the prompt's kept tokens; --json: the stats as one JSON object instead. printed: the text
+    streamed so far; last: the last token read and blank: the prompt was blank (said when the answer
+    is empty); ids, kept: the prompt's ids and the kept slots (--show)."""
+    if not stats["text"]:
+        warn(why_empty(last, tok, blank))
     if args.json:
         print(json.dumps(stats))
         return
@@ -460,19 +440,19 @@ def report(args, stats, printed, tok, ids, kept_slots):
     print(f"method {args.method} ({stats['rule']}, {stats['budgets']})  budget {args.budget}  prompt "
           f"{stats['prompt_tokens']} tokens  kept {stats['kept_tokens']} per (layer, KV head)"
           + (f" on average ({lo}-{hi} by layer)" if lo < hi else ""))
-    print(f"prefill {stats['prefill_ms']:.0f} ms  eviction {stats['evict_ms']:.0f} ms (score + select + gather)  "
-          f"ttft {stats['ttft_ms']:.0f} ms")
-    print(f"decode {stats['decode_tokens_per_s'] or 0:.1f} tok/s  KV cache {stats['kv_bytes_full'] / 1e6:.1f} MB -> "
-          f"{stats['kv_bytes_kept'] / 1e6:.1f} MB")
-    if "recommends" in stats:  # the adapter's .json recommends a selection beyond the paper: said, not applied
+    print(f"prefill {stats['prefill_ms']:.0f} ms  eviction {stats['evict_ms']:.0f} ms (score + select + "
+          f"gather)  ttft {stats['ttft_ms']:.0f} ms")
+    print(f"decode {stats['decode_tokens_per_s'] or 0:.1f} tok/s  KV cache {stats['kv_bytes_full'] / 1e6:.1f} "
+          f"MB -> {stats['kv_bytes_kept'] / 1e6:.1f} MB")
+    if "recommends" in stats:  # the adapter's .json recommends a selection beyond the paper: not applied
         print(f"the adapter recommends {stats['recommends']} (beyond the paper; not applied)")
     if "peak_slots" in stats:  # beyond the paper: --decode-budget held the cache while decoding
         print(f"decode budget {args.decode_budget} every {args.every}: evictions while decoding "
               f"{stats['decode_evictions']}, peak {stats['peak_slots']} slots per (layer, KV head), KV cache "
               f"{stats['kv_bytes_end'] / 1e6:.1f} MB at the end")
-    if args.show and kept_slots is not None:
+    if args.show and kept is not None:
         print("--- kept tokens (brighter = kept by more layers and KV heads)")
-        print(show_kept(tok, ids, keep_fraction(kept_slots, len(ids))))
+        print(show_kept(tok, ids, keep_fraction(kept, len(ids))))
 
 
 def show_kept(tok, ids, keep_frac):

@@ -1,19 +1,17 @@
 """
-generate.py's flags and their checks, in the order they are read, all before the weights load:
+generate.py's flags and files, checked in the order they are read, all before the weights load:
 
-    args = get_args(argv)
-    run = checked_inputs(args)   # run.folder, cfg, tok, ids, blank, module, eviction, scorer, evictor, chat
+    folder, text = check(args)   # raises, or plain values: the model's folder and the prompt's text
 
-each flag alone first (a bad value stops in a second, before a default model is prepared), then the model's
-config.json against them, the prompt file, the tokenizer, the adapter, the method as it will run (its Scorer,
-built once here and used by generate.py: its constructor checks budget, window and rule), and the prompt's
-tokens against the context. A bad one raises ValueError or OSError, which cli.run turns into one `error:` line.
+each flag alone first (a bad value stops in a second, before a default model is prepared), then the
+model's config.json against them, the tokenizer, the adapter, the method's config as make_scorer
+checks it, the memory the weights need, the prompt file and its tokens against the context. A bad one
+raises ValueError or OSError, which cli.run turns into one `error:` line. Nothing is built for
+generate.py: it loads the model, the tokenizer and the adapter and builds its method itself.
 
 Beyond the paper, and imported only when its flag asks: --pool span:K:N (extensions/span.py), --layer-budgets
 (extensions/layer_budgets.py), --decode-budget (extensions/decode.py) and --turns (extensions/chat.py).
 """
-import argparse
-import dataclasses
 import sys
 
 import torch
@@ -21,107 +19,47 @@ import torch
 from baselines import Unpooled
 from eviction import EvictConfig, uniform_budgets
 from methods import METHODS, load_adapter, make_scorer
-from model import ModelConfig
+from model import ModelConfig, default_dtype
 from support import cli, selection
 from support.tokenizer import Tokenizer
 
-def get_args(argv=None, doc=None):
-    p = cli.Parser("generate.py", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
-    a("--prompt", default=None, help="a text file with the user message, or - for stdin")
-    a("--model", default=None, help="an HF folder (default: weights/SmolLM2-135M-Instruct, prepared if missing)")
-    a("--method", default="lookahead", choices=METHODS, help="how to choose the kept tokens")
-    a("--budget", type=int, default=128, help="KV slots kept per (layer, KV head), protected tokens included")
-    a("--adapter", default=None, help="lookahead adapter .safetensors (default: the one shipped for the model)")
-    a("--window", type=int, default=32, help="snapkv/pyramidkv/h2o/laq: last prompt tokens always kept (>= 1); "
-      "with --decode-budget or in a chat, every method's last slots kept at each later eviction")
-    a("--pool", default=None, metavar="RULE", help=f"selection rule: {' | '.join(selection.RULES)} (default: the "
-      "method's own, the paper's: lookahead max:7, snapkv avg:5). span:K:N is beyond the paper: the span rule "
-      "(extensions/span.py) keeps a run of tokens the model could not predict whole once one of them scores")
-    a("--layer-budgets", action="store_true", help="beyond the paper (extensions/layer_budgets.py): lookahead "
-      "keeps its adapter's per-layer budgets (its .json's layer_weights, mean C) instead of C in every layer")
-    a("--uniform-budgets", action="store_true", help="C slots in every layer (the paper's; pyramidkv: instead of its "
-      "pyramid; lookahead: its default)")
-    a("--two-pass", action="store_true",
-      help="lookahead: score in a second forward (the reference form) instead of inside the prefill")
-    a("--max-new-tokens", type=int, default=256)
-    a("--decode-budget", type=int, default=None,
-      help="beyond the paper (extensions/decode.py): hold the cache to this many slots while decoding too")
-    a("--every", type=int, default=32,
-      help="with --decode-budget: re-score and evict once the cache holds decode-budget + every slots")
-    a("--turns", default=None, help="beyond the paper (extensions/chat.py): a chat, a JSON list of user turns, "
-      "or - for stdin, one line a turn (/reset starts over, end of input ends it)")
-    a("--chat", action=argparse.BooleanOptionalAction, default=None,
-      help="wrap the prompt in the chat template (default: when the tokenizer has one)")
-    a("--temperature", type=float, default=0.0, help="0 = greedy")
-    a("--top-p", type=float, default=1.0)
-    a("--device", default=cli.default_device(), help="cpu, cuda or cuda:N")
-    a("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-      help="default: float32 on CPU, bfloat16 on CUDA")
-    a("--seed", type=int, default=0)
-    a("--show", action="store_true",
-      help="print the prompt with the kept tokens highlighted (brighter = kept by more layers and heads)")
-    a("--json", action="store_true", help="print one JSON object instead of streaming text")
-    return p.parse_args(argv)
 
-
-@dataclasses.dataclass
-class Run:
-    """What generate.py needs, every part of it checked."""
-    folder: object  # the model's folder
-    cfg: ModelConfig
-    tok: Tokenizer
-    ids: list | None  # the prompt's token ids (None in a chat)
-    blank: bool  # the prompt was blank once control characters were removed
-    module: object  # the adapter (LookaheadModule) or None
-    eviction: EvictConfig  # the method as the flags set it
-    scorer: object  # its Scorer (None for the oracle: it needs the full-cache answer, made after the load)
-    evictor: object = None  # beyond the paper: --decode-budget's DecodeEviction
-    chat: object = None  # beyond the paper: --turns' chat(args, model, run), its turns checked
-
-
-def checked_inputs(args):
-    """Every flag and file checked, in the order they are read, then the method as it will run (a Run)."""
+def check(args):
+    """Every flag and file of generate.py, in the order they are read, before the weights load: raises
+    (ValueError, OSError) or returns plain values: (the model's folder, the prompt's text), or with
+    --turns (the model's folder, the turns: a list, or stdin's lines with the first one read).
+    It builds nothing generate.py uses: the tokenizer and the adapter it reads are its own."""
     check_flags(args)
     folder = cli.resolve_model(args.model)
     cfg = ModelConfig.from_hf_config(folder)
     check_fits_model(args, cfg)
-    text, note = read_prompt(args.prompt, cfg.max_context) if args.prompt is not None else (None, None)
-    if note:
-        cli.warn(note)
+    if args.pool is not None:  # the rule's width against the context, its shortlist against the vocabulary
+        cli.flag_value("--pool", selection.parse_rule, args.pool, cfg.max_context, cfg.vocab_size)
+    text = None
+    if args.prompt is not None:
+        text, note = read_prompt(args.prompt, cfg.max_context)
+        if note:
+            cli.warn(note)
     tok = Tokenizer(folder, cfg)
-    module = adapter(args, cfg, folder, load_adapter)
-    eviction = eviction_config(args, args.budget, cfg, module)
-    scorer = make_scorer(eviction, module) if args.method != "oracle" else None
-    ids = prompt_ids(args, tok, text, cfg.max_context) if text is not None else None
-    run = Run(folder, cfg, tok, ids, text is not None and not text.strip(), module, eviction, scorer)
-    if args.decode_budget is not None and args.turns is None:  # beyond the paper: the cache held while decoding
-        from extensions.decode import DecodeEviction
-        run.evictor = DecodeEviction(make_scorer(dataclasses.replace(eviction, budget=args.decode_budget), module),
-                                     args.every, args.window)
-    if args.turns is not None:  # beyond the paper: a chat, evicted to --budget at every turn
+    adapter = check_adapter(args, cfg, folder)
+    eviction = EvictConfig(args.method, args.budget, window=args.window, rule=args.pool,
+                           options=method_options(args), budgets=uniform_budgets if args.uniform_budgets else None)
+    if args.method != "oracle":  # the method's config as make_scorer checks it (the oracle's: check_flags)
+        make_scorer(eviction, adapter)
+    dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(args.device)
+    cli.check_fits_memory(cfg, dtype, args.device, f"the model in {folder} needs a machine (or device) with "
+                          "more free memory, or a smaller --dtype")
+    if args.turns is not None:  # beyond the paper: a chat's turns, read (the first from stdin) and checked
         from extensions import chat
-        run.chat = chat.checked(args, run)
-    return run
+        return folder, chat.turns_of(args, tok, cfg.max_context)
+    prompt_ids(args, tok, text, cfg.max_context)
+    return folder, text
 
 
-def eviction_config(args, budget, cfg=None, module=None):
-    """The EvictConfig of the flags: what they leave unset is the method's own, the paper's. cfg: the model's
-    config, whose context and vocabulary bound --pool's rule; module: the adapter, whose per-layer budgets
-    --layer-budgets asks for."""
-    bounds = (cfg.max_context, cfg.vocab_size) if cfg is not None else ()
-    rule = cli.flag_value("--pool", selection.parse_rule, args.pool, *bounds) if args.pool is not None else None
-    if args.layer_budgets and module is not None:
-        budgets = selection.adapter_selection(module)[1]
-        if budgets is None:  # nothing to apply: refused rather than running C in every layer unannounced
-            raise ValueError(f"--layer-budgets: the adapter {args.adapter or cli.default_adapter_path(cfg)} has no "
-                             "layer_weights in its .json; drop the flag, or measure them (python -m "
-                             "research.train_lab --stage budgets)")
-    else:
-        budgets = uniform_budgets if args.uniform_budgets else None
-    flags = dict(one_pass=not args.two_pass, seed=args.seed)  # the flags that set a method's own options
-    options = {k: v for k, v in flags.items() if k in METHODS[args.method].default_options}
-    return EvictConfig(args.method, budget, window=args.window, rule=rule, options=options, budgets=budgets)
+def method_options(args):
+    """The flags that set a method's own options (generate.eviction_of reads them the same way)."""
+    flags = dict(one_pass=not args.two_pass, seed=args.seed)
+    return {k: v for k, v in flags.items() if k in METHODS[args.method].default_options}
 
 
 # -----------------------------------------------------------------------------
@@ -180,7 +118,8 @@ def check_flags(args):
         raise ValueError(f"method {args.method} selects by its own scores alone: a selection rule (--pool "
                          f"{args.pool}) does not apply to it")
     if args.method == "oracle":  # its Scorer is made once its answer is known: its config is checked now
-        make_scorer(eviction_config(args, args.budget), response=torch.zeros(1, 1, dtype=torch.long))
+        make_scorer(EvictConfig(args.method, args.budget, window=args.window, rule=args.pool),
+                    response=torch.zeros(1, 1, dtype=torch.long))
     cli.check_generate_flags(args)  # --show with --json, --show/--no-chat in a chat: refused, not dropped
     cli.check_device(args.device)
     cli.check_model_dir(args.model)
@@ -189,7 +128,8 @@ def check_flags(args):
 def check_fits_model(args, cfg):
     """The flags against what the model can use (config.json, read before the weights): a length past its
     context is one no prompt or answer can reach, so it would do nothing (--pool's width, which would run without
-    end, is held to it by eviction_config(args, budget, cfg) in checked_inputs). --max-new-tokens is held to the context with the prompt's tokens (prompt_ids) or a chat's first turns
+    end, is held to it by check()). --max-new-tokens is held to the context with the prompt's tokens
+    (prompt_ids) or a chat's first turns
     (extensions/chat.py)."""
     ctx = cfg.max_context
     cli.check_window_fits("--window", args.window, cfg)  # names a sliding_window that shortened the context
@@ -247,12 +187,20 @@ def prompt_ids(args, tok, text, context):
     return ids
 
 
-def adapter(args, cfg, folder, load_adapter):
-    """The LookaheadModule for --method lookahead (--adapter, or the one shipped for the model), else None."""
+def check_adapter(args, cfg, folder):
+    """--method lookahead's adapter (--adapter, or the one shipped for the model) as the loader reads it,
+    with what its flags ask of its .json: the span rule's and the per-layer budgets' extension files
+    and values (their text alone otherwise: the default run imports no extension). None for others."""
     if args.method != "lookahead":
         return None
     path = args.adapter or cli.default_adapter_path(cfg)
     if args.adapter is None and not path.is_file():
         raise FileNotFoundError(f"no lookahead adapter for {cfg.name} ({path}): "
                                 f"train one with python train.py --model {folder}, or pass --adapter")
-    return load_adapter(path, cfg)
+    module = load_adapter(path, cfg)
+    if args.layer_budgets:
+        if module.info.get("layer_weights") is None:  # refused rather than C in every layer unannounced
+            raise ValueError(f"--layer-budgets: the adapter {path} has no layer_weights in its .json; drop the "
+                             "flag, or measure them (python -m research.train_lab --stage budgets)")
+        selection.layer_budgets(module.info["layer_weights"])  # its file (extensions/), or one error line
+    return module

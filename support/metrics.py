@@ -11,13 +11,11 @@ Answer KL counts answer tokens 2..R. The first answer token is predicted by the 
 before any eviction, so it is the same for every method; tokens 2..R are the ones a compressed
 cache predicts. An answer of one token (the stop token) has KL 0.
 
-generate.py's stats of one answer (answer_stats: what ran, its KV bytes) time it with a Stopwatch;
-keep_fraction draws its kept tokens (--show).
+keep_fraction draws generate.py's kept tokens (--show).
 """
 
 import dataclasses
 import random
-import time
 
 import torch
 
@@ -68,30 +66,6 @@ def gap_closed(method, snapkv, oracle, lower_is_better=False):
     return ((snapkv - method) if lower_is_better else (method - snapkv)) / gap
 
 
-class Stopwatch:
-    """Time marks on the device's own timeline. On CUDA they are events recorded in the stream, not
-    synchronisations: the CPU keeps queueing the scoring kernels while the GPU still runs the
-    prefill, so their launch cost hides behind it, as it would in a server. On CPU, wall time.
-    compress(..., clock=Stopwatch(device)) marks the end of the prefill and of the eviction."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-        self.marks = []
-
-    def mark(self):
-        if self.cuda:
-            self.marks.append(torch.cuda.Event(enable_timing=True))
-            self.marks[-1].record()
-        else:
-            self.marks.append(time.perf_counter())
-
-    def ms(self, i, j):  # from mark i to mark j (waits for mark j on CUDA)
-        if self.cuda:
-            self.marks[j].synchronize()
-            return self.marks[i].elapsed_time(self.marks[j])
-        return (self.marks[j] - self.marks[i]) * 1e3
-
-
 def paired_ci(diffs, n=2000, seed=0):
     """95% bootstrap interval of the mean of paired differences (one per prompt): resample prompts."""
     rng = random.Random(seed)
@@ -104,34 +78,6 @@ def keep_fraction(kept, S):
     (generate.py --show and research/analysis/plot_kept.py draw it). kept: per layer (B, H_kv, C_l)."""
     slots = torch.cat([k[0].flatten() for k in kept])  # row 0's kept slots, every layer and KV head
     return (torch.bincount(slots, minlength=S) / (len(kept) * kept[0].shape[1])).cpu()
-
-
-def answer_stats(args, model, selection, S, kept, text, timing, cache, evictor=None, module=None):
-    """What generate.py ran and what it cost, as --json prints it. selection: (rule, budget policy) in words
-    (methods.selection_of); kept: (slots per layer, bytes) of the cache right after the eviction; timing:
-    prefill_ms, evict_ms, ttft_ms, decode_tokens_per_s; cache, evictor: at the end of the answer (beyond the
-    paper: --decode-budget's DecodeEviction, whose log holds (position, slots before, slots after) per eviction);
-    module: the adapter, whose .json may recommend a selection beyond the paper (said, never applied unasked)."""
-    cfg, itemsize = model.config, model.lm_head.weight.element_size()
-    (per_layer, kv_kept), (rule, budgets) = kept, selection
-    kv_full = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * S * itemsize  # K and V, every slot
-    stats = dict(method=args.method, rule=rule, budgets=budgets, budget=args.budget, prompt_tokens=S,
-                 kept_tokens=round(sum(per_layer) / len(per_layer)), kept_range=[min(per_layer), max(per_layer)],
-                 text=text, **timing, kv_bytes_full=kv_full, kv_bytes_kept=kv_kept)
-    recommends = recommended_flags(module.info) if module is not None else ""
-    if recommends and (rule, budgets) != (module.info.get("rule", rule), "per-layer budgets"):
-        stats["recommends"] = recommends
-    if evictor is not None:  # the cache only grows between evictions: its peak is where one began, or an end
-        stats.update(decode_budget=args.decode_budget, every=args.every, decode_evictions=len(evictor.log),
-                     peak_slots=max([max(per_layer), len(cache)] + [before for _, before, _ in evictor.log]),
-                     kv_bytes_end=cache.nbytes())
-    return stats
-
-
-def recommended_flags(info):
-    """The flags that select as an adapter's .json recommends, e.g. "--pool span:8:1024 --layer-budgets"."""
-    return " ".join(([f"--pool {info['rule']}"] if info.get("rule") else [])
-                    + (["--layer-budgets"] if info.get("layer_weights") else []))
 
 
 @torch.no_grad()

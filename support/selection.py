@@ -22,12 +22,7 @@ def parse_rule(text, context=None, vocab=None):
     context: the model's context length: a width wider than it is refused, as no prompt is that long (and a
     huge width is one endless pooling op). vocab: the model's vocabulary size: a span shortlist past it is
     refused (it would silently be the whole vocabulary, the exact surprisal)."""
-    kind, _, width = str(text).partition(":")
-    width, _, first = width.partition(":")
-    if (kind not in ("none", "avg", "max", "span") or (width and not number(width)) or (kind == "none" and width)
-            or (first and (kind != "span" or not number(first)))):
-        raise ValueError(f"selection rule {text!r}: use none, avg:K, max:K (K odd), span:K or span:K:N, "
-                         "e.g. max:7")
+    kind, width, first = rule_parts(text)
     if kind == "span":  # beyond the paper
         rule = extension("span", f"selection rule {text!r}").SpanRule(int(width or WIDTHS[kind]), int(first) if first else None)
         rule.check_fits(context, vocab)
@@ -37,6 +32,17 @@ def parse_rule(text, context=None, vocab=None):
         raise ValueError(f"pooling width {rule.kernel} is wider than the model's context of {context} tokens: no "
                          f"prompt is that long; use a width of at most {context}, e.g. {kind}:{WIDTHS[kind]}")
     return rule
+
+
+def rule_parts(text):
+    """A rule's text as (kind, width, shortlist), each a string ("" when not given), its syntax checked."""
+    kind, _, width = str(text).partition(":")
+    width, _, first = width.partition(":")
+    if (kind not in ("none", "avg", "max", "span") or (width and not number(width)) or (kind == "none" and width)
+            or (first and (kind != "span" or not number(first)))):
+        raise ValueError(f"selection rule {text!r}: use none, avg:K, max:K (K odd), span:K or span:K:N, "
+                         "e.g. max:7")
+    return kind, width, first
 
 
 def number(text):
@@ -90,19 +96,24 @@ def check_adapter_selection(path, info, n_layers, context=None):
 
 
 def check_selection(rule, weights, n_layers, context=None):
-    """An adapter's "rule" and "layer_weights" (None: not given) as selection would read them, or ValueError.
-    A weight must be a JSON number: float() would take "2" or true as 2.0 and 1.0 without a word. Its span
-    shortlist is not held to the model's vocabulary: an adapter's rule is a recipe for any model."""
+    """An adapter's "rule" and "layer_weights" (None: not given) as text and numbers, or ValueError. Nothing
+    is imported: a recommendation beyond the paper is applied, its extension loaded, only when a flag asks.
+    A weight must be a JSON number: float() would take "2" or true as 2.0 and 1.0 without a word. A span
+    rule's shortlist is not held to the model's vocabulary: an adapter's rule is a recipe for any model."""
     if rule is not None:
-        parse_rule(rule, context)
+        if rule_parts(rule)[0] != "span":
+            parse_rule(rule, context)
     if weights is not None:
         if not (isinstance(weights, list) and all(isinstance(w, (int, float)) and not isinstance(w, bool)
                                                   for w in weights)):
             raise ValueError(f"layer_weights must be a list of numbers, got {json.dumps(weights)[:60]}")
-        budgets = layer_budgets(weights)  # each finite and >= 0, not all 0
+        if not weights or min(weights) < 0 or not sum(weights) > 0 or not all(map(math.isfinite, weights)):
+            raise ValueError(f"layer weights must be finite numbers >= 0, not all 0, got {weights}")
         if not math.isfinite(sum(weights)):  # each finite, their sum not (1e308 twice): spread_budgets' NaN
             raise ValueError(f"layer_weights sum to {sum(weights)}: write them with mean 1")
-        budgets(128, n_layers, 10**6)  # one per layer
+        if len(weights) != n_layers:
+            raise ValueError(f"{len(weights)} layer weights for a model of {n_layers} layers: measure them for "
+                             "this model (python -m research.train_lab --stage budgets)")
 
 
 def check_scorer(scorer):

@@ -45,7 +45,7 @@ def one_line(message, *needles):
 
 def check_flags(argv):
     """generate.py's checks of its flags alone (support/generate_checks.py)."""
-    generate_checks.check_flags(generate_checks.get_args(argv))
+    generate_checks.check_flags(generate_py.get_args(argv))
 
 
 def error_of(main, *argv):
@@ -59,7 +59,9 @@ def error_of(main, *argv):
 @pytest.fixture
 def no_loading(monkeypatch):
     """Any attempt to load weights fails the test: the check must come first."""
-    monkeypatch.setattr(cli, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    fail = lambda *a, **k: pytest.fail("the model was loaded")  # noqa: E731
+    monkeypatch.setattr(cli, "load", fail)
+    monkeypatch.setattr(generate_py, "load_model", fail)
 
 
 @pytest.fixture
@@ -207,7 +209,7 @@ def test_nan_weights_name_the_model_folder(tmp_path, prompt):
     one_line(error_of(generate_py.main, "--prompt", prompt, "--model", folder, "--method", "full", "--device", "cpu",
                       "--max-new-tokens", "4"), str(folder), "NaN", "download")
     with pytest.raises(ValueError, match=f"the model in {re.escape(str(folder))} gives NaN or inf logits"):
-        generate_py.check_logits(torch.tensor([[0.0, float("nan")]]), folder)
+        cli.check_logits(torch.tensor([[0.0, float("nan")]]), folder)
 
 
 def test_prompt_longer_than_context(tmp_path, tiny_model, no_loading):
@@ -516,7 +518,7 @@ def test_a_shared_folder_lock_waits_for_its_holder_and_is_released_alone(tmp_pat
 def test_the_sampler_is_greedy_at_zero_and_draws_from_the_nucleus_only():
     """decode()'s pick for --temperature/--top-p: None (greedy) at 0; else draws cut to the nucleus, by --seed."""
     def sampler(temperature, top_p, seed=0):
-        return cli.sampler(argparse.Namespace(temperature=temperature, top_p=top_p, seed=seed, device="cpu"))
+        return generate_py.sampler(argparse.Namespace(temperature=temperature, top_p=top_p, seed=seed, device="cpu"))
     assert sampler(0.0, 0.5) is None
     logits = torch.tensor([[0.0, 3.0, 2.9, -5.0]])  # softmax ~ (0.026, 0.512, 0.463, 0.0002)
     top = sampler(1.0, 0.4)  # the top token alone reaches 0.4
