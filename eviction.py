@@ -217,6 +217,13 @@ def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=409
     return out
 
 
+def left_pad(prompts, dev):
+    """Token-id lists -> ids (B, S) with left padding, and pad_mask (B, S) True on real tokens."""
+    S = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (S - len(p)) + p for p in prompts], device=dev)
+    pad_mask = torch.tensor([[False] * (S - len(p)) + [True] * len(p) for p in prompts], device=dev)
+    return ids, pad_mask
+
 def prefill_and_score(model, ids, scorer, pad_mask=None, clock=None):
     """Steps 1 and 2 of compress: a Prefilled with the full prompt cache and its scores (L, B, H_kv, S) (None
     when there is nothing to evict: S <= C, full). Scores do not depend on C (except LAQ's): one call serves

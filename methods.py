@@ -62,6 +62,18 @@ def load_adapter(path, cfg, device="cpu"):
     return module
 
 
+def parse_targets(text):
+    """"q_proj,k_proj" -> the tuple; "all" -> all seven; "" or "none" -> () (the embeddings alone, no LoRA)."""
+    if text.strip() == "all":
+        return LookaheadModule.TARGETS
+    targets = tuple(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none")
+    bad = [t for t in targets if t not in LookaheadModule.TARGETS]
+    if bad:
+        raise ValueError(f"--targets: unknown {', '.join(bad)}; use all, none, or any of "
+                         f"{', '.join(LookaheadModule.TARGETS)}")
+    return targets
+
+
 def untrained(model, seed, like=None, **shape):
     """The one way the scripts build an untrained module (lookaheadkv.untrained_module): drawn from `seed`, of
     the shape of `like` (an adapter: its M, rank, alpha and targets) or of `shape` (n_tokens, rank, alpha,

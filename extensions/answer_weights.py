@@ -42,6 +42,7 @@ from eviction import keep_slots  # noqa: E402
 from lookaheadkv import AnswerHook, kl_loss  # noqa: E402
 from support.metrics import forced_logprobs  # noqa: E402
 from model import ModelConfig  # noqa: E402
+from train import get_batch  # noqa: E402
 
 N_SINK, WINDOW, FLOOR = 4, 32, 0.25  # what the body-less cache keeps; each token's least share of the mean
 
@@ -101,7 +102,7 @@ def weighted_target(model, cache, response, next_pos, weights):
 
 def remade_sample(model, src, row, uniform):
     """(target (L, H, S), stats) of one training row from its sample file in src."""
-    cache, gt, lengths = data.load_batch([data.sample_path(src, row["id"])], "cpu", model.lm_head.weight.dtype)
+    cache, gt, lengths = get_batch([data.sample_path(src, row["id"])], "cpu", model.lm_head.weight.dtype)
     if uniform:  # the paper's target, as the data stage stored it
         return torch.cat([gt[l] for l in range(len(gt))]), dict(shift=0.0, effective=1.0)
     response = torch.tensor([row["response_ids"]])

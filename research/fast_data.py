@@ -20,7 +20,8 @@ from eviction import decode_step
 from model import Hook, KVCache
 from research import harness
 from support import data, recipe
-from support.data import left_pad, sample_bytes, sample_ok, sample_path, save_sample
+from eviction import left_pad
+from support.data import sample_bytes, sample_ok, sample_path, save_sample
 from train import full_cache
 
 

@@ -774,18 +774,20 @@ TYPES = {
     "response_ids": (is_token_ids, "a list of token ids (whole numbers >= 0)"),
 }
 
-def read_jsonl(path, required=("prompt",), types=None, allow_empty=False):
+def read_jsonl(path, required=("prompt",), types=None, allow_empty=False, text=None):
     """Rows (dicts) of a JSON-lines file. A bad line - not JSON, not an object, a `required` key missing, a
     key of the wrong type (TYPES, updated by `types`: {key: (test, "what it must be")}) - raises ValueError
-    naming the file, the line and the key; so does a file without rows, unless allow_empty."""
+    naming the file, the line and the key; so does a file without rows, unless allow_empty. text: the
+    file's text, already read (its lines are read instead of the file's)."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{path} is a folder: pass a JSON-lines file")
-    if not path.is_file():
+    if text is None and not path.is_file():
         raise FileNotFoundError(f"{path} not found: pass a JSON-lines file")
     checks = {**TYPES, **(types or {})}
     rows = []
-    for line_no, line in enumerate(decode_utf8(path.read_bytes(), path).splitlines(), 1):
+    text = decode_utf8(path.read_bytes(), path) if text is None else text
+    for line_no, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path} line {line_no}"
@@ -905,47 +907,3 @@ def read_sample(path):
         item.update(k=torch.cat([shared["k"], item["k"]], dim=2), v=torch.cat([shared["v"], item["v"]], dim=2))
     return item
 
-def left_pad(prompts, dev):
-    """Token-id lists -> ids (B, S) with left padding, and pad_mask (B, S) True on real tokens."""
-    import torch
-
-    S = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (S - len(p)) + p for p in prompts], device=dev)
-    pad_mask = torch.tensor([[False] * (S - len(p)) + [True] * len(p) for p in prompts], device=dev)
-    return ids, pad_mask
-
-def load_batch(paths, dev, dtype):
-    """Sample files of different lengths, left-padded into one batch: a KVCache with (B, H_kv, S, D)
-    per layer and its valid mask (B, 1, S), the targets {layer: (B, H, S)} (zero on padding, so
-    they add nothing to the KL) and each row's prompt length (B,), where its lookahead rows start.
-    Files without the cache (store_dtype none) give cache None: the caller recomputes it.
-    A file that cannot be read is deleted, and a ValueError names it (unreadable_sample)."""
-    import torch
-
-    items = []
-    for p in paths:
-        try:
-            items.append(read_sample(p))
-        except Exception as e:  # safetensors raises its own error type on a truncated file
-            raise unreadable_sample(p, e) from None
-    lengths = [it["target"].shape[-1] for it in items]
-    B, S = len(items), max(lengths)
-    L, H = items[0]["target"].shape[:2]
-    stored = "k" in items[0]
-    # one copy per sample, straight into its slot of the padded batch (and from bfloat16 to dtype)
-    target = torch.zeros(L, B, H, S, device=dev)
-    if stored:
-        k = torch.zeros(L, B, *items[0]["k"].shape[1:2], S, items[0]["k"].shape[-1], dtype=dtype, device=dev)
-        v = torch.zeros_like(k)
-    for b, (it, n) in enumerate(zip(items, lengths)):
-        target[:, b, :, S - n:] = it["target"]
-        if stored:
-            k[:, b, :, S - n:] = it["k"]
-            v[:, b, :, S - n:] = it["v"]
-    cache = None
-    if stored:
-        valid = (torch.arange(S)[None] >= S - torch.tensor(lengths)[:, None])[:, None].to(dev)  # (B, 1, S)
-        cache = KVCache(L)
-        for l in range(L):
-            cache.k[l], cache.v[l], cache.valid[l] = k[l], v[l], valid
-    return cache, {l: target[l] for l in range(L)}, torch.tensor(lengths, device=dev)

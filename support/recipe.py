@@ -21,8 +21,8 @@ import torch
 from tqdm import tqdm
 
 from eviction import EvictConfig
-from methods import load_adapter, make_scorer
-from support import cli, data, files
+from methods import load_adapter, make_scorer, parse_targets
+from support import cli, data, files, selection
 from support.metrics import answer_kls
 from support.data import sample_bytes, sample_ok, sample_path, unreadable_sample
 from lookaheadkv import LookaheadModule
@@ -67,65 +67,43 @@ def flag_of(key, parser):
     return flag if flag in parser._option_string_actions else key
 
 
-def parse_targets(text):
-    """"q_proj,k_proj" -> the tuple; "all" -> all seven; "" or "none" -> () (the embeddings alone, no LoRA)."""
-    if text.strip() == "all":
-        return LookaheadModule.TARGETS
-    targets = tuple(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none")
-    bad = [t for t in targets if t not in LookaheadModule.TARGETS]
-    if bad:
-        raise ValueError(f"--targets: unknown {', '.join(bad)}; use all, none, or any of "
-                         f"{', '.join(LookaheadModule.TARGETS)}")
-    return targets
-
-
 # -----------------------------------------------------------------------------
 # Every check that needs no model weights, so a bad value stops at once, not after an hour of answering
 
 
-class Checked(typing.NamedTuple):
-    """What a checked run reads (check_run)."""
-    out: Path  # the run's folder
-    src: Path  # where its samples are (OUT, or research/train_lab.py's --data)
-    dest: Path  # the adapter's path
-    model_cfg: ModelConfig
-    rows: list  # the rows of src/data.jsonl
-    adapter: object  # the adapter the run starts from or measures (train_lab's --init), or None
-    ckpt: object  # the checkpoint to resume from, or None
-
-
-def check_run(cfg, parser, parse_rule, read_adapter=None):
-    """Returns what the run reads (Checked). read_adapter(cfg, model_cfg): the adapter the run starts from or
-    measures (research/train_lab.py's --init), else none. parse_rule: support.selection.parse_rule."""
-    cfg.run_start = getattr(cfg, "run_start", None) or time.perf_counter()  # --max-minutes counts from here
+def check(cfg, parser, read_adapter=None):
+    """Every setting and file of a run, before the model loads: raises ValueError (one line: what is
+    wrong and what to do), changes nothing it is handed, and returns the identity of the base model's
+    weights (files.weights_identity, None for --stage data), which the checkpoint and the adapter record.
+    cfg: as train.resolved makes it (device and dtype named). read_adapter(cfg, model_cfg): the adapter
+    the run starts from or measures (research/train_lab.py's --init), checked; None: none."""
     check_choices(cfg, parser._option_string_actions["--stage"].choices)
     check_given(cfg)
-    cfg.device = cfg.device or cli.default_device()
     cli.check_device(cfg.device)
-    # the dtype the model will load in, named now: a checkpoint and a data folder record it (compared on --resume)
-    cfg.dtype = cfg.dtype or str(default_dtype(cfg.device)).removeprefix("torch.")
     cli.check_model_dir(cfg.model)
     check_numbers(cfg)
     parse_targets(cfg.targets)
     if cfg.rule is not None:  # a selection the adapter's .json recommends (beyond the paper); None: none
-        parse_rule(cfg.rule)
-    out, dest = output_paths(cfg)
+        selection.parse_rule(cfg.rule)
+    out, _ = output_paths(cfg)
     src = data_folder(cfg, out)
-    model_cfg = ModelConfig.from_hf_config(cli.resolve_model(cfg.model))
+    folder = cli.resolve_model(cfg.model)
+    model_cfg = ModelConfig.from_hf_config(folder)
     if cfg.rule is not None:
-        check_rule(cfg.rule, model_cfg, parse_rule)
-    rows = read_rows(src, model_cfg, trim=cfg.stage in ("data", "all"))
+        check_rule(cfg.rule, model_cfg, selection.parse_rule)
+    rows = read_rows(src, model_cfg, partial_ok=cfg.stage in ("data", "all"))
     check_data_dtype(cfg, src, rows)
     check_samples(cfg, src, rows)
     adapter = read_adapter(cfg, model_cfg) if read_adapter else None
     check_fit(cfg, model_cfg, src, rows, adapter)
     check_disk(cfg, model_cfg, rows)
-    if cfg.stage in ("train", "all"):  # what the checkpoint and the adapter record, and a resume must match
-        cfg.weights_id = files.weights_identity(cli.resolve_model(cfg.model), cache_dir=out)
-    ckpt = checkpoint_to_resume(cfg, out, model_cfg, adapter, parser)
-    if getattr(cfg, "weights_id", None):  # every check passed: kept beside the run for the next one
-        files.keep_identity(cli.resolve_model(cfg.model), out, cfg.weights_id)
-    return Checked(out, src, dest, model_cfg, rows, adapter, ckpt)
+    weights_id = None
+    if cfg.stage in ("train", "all"):  # what the checkpoint and the adapter record, a resume must match
+        weights_id = files.weights_identity(folder, cache_dir=out)
+    checkpoint_to_resume(cfg, out, model_cfg, adapter, parser, weights_id)
+    if weights_id:  # every check passed: kept beside the run for the next one
+        files.keep_identity(folder, out, weights_id)
+    return weights_id
 
 
 def data_folder(cfg, out):
@@ -191,12 +169,12 @@ def check_numbers(cfg):
     if not cfg.min_tokens <= cfg.max_tokens <= cfg.long_max:
         raise ValueError(f"min_tokens {cfg.min_tokens}, --max-tokens {cfg.max_tokens}, long_max {cfg.long_max}: "
                          "need min <= max <= long_max")
-    # a step is batch // micro_batch micro-batches, at least one: --batch 4 with the default micro-batch of 8 trained
-    # on 8 samples a step, and --batch 10 on 8; the first is one micro-batch of 4, the second is refused
-    cfg.micro_batch = min(cfg.micro_batch, cfg.batch)
-    if cfg.batch % cfg.micro_batch:
-        step = cfg.micro_batch * max(1, cfg.batch // cfg.micro_batch)
-        raise ValueError(f"--batch {cfg.batch} is not a whole number of micro-batches of {cfg.micro_batch} "
+    # a step is batch // micro_batch micro-batches, at least one: --batch 4 with the default micro-batch of 8 is
+    # one micro-batch of 4 (train.resolved), --batch 10 would train on 8 samples a step: refused
+    micro = min(cfg.micro_batch, cfg.batch)
+    if cfg.batch % micro:
+        step = micro * max(1, cfg.batch // micro)
+        raise ValueError(f"--batch {cfg.batch} is not a whole number of micro-batches of {micro} "
                          f"(--micro-batch): each step would train on {step} samples; use --batch {step}, or a "
                          f"--micro-batch that divides {cfg.batch}")
     if not -2**63 <= cfg.seed < 2**63:  # torch.manual_seed's range; past it, an OverflowError that named no flag
@@ -393,16 +371,20 @@ def check_samples(cfg, out, rows):
             raise unreadable_sample(sample_path(out, r["id"]))
 
 
-def read_rows(out, model_cfg, trim=False):
-    """The rows of OUT/data.jsonl ([] if none), all made by this base model. trim: drop a partial last line
-    (a run killed mid-write), before this run appends to the file."""
+def read_rows(out, model_cfg, partial_ok=False, trim=False):
+    """The rows of OUT/data.jsonl ([] if none), all made by this base model. partial_ok: a partial last
+    line (a run killed mid-write) is left out; trim: it is also cut from the file (the data stage,
+    before it appends to the file: RunFolder.rows)."""
     path = out / "data.jsonl"
     if not path.exists():
         return []
     text = path.read_text()
-    if trim and text and not text.endswith("\n"):
-        files.write_atomic(path, text[: text.rfind("\n") + 1])
-    rows = data.read_jsonl(path, required=("id", "prompt_ids", "response_ids"), allow_empty=True)
+    if (partial_ok or trim) and text and not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]
+        if trim:
+            files.write_atomic(path, text)
+    rows = data.read_jsonl(path, required=("id", "prompt_ids", "response_ids"), allow_empty=True,
+                           text=text)
     for r in rows:
         if r.get("fingerprint") != model_cfg.fingerprint():
             raise ValueError(f"{path} was made with another base model ({r.get('base_model')}): use another --out")
@@ -426,12 +408,12 @@ def resume_keys(Config):
     return tuple(f.name for f in dataclasses.fields(Config) if f.name not in MAY_CHANGE + MODULE_KEYS)
 
 
-def schedule_of(cfg):
+def schedule_of(cfg, weights_id=None):
     """The settings a checkpoint is only good for (--resume with others would train a mix of two runs and record
     one of them in the adapter's .json): every config field but MAY_CHANGE's, checked (check_run) first, and the
     identity of the base model's weights (files.weights_identity, set by check_run): --model may move, the weights
     may not (a copy with the same config and other tensors resumed without a word)."""
-    return Schedule({k: getattr(cfg, k) for k in resume_keys(type(cfg))}, getattr(cfg, "weights_id", None))
+    return Schedule({k: getattr(cfg, k) for k in resume_keys(type(cfg))}, weights_id)
 
 
 class Schedule(dict):
@@ -453,7 +435,7 @@ def other_weights(ck, schedule):
             f"e.g. a fine-tuned copy)")
 
 
-def checkpoint_to_resume(cfg, out, model_cfg, adapter, parser):
+def checkpoint_to_resume(cfg, out, model_cfg, adapter, parser, weights_id=None):
     """OUT/ckpt.pt checked against this run (read_checkpoint) when --resume trains and one is there, else None;
     without --resume, one there must be this run's own (check_own_checkpoint): training replaces it."""
     if not (cfg.stage in ("train", "all") and (out / "ckpt.pt").exists()):
@@ -461,8 +443,8 @@ def checkpoint_to_resume(cfg, out, model_cfg, adapter, parser):
     shape = adapter.metadata() if adapter is not None else dict(
         n_tokens=cfg.n_tokens, rank=cfg.rank, alpha=cfg.alpha, targets=list(parse_targets(cfg.targets)))
     if not cfg.resume:
-        return check_own_checkpoint(out, model_cfg, shape, schedule_of(cfg), parser)
-    return read_checkpoint(out / "ckpt.pt", model_cfg, shape, schedule_of(cfg), parser)
+        return check_own_checkpoint(out, model_cfg, shape, schedule_of(cfg, weights_id), parser)
+    return read_checkpoint(out / "ckpt.pt", model_cfg, shape, schedule_of(cfg, weights_id), parser)
 
 
 def save_checkpoint(path, module, opt, step, log, settings=None):
@@ -537,22 +519,6 @@ def check_own_checkpoint(out, model_cfg, now, schedule, parser):
                      f"run with its own settings and --resume, or delete {path} to start this one over there")
 
 
-def past_max_minutes(cfg):
-    """Whether --max-minutes has run out, counted from the run's start (check_run): the data stage checks it
-    between batches too ("data included", as the flag's help says; it ran on past it), and a run that spent its
-    time there stops before training, its rows kept (the same command with --resume goes on)."""
-    start = getattr(cfg, "run_start", None)
-    return bool(cfg.max_minutes) and start is not None and time.perf_counter() - start > 60 * cfg.max_minutes
-
-
-def claim_folders(out, src):
-    """One writer per folder (support/lock.py): OUT, and the data folder read (--data) if another, which a data
-    stage still appending to its rows would change under this run."""
-    cli.claim_folder("--out", out)
-    if src != out:
-        cli.claim_folder("--data", src)
-
-
 def resume_note(resume, path, resumed, step, total):
     """What a training run says of OUT/ckpt.pt as it starts."""
     if resumed:
@@ -562,21 +528,6 @@ def resume_note(resume, path, resumed, step, total):
     if path.exists():
         return f"{path} exists and --resume was not given: starting from step 0; it is replaced at the first checkpoint"
     return ""
-
-
-def clip_finite(module, opt, clip):
-    """Clip the gradient norm; a non-finite loss or gradient (nan, inf: from a bad adapter, a bad sample, too high
-    a rate) clears the gradients and raises ValueError: the run stops in one line with its last good checkpoint,
-    rather than training on nan and saving it."""
-    try:
-        torch.nn.utils.clip_grad_norm_(module.parameters(), clip, error_if_nonfinite=True)
-    except RuntimeError as e:
-        if "non-finite" not in str(e):
-            raise
-        opt.zero_grad(set_to_none=True)
-        raise ValueError("the training loss or its gradient is not finite (nan or inf): stopped before this step, "
-                         "nothing saved from it (OUT/ckpt.pt keeps the last good checkpoint); check --init's adapter "
-                         "and its .json, and the data, or lower --lr, then rerun with --resume") from None
 
 
 def resume_from(ck, module, opt, path):
@@ -606,14 +557,14 @@ def describe_rows(train_rows, n_held):
                                  3), python=data.PYTHON)
 
 
-def adapter_metadata(cfg, train_rows, n_held, step, total, stopped_early, log):
+def adapter_metadata(cfg, train_rows, n_held, step, total, log, weights_id=None):
     """What the shipped .json says about how the adapter was made (and how it selects: its rule)."""
     info = dict(rule=cfg.rule, train_data=describe_rows(train_rows, n_held), steps=step, planned_steps=total,
-                stopped_early=stopped_early, batch=cfg.batch, lr=cfg.lr, epochs=cfg.epochs,
+                stopped_early=step < total, batch=cfg.batch, lr=cfg.lr, epochs=cfg.epochs,
                 heldout=log[-1] if log else None, untrained=log[0] if log else None)
     info["train_data"].update(folder=getattr(cfg, "data", None) or cfg.out)  # the data stage's folder it trained on
-    if getattr(cfg, "weights_id", None):  # the base model's weights it was trained on (files.weights_identity)
-        info["base_weights"] = cfg.weights_id
+    if weights_id:  # the base model's weights it was trained on (files.weights_identity)
+        info["base_weights"] = weights_id
     if cfg.rule is None:  # nothing recommended beyond the paper: it selects in the paper's form
         del info["rule"]
     return info
@@ -691,6 +642,90 @@ def keep_one(src, dst):
 
 
 # -----------------------------------------------------------------------------
+# The run's folder: its rows, samples, checkpoint, log and adapter (train.py's file I/O)
+
+
+class RunFolder:
+    """OUT on disk as train.py reads and writes it: OUT/data.jsonl (the rows), OUT/samples/ (a training
+    row's prompt cache and target), OUT/ckpt.pt, OUT/log.jsonl, and the adapter (--adapter-out, default
+    OUT/adapter.safetensors). research/train_lab.py's --data reads the samples of another folder (src).
+    Every write is atomic: a kill or a full disk leaves the previous file whole."""
+
+    def __init__(self, cfg):
+        self.out = Path(cfg.out)
+        self.src = Path(getattr(cfg, "data", None) or cfg.out)  # where the samples are read
+        self.dest = Path(cfg.adapter_out) if cfg.adapter_out else self.out / "adapter.safetensors"
+        self.model_dir = cli.resolve_model(cfg.model)
+
+    def claim(self):
+        """One writer per folder (support/lock.py): OUT, and --data's folder if another (a data stage
+        still appending to its rows would change them under this run)."""
+        cli.claim_folder("--out", self.out)
+        if self.src != self.out:
+            cli.claim_folder("--data", self.src)
+
+    def rows(self, trim=False):
+        """The rows of data.jsonl (checked by recipe.check); trim: a partial last line (a run killed
+        mid-write) cut from the file before the data stage appends to it."""
+        return read_rows(self.src, ModelConfig.from_hf_config(self.model_dir), partial_ok=True, trim=trim)
+
+    def append_rows(self, rows):  # appended batch by batch: a killed run loses one batch at most
+        with open(self.out / "data.jsonl", "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    def sample_path(self, row_id):
+        return sample_path(self.src, row_id)
+
+    def save_sample(self, row_id, sample, store):
+        data.save_sample(sample_path(self.out, row_id), sample, store)
+
+    @staticmethod
+    def read_sample(path):
+        """A sample file's tensors; one that cannot be read is deleted and named (unreadable_sample)."""
+        try:
+            return data.read_sample(path)
+        except Exception as e:  # safetensors raises its own error type on a truncated file
+            raise unreadable_sample(path, e) from None
+
+    def missing_samples(self, rows):
+        """The training rows without a whole sample file (a data stage killed mid-write), said."""
+        missing = [r for r in rows if r["split"] == "train" and not sample_ok(sample_path(self.out, r["id"]))]
+        for r in missing:
+            if sample_path(self.out, r["id"]).exists():
+                print(f"training sample {sample_path(self.out, r['id'])} is unreadable (cut short?): made again")
+        return missing
+
+    def check_disk(self, cfg, model_cfg, rows, store, n_bytes=None):
+        check_store(cfg, model_cfg, rows, store, n_bytes)
+
+    def check_data_made(self, cfg, rows):
+        check_data_made(cfg, self.out, rows)
+
+    def resume(self, module, opt, total, resume):
+        """(step, log): from OUT/ckpt.pt with --resume (checked by recipe.check), else (0, []); said."""
+        path = self.out / "ckpt.pt"
+        step, log = (0, []) if not (resume and path.exists()) else resume_from(
+            load_checkpoint(path), module, opt, path)
+        if note := resume_note(resume, path, resume and path.exists(), step, total):
+            print(note)
+        return step, log
+
+    def save_checkpoint(self, module, opt, step, log, cfg, weights_id=None):
+        save_checkpoint(self.out / "ckpt.pt", module, opt, step, log, schedule_of(cfg, weights_id))
+
+    def append_log(self, entry):
+        with open(self.out / "log.jsonl", "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def save_adapter(self, module):
+        save_adapter(module, self.dest)
+
+    @staticmethod
+    def warn_memory(device):
+        warn_memory(device)
+
+
+# -----------------------------------------------------------------------------
 # The machine
 
 
@@ -723,10 +758,19 @@ def warn_memory(device):
 # train.py's flags
 
 
+class RecipeParser(cli.Parser):
+    """train.py's flags; config(argv, Config) reads the run's config: flag > --config file > default."""
+
+    def config(self, argv, Config):
+        flags = vars(self.parse_args(argv))
+        path = flags.pop("config", None)
+        return dataclasses.replace(Config(), **{**(read_config(path, Config) if path else {}), **flags})
+
+
 def parser(prog, doc, D, stages):
     """train.py's flags, each a field of its TrainConfig D (whose values are the defaults the help names)."""
-    p = cli.Parser(prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
-                   argument_default=argparse.SUPPRESS)
+    p = RecipeParser(prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                     argument_default=argparse.SUPPRESS)
     a = p.add_argument
     a("--config", metavar="JSON", help="a recipe: a JSON object of TrainConfig fields (research/configs/)")
     a("--model", help="HF folder of the base model (default: weights/SmolLM2-135M-Instruct)")

@@ -568,7 +568,7 @@ def test_the_rest_runs_without_the_chat(chat_model, tmp_path, monkeypatch):
                                                                    or "extensions import chat" in p.read_text())}
     assert naming == {"generate_checks.py"}, naming  # where --turns asks for it
     from extensions import chat
-    for name in ("chat_loop", "turns_of", "checked"):
+    for name in ("chat_loop", "turns_of", "chat"):
         monkeypatch.setattr(chat, name, lambda *a, **k: pytest.fail("the chat was called"))
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(words(60, 8))

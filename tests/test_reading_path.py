@@ -106,3 +106,26 @@ def test_layer_budgets_asked_of_an_adapter_without_them_is_refused(tiny_run):
     folder, adapter, prompt = tiny_run
     one_line(error_of(generate.main, "--prompt", prompt, "--model", folder, "--adapter", adapter, "--layer-budgets",
                       "--device", "cpu"), "--layer-budgets: the adapter", "has no layer_weights in its .json")
+
+
+def test_the_default_run_with_the_shipped_adapter_loads_no_extension():
+    """generate.py's default run on the real model with the shipped adapter, whose .json recommends the span rule
+    and per-layer budgets (beyond the paper): it selects in the paper's form, says the recommendation, and no
+    `extensions.*` module is loaded (the .json is checked as text and numbers; its extension only when a flag asks)."""
+    from conftest import REAL_ADAPTER, REAL_FOLDER
+
+    if not (REAL_FOLDER / "model.safetensors").is_file():
+        pytest.skip("the real model is not prepared (python weights/prepare.py)")
+    assert json.loads(REAL_ADAPTER.with_suffix(".json").read_text()).get("layer_weights"), "the shipped .json"
+    code = """
+import json, sys
+import generate
+stats = generate.main(["--prompt", "examples/needle.txt", "--max-new-tokens", "2", "--json", "--device", "cpu"])
+print(json.dumps(dict(rule=stats["rule"], budgets=stats["budgets"], recommends=stats.get("recommends"),
+                      extensions=sorted(m for m in sys.modules if m.startswith("extensions")))))
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == dict(rule="max:7", budgets="C in every layer", recommends="--pool span:8:1024 --layer-budgets",
+                       extensions=[])

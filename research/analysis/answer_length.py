@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from support import cli  # noqa: E402
 from support import data  # noqa: E402
 from lookaheadkv import answer_attention, kl_loss  # noqa: E402
+from train import get_batch  # noqa: E402
 
 
 def main():
@@ -37,7 +38,7 @@ def main():
         longer = [n for n in lengths if len(r["response_ids"]) > n]
         if not longer:
             continue
-        cache, gt, S = data.load_batch([data.sample_path(a.out, r["id"])], "cpu", torch.float32)
+        cache, gt, S = get_batch([data.sample_path(a.out, r["id"])], "cpu", torch.float32)
         uni.append(kl_loss(gt, {l: torch.ones_like(g) for l, g in gt.items()}).item())
         for n in longer:
             short = answer_attention(model, cache, torch.tensor([r["response_ids"][:n]]), S, per_query_head=True)

@@ -25,6 +25,7 @@ from eviction import keep_slots, select, stack_layers  # noqa: E402
 from extensions import answer_weights as aw  # noqa: E402
 from research.harness import group_mean  # noqa: E402
 from support.metrics import answer_kl, forced_logprobs  # noqa: E402
+from train import get_batch  # noqa: E402
 
 
 def oracle_kl(model, cache, response, next_pos, target, budget):
@@ -58,7 +59,7 @@ def main():
     rows = rows[:a.rows]
     paper, weighted = {c: [] for c in budgets}, {c: [] for c in budgets}
     for r in rows:
-        cache, gt, next_pos = data.load_batch([data.sample_path(a.data, r["id"])], "cpu", torch.float32)
+        cache, gt, next_pos = get_batch([data.sample_path(a.data, r["id"])], "cpu", torch.float32)
         response = torch.tensor([r["response_ids"]])
         w = aw.token_weights(aw.dependence(model, cache, response, next_pos))
         target = aw.weighted_target(model, cache, response, next_pos, w)

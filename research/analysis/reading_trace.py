@@ -1,0 +1,127 @@
+"""
+The reading claim, measured (issue 64): run the two default commands under a profiler and print, per file,
+the lines of the functions they execute: the reading path's files whole (`wc -l`), and beside the path what
+a learner must open to follow what runs, with the checks that only raise listed apart.
+
+    python research/analysis/reading_trace.py            # generate.py's default, then train.py (2 steps)
+    python research/analysis/reading_trace.py --only generate
+
+generate.py: `--prompt examples/needle.txt --budget 128` (the README's command; 16 new tokens). train.py: the
+learner's recipe (research/configs/train-quick.json) on a small run, 8 training and 2 held-out prompts, two
+optimiser steps of 4 samples, in a temporary folder. A function counts once with its whole `def` (a nested
+one inside a counted one is not counted again); a check is a function whose name starts with "check" or one
+in support/generate_checks.py or weights/checks.py. Lines of code outside functions (a dataclass's fields,
+imports) are in the path's `wc -l` only.
+"""
+import argparse
+import ast
+import json
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+READING_PATH = ["model.py", "eviction.py", "lookaheadkv.py", "baselines.py", "methods.py", "train.py",
+                "generate.py"]
+CHECK_FILES = ("support/generate_checks.py", "weights/checks.py")
+
+
+def def_spans(path):
+    """{first line of each def: (last line, name)} of one file (the line a code object reports as its first:
+    its first decorator's, if it has one)."""
+    spans = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            spans[first] = (node.end_lineno, node.name)
+    return spans
+
+
+def trace(fn):
+    """{file (relative to the repository): {first line of each def executed}} while fn() runs."""
+    seen = defaultdict(set)
+
+    def profile(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            try:
+                rel = Path(code.co_filename).resolve().relative_to(ROOT)
+            except ValueError:  # another library's code
+                return
+            seen[str(rel)].add(code.co_firstlineno)
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def line_counts(seen):
+    """{file: (lines of executed functions, of which checks)}, outermost defs only."""
+    out = {}
+    for rel, firsts in seen.items():
+        spans = def_spans(ROOT / rel)
+        ran = sorted((a, *spans[a]) for a in firsts if a in spans)
+        total = checks = 0
+        for i, (a, b, name) in enumerate(ran):
+            if any(a0 < a and b <= b0 for a0, b0, _ in ran[:i]):  # inside a counted def
+                continue
+            n = b - a + 1
+            total += n
+            if name.startswith("check") or rel in CHECK_FILES:
+                checks += n
+        out[rel] = (total, checks)
+    return out
+
+
+def run_generate():
+    import generate
+    generate.main(["--prompt", "examples/needle.txt", "--budget", "128", "--max-new-tokens", "16"])
+
+
+def run_train():
+    import train
+    with tempfile.TemporaryDirectory() as tmp:
+        train.main(["--config", "research/configs/train-quick.json", "--out", tmp, "--n-train", "8",
+                    "--n-heldout", "2", "--epochs", "1", "--batch", "4", "--micro-batch", "4"])
+
+
+def report(name, counts):
+    path = {f: sum(1 for _ in open(ROOT / f)) for f in READING_PATH}
+    rest = {f: c for f, c in counts.items() if f not in READING_PATH}
+    opened = sum(t - c for t, c in rest.values())
+    print(f"\n{name}: the path's files (wc -l) and what runs beside them (lines of executed functions)")
+    for f in READING_PATH:
+        t, c = counts.get(f, (0, 0))
+        print(f"  path  {f:<34s} {path[f]:5d} lines, {t:5d} in functions it runs")
+    for f, (t, c) in sorted(rest.items()):
+        print(f"  open  {f:<34s} {t - c:5d} lines to read  {c:5d} of checks (only raise)")
+    total = sum(path.values())
+    print(f"  path {total} + beside it {opened} = {total + opened} lines to follow what runs "
+          f"(checks apart: {sum(c for _, c in rest.values())})")
+    return dict(path=total, beside=opened, checks=sum(c for _, c in rest.values()))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", choices=["generate", "train"], default=None)
+    args = p.parse_args()
+    import os
+    os.chdir(ROOT)
+    results, merged = {}, defaultdict(set)
+    for name, fn in (("generate", run_generate), ("train", run_train)):
+        if args.only in (None, name):
+            seen = trace(fn)
+            for f, firsts in seen.items():
+                merged[f] |= firsts
+            results[name] = report(f"python {name}.py (default)", line_counts(seen))
+    if len(results) == 2:
+        results["both"] = report("both commands", line_counts(merged))
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
