@@ -39,8 +39,6 @@ class EvictConfig:
 
 # -----------------------------------------------------------------------------
 # 1. Attention over the prompt, computed explicitly for a few queries
-
-
 def group_attention(q, k, key_valid=None, causal=True):
     """Softmax attention of queries q (B, H, Tq, D) over keys k (B, H_kv, Tk, D), without copying
     K for GQA; the queries sit at the last Tq key slots (causal) or after them all (causal=False).
@@ -68,8 +66,6 @@ def stack_layers(scores):
 
 # -----------------------------------------------------------------------------
 # 2. From scores to kept slots: smoothing, the budget per layer, top C, one gather per layer
-
-
 class Pool:
     """SnapKV's smoothing of scores (..., S) before the top C, so that a kept token brings its
     neighbours: "avg" (SnapKV's code, kernel 5) or "max" (its LongBench configs, kernel 7) over a
@@ -126,8 +122,6 @@ def keep_slots(cache, kept):
 
 # -----------------------------------------------------------------------------
 # 3. A method is a Scorer: what it adds to the prefill, and how it scores what it saw
-
-
 @dataclass
 class Prefilled:
     """What a scorer (and a selection rule) may read once the prompt is prefilled."""
@@ -198,8 +192,6 @@ class Scorer:
 
 # -----------------------------------------------------------------------------
 # 4. prefill -> score -> evict -> return, then decode
-
-
 def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=4096, logits_at=-1,
             tail=0):
     """Run embeddings x (B, T, hidden) through the model into `cache`, chunk by chunk (bounded

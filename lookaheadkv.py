@@ -32,8 +32,6 @@ from weights import checks
 
 # -----------------------------------------------------------------------------
 # 1. The lookahead module: M embeddings + a LoRA that is active on their rows only
-
-
 class LookaheadModule(nn.Module):
     """M learnable lookahead embeddings P and, per layer and target projection, a LoRA
     W' = W + (alpha / r) B A applied ONLY to the lookahead rows:
@@ -132,8 +130,6 @@ def untrained_module(model, n_tokens=32, rank=8, alpha=32, targets=LookaheadModu
 
 # -----------------------------------------------------------------------------
 # 2. The scores: the M rows' attention over the prompt
-
-
 class LookaheadHook(Hook):
     """In the forward that holds the lookahead rows (the chunk's LAST M): adds their LoRA delta,
     and scores the S prompt slots by their attention, per layer: the mean over the M queries and
@@ -183,8 +179,6 @@ def lookahead_pass(model, module, cache, next_pos, per_query_head=False):
 
 # -----------------------------------------------------------------------------
 # 3. The target: the real answer's attention over the prompt (also the oracle's scores)
-
-
 class AnswerHook(Hook):
     """In the forward of the answers (B, R, right-padded) on the prompt cache: per layer, the mean
     attention of each row's real answer queries over the S prompt slots, per query head
@@ -220,8 +214,6 @@ def answer_attention(model, cache, answers, next_pos, answer_mask=None, per_quer
 
 # -----------------------------------------------------------------------------
 # 4. The loss
-
-
 def kl_loss(gt, pred, eps=1e-8):
     """KL(gt || pred) of the L1-normalised scores, averaged over layers and heads (and batch rows):
     the future's attention is the target distribution, the lookahead rows' the prediction. gt and
@@ -237,8 +229,6 @@ def kl_loss(gt, pred, eps=1e-8):
 
 # -----------------------------------------------------------------------------
 # 5. Eviction: LookaheadKV as a Scorer (eviction.py does the prefill, the top C and the gather)
-
-
 class LookaheadKV(Scorer):
     """LookaheadKV: the M lookahead rows' mean attention over the prompt predicts the answer's;
     as the paper says ("mean-aggregated and pooled, then top-K"), the scores are max-pooled

@@ -39,8 +39,6 @@ from weights import checks
 
 # -----------------------------------------------------------------------------
 # Config: all differences between the supported families live here.
-
-
 @dataclass
 class ModelConfig:
     model_type: str = "llama"  # llama, mistral, qwen2 or qwen3
@@ -112,8 +110,6 @@ class ModelConfig:
 
 # -----------------------------------------------------------------------------
 # Building blocks
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -322,8 +318,6 @@ class DecoderLayer(nn.Module):
 
 # -----------------------------------------------------------------------------
 # KV cache
-
-
 class KVCache:
     """Per layer: keys and values (B, H_kv, T, D) and which slots hold a real token.
 
@@ -386,8 +380,6 @@ class KVCache:
 
 # -----------------------------------------------------------------------------
 # The model
-
-
 class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -427,8 +419,6 @@ class Transformer(nn.Module):
 
 # -----------------------------------------------------------------------------
 # Loading a Hugging Face folder
-
-
 def default_dtype(device):
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
