@@ -49,7 +49,7 @@ def full_answer(model, ids, max_new_tokens, stop_ids, pad_mask=None, clock=None)
 class StreamingLLM(Unpooled):
     """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks",
     arXiv 2309.17453): keep the first n_sink tokens, which soak up attention whatever they say,
-    and the most recent C - n_sink. No attention is looked at."""
+    and the most recent C - n_sink (the score is the position). No attention is looked at."""
 
     default_options = dict(n_sink=4)  # the first tokens, always kept (attention sinks)
 
@@ -60,7 +60,6 @@ class StreamingLLM(Unpooled):
     def score(self, model, prefilled):
         (B, S), L, Hkv = (prefilled.positions.shape, len(prefilled.cache.k),
                           prefilled.cache.k[0].shape[1])
-        # recency
         return torch.arange(S, device=prefilled.positions.device).float().expand(L, B, Hkv, S)
 
 
@@ -77,9 +76,8 @@ class RandomKV(Unpooled):
 
 
 def check_queries(n, setting, method=None):
-    """The number of last queries a method scores with must be at least 1: q[:, :, -n:] with
-    n = 0 is EVERY query of the prompt's last chunk, and a negative n drops the first ones.
-    `setting` names it in the error (--window: the flag every script sets it with)."""
+    """At least 1 last query to score with: q[:, :, -n:] with n = 0 is EVERY query of the
+    prompt's last chunk, a negative n drops the first ones. `setting` names n in the error."""
     if n is None or n < 1:
         who = f"method {method}" if method else "this method"
         raise ValueError(f"{setting} {n}: {who} scores with the attention of the last {setting} "
@@ -107,8 +105,7 @@ class SnapKV(Scorer):
     score, avg-pooled (kernel 5) along the prefix; the window itself is always kept, inside C."""
 
     def __init__(self, eviction, module=None, response=None):
-        # its window is what it scores with, not only what it keeps: at least 1, checked before
-        # any model loads
+        # it scores with its window, not only keeps it: at least 1, checked before a model loads
         check_queries(eviction.window, "--window", eviction.method)
         self.window = eviction.window
         super().__init__(eviction)
@@ -132,8 +129,7 @@ class PyramidKV(SnapKV):
 
 
 def pyramid_budgets(budget, window, n_layers, beta, S=None):
-    """PyramidKV: budgets fall linearly from the first layer to the last, mean over layers = C,
-    fitted to the S prompt tokens."""
+    """PyramidKV: budgets fall linearly with depth, mean C, fitted to the S prompt tokens."""
     if n_layers == 1:
         return [budget]
     avail = budget - window
@@ -194,10 +190,8 @@ class H2OHook(Hook):
 
 class H2O(Scorer):
     """H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
-    Language Models", arXiv 2306.14048), prefill form: the attention each key receives from ALL
-    prompt queries, divided by how many queries can see it (else early tokens win by position
-    alone). Computed in blocks of query rows inside the prefill: never an S x S matrix. Like
-    SnapKV it keeps the last `window` tokens."""
+    Language Models", arXiv 2306.14048), prefill form (H2OHook): the attention each key receives
+    from ALL prompt queries, per query that sees it. Like SnapKV it keeps the last `window`."""
 
     def __init__(self, eviction, module=None, response=None):
         self.window = eviction.window
@@ -257,8 +251,8 @@ class RecentQueries(Hook):
 
 @torch.no_grad()
 def laq_scores(model, cache, draft_cache, logits, next_pos, window_q, n, valid):
-    """LAQ: greedily draft n tokens on the compressed cache, keep the drafted tokens' queries,
-    then score the FULL prompt cache with them plus the last n prompt queries (window_q)."""
+    """LAQ's scores: n tokens' queries drafted on draft_cache, plus the last n prompt queries
+    (window_q), over the FULL prompt cache."""
     S = len(cache)
     recorder = RecentQueries(n)
     tok = logits.argmax(-1)  # (B,)

@@ -226,9 +226,8 @@ def prefill_and_score(model, ids, scorer, pad_mask=None, clock=None):
     next_pos = positions[:, -1] + 1  # (B,) the position of the first generated token, = S_b
     evicting = [s.evicts and S > s.eviction.budget for s in scorers]  # not when the prompt fits
 
-    # 1. prefill, the scorer's hook watching; embeddings it appends (the lookahead rows, at
-    # positions S_b .. S_b+M-1) ride in the last chunk (other scorers' hooks would take them
-    # for the prompt's)
+    # 1. prefill, the scorer's hook watching; rows it appends (the lookahead rows, positions
+    # S_b .. S_b+M-1) ride in the last chunk (other scorers' hooks would take them for prompt)
     hooks = [s.prefill_hook(ids) if e else None for s, e in zip(scorers, evicting)]
     appended = [a for s, e in zip(scorers, evicting)
                 if e and (a := s.appended_embeddings()) is not None]

@@ -180,9 +180,8 @@ def lookahead_pass(model, module, cache, next_pos, per_query_head=False):
 # -----------------------------------------------------------------------------
 # 3. The target: the real answer's attention over the prompt (also the oracle's scores)
 class AnswerHook(Hook):
-    """In the forward of the answers (B, R, right-padded) on the prompt cache: per layer, the mean
-    attention of each row's real answer queries over the S prompt slots, per query head
-    (B, H, S: the training target) or per KV head (B, H_kv, S: the oracle's scores)."""
+    """Per layer, the mean attention of each row's real answer queries over the S prompt slots:
+    per query head (B, H, S: the training target) or per KV head (B, H_kv, S: the oracle's)."""
 
     def __init__(self, S, answer_mask, per_query_head):
         self.S, self.per_query_head, self.scores = S, per_query_head, {}

@@ -2,8 +2,7 @@
 Every method by name: the one table the scripts and the harness read. Nothing below this file
 (eviction.py, lookaheadkv.py, baselines.py) knows the names.
 
-    module = load_adapter(path, model.config)
-    scorer = make_scorer(EvictConfig("lookahead", budget=128), module=module)
+    scorer = make_scorer(EvictConfig("lookahead", budget=128), load_adapter(path, model.config))
     cache, logits, next_pos, kept = eviction.compress(model, ids, scorer)
 
 What the EvictConfig leaves unset is the method's own, its paper's: LookaheadKV selects by max-pool
@@ -51,9 +50,8 @@ def selection_of(scorer):
     if not scorer.evicts:
         return "none", "nothing evicted"
     policy = scorer.eviction.budgets
-    # PyramidKV's own
     if policy is None and scorer.default_budgets.__func__ is not Scorer.default_budgets:
-        return repr(scorer.rule), "pyramid budgets"
+        return repr(scorer.rule), "pyramid budgets"  # PyramidKV's own
     return repr(scorer.rule), getattr(policy, "name", "C in every layer")
 
 

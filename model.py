@@ -321,10 +321,9 @@ class DecoderLayer(nn.Module):
 class KVCache:
     """Per layer: keys and values (B, H_kv, T, D) and which slots hold a real token.
 
-    Slots are not positions: RoPE was applied before a key was stored, so the cache may drop
-    or reorder slots freely (eviction) without touching any position.
-    valid[l] is None (every slot real) or a bool tensor (B, 1, T) before eviction and
-    (B, H_kv, T) after it, since each KV head may then keep different tokens.
+    Slots are not positions: RoPE was applied before a key was stored, so eviction may drop or
+    reorder slots freely. valid[l] is None (every slot real) or a bool tensor (B, 1, T) before
+    eviction and (B, H_kv, T) after it, since each KV head may then keep different tokens.
     """
 
     def __init__(self, n_layers):
@@ -398,11 +397,10 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids=None, positions=None, cache=None, pad_mask=None, inputs_embeds=None,
                 hook=None, logits_at=None):
-        """input_ids (B, T) or inputs_embeds (B, T, hidden); positions (B, T) the RoPE position of
-        each token; cache: a KVCache that the chunk is appended to; pad_mask (B, T) True for
-        real tokens (left padding); hook: see Hook; logits_at: None for the logits of every row,
-        or one row index (a prompt's other logits are never used: skip a (T, vocab) matmul).
-        Returns logits (B, T or 1, vocab)."""
+        """input_ids (B, T) or inputs_embeds (B, T, hidden); positions (B, T) each token's RoPE
+        position; cache: a KVCache the chunk is appended to; pad_mask (B, T) True for real tokens
+        (left padding); hook: see Hook; logits_at: None for every row's logits, or one row index
+        (skips a (T, vocab) matmul). Returns logits (B, T or 1, vocab)."""
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.inv_freq.device != x.device:
             self.inv_freq = self.inv_freq.to(x.device)
