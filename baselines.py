@@ -36,10 +36,9 @@ class FullKV(Unpooled):
 
 @torch.no_grad()
 def full_answer(model, ids, max_new_tokens, stop_ids, pad_mask=None, clock=None):
-    """FullKV's greedy answer to the prompt ids (B, S): the reference every method is judged by,
-    and the future whose attention LookaheadKV learns. Returns (prefilled, answers): FullKV's
-    Prefilled (its cache holds the prompt alone: the answer is decoded on a copy), and one id
-    list per row, each ending at its stop token."""
+    """FullKV's greedy answer to the prompt ids (B, S), the reference every method is judged by
+    and the future LookaheadKV learns: (FullKV's Prefilled, one id list per row, each ending at
+    its stop token)."""
     prefilled = prefill_and_score(model, ids, FullKV(EvictConfig("full")), pad_mask, clock)
     cache = prefilled.cache.copy()  # the answer grows the copy: prefilled.cache stays the prompt's
     return prefilled, greedy(model, cache, prefilled.logits, prefilled.next_pos, max_new_tokens,

@@ -102,9 +102,8 @@ def uniform_budgets(budget, n_layers, S, least=1):
 
 
 def select(scores, budget, key_valid=None, protect=None):
-    """Indices (..., B, H_kv, C) of the top `budget` scores (..., B, H_kv, S), in slot order.
-    protect (B, 1, S) marks tokens kept whatever their score (inside the budget); padding
-    slots (key_valid False) are never preferred over a real token."""
+    """Indices (..., B, H_kv, C) of the top `budget` scores (..., B, H_kv, S), in slot order;
+    protect (B, 1, S) is kept whatever its score, padding (key_valid False) never preferred."""
     s = scores.float()
     if protect is not None:
         s = s.masked_fill(protect, float("inf"))
@@ -161,8 +160,7 @@ class Scorer:
         raise NotImplementedError
 
     def protect(self, positions):
-        """(B, 1, S) bool: the tokens kept whatever their score (the last `window`, each row's
-        first `sinks` real tokens), or None."""
+        """(B, 1, S) bool, kept whatever the score: the last `window`, first `sinks`; or None."""
         if not (self.window or self.sinks):
             return None
         S = positions.shape[1]

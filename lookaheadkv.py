@@ -214,10 +214,9 @@ def answer_attention(model, cache, answers, next_pos, answer_mask=None, per_quer
 # -----------------------------------------------------------------------------
 # 4. The loss
 def kl_loss(gt, pred, eps=1e-8):
-    """KL(gt || pred) of the L1-normalised scores, averaged over layers and heads (and batch rows):
-    the future's attention is the target distribution, the lookahead rows' the prediction. gt and
-    pred: {layer: (B, H, S)}; padding slots hold 0 in both and add nothing. (The paper notes this
-    is ListNet's loss with the identity in place of exp.)"""
+    """KL(gt || pred) of the L1-normalised scores {layer: (B, H, S)}, averaged over layers, heads
+    and rows: the future's attention is the target, the lookahead rows' the prediction; padding
+    holds 0 in both. (The paper notes this is ListNet's loss with the identity in place of exp.)"""
     losses = []
     for l, g in gt.items():
         p = g.float() / g.float().sum(-1, keepdim=True)

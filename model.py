@@ -155,9 +155,8 @@ class Hook:
     attn(layer, q, k, key_valid): the queries (B, H, Tq, D) after RoPE and all keys the chunk
         attends to (B, H_kv, Tk, D), cache included; the queries sit at the LAST Tq key slots.
         key_valid (B, 1 or H_kv, Tk) bool or None (all valid). Scorers read attention here.
-    attn_output(layer, v): right after attn. A hook that computed the softmax of the chunk's
-        LAST n queries (LookaheadHook: the M lookahead rows) may return their output
-        (B, H, n, D): SDPA then runs on the other rows only, so those n are attended once.
+    attn_output(layer, v): right after attn, the output (B, H, n, D) of the chunk's LAST n
+        queries whose softmax the hook computed (LookaheadHook), or None: SDPA does the rest.
     hidden(h): the chunk's final normed hidden states (B, T, hidden).
     """
 
