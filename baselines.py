@@ -15,14 +15,15 @@ adds to the prefill and how it scores; its docstring cites its paper.
 
 import torch
 
-from eviction import EvictConfig, Pool, Scorer, greedy, group_attention, keep_slots, prefill_and_score, stack_layers
+from eviction import (EvictConfig, Pool, Scorer, greedy, group_attention, keep_slots,
+                      prefill_and_score, stack_layers)
 from lookaheadkv import answer_attention
 from model import Hook, Hooks
 
 
 class Unpooled(Scorer):
-    """A method that selects by its own scores alone (position, chance, the truth): no smoothing, and no
-    selection rule applies to it (methods.make_scorer refuses one)."""
+    """A method that selects by its own scores alone (position, chance, the truth): no smoothing,
+    and no selection rule applies to it (methods.make_scorer refuses one)."""
 
     default_rule = Pool("none")
 
@@ -35,20 +36,19 @@ class FullKV(Unpooled):
 
 @torch.no_grad()
 def full_answer(model, ids, max_new_tokens, stop_ids, pad_mask=None, clock=None):
-    """FullKV's greedy answer to the prompt ids (B, S): the reference every method is judged by, and the future
-    whose attention LookaheadKV learns. Returns (prefilled, answers): FullKV's Prefilled (its cache holds the
-    prompt alone: the answer is decoded on a copy), answers one id list per row, each ending at its stop token.
-    generate.py's oracle calls it; train.py's data stage decodes this same answer while it sums the target
-    (tests/test_train.py holds the two equal), and the held-out harness reads that answer back."""
+    """FullKV's greedy answer to the prompt ids (B, S), the reference every method is judged by
+    and the future LookaheadKV learns: (FullKV's Prefilled, one id list per row, each ending at
+    its stop token)."""
     prefilled = prefill_and_score(model, ids, FullKV(EvictConfig("full")), pad_mask, clock)
     cache = prefilled.cache.copy()  # the answer grows the copy: prefilled.cache stays the prompt's
-    return prefilled, greedy(model, cache, prefilled.logits, prefilled.next_pos, max_new_tokens, stop_ids)
+    return prefilled, greedy(model, cache, prefilled.logits, prefilled.next_pos, max_new_tokens,
+                             stop_ids)
 
 
 class StreamingLLM(Unpooled):
     """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks",
     arXiv 2309.17453): keep the first n_sink tokens, which soak up attention whatever they say,
-    and the most recent C - n_sink. No attention is looked at."""
+    and the most recent C - n_sink (the score is the position). No attention is looked at."""
 
     default_options = dict(n_sink=4)  # the first tokens, always kept (attention sinks)
 
@@ -57,8 +57,9 @@ class StreamingLLM(Unpooled):
         return self.options["n_sink"]
 
     def score(self, model, prefilled):
-        (B, S), L, Hkv = prefilled.positions.shape, len(prefilled.cache.k), prefilled.cache.k[0].shape[1]
-        return torch.arange(S, device=prefilled.positions.device).float().expand(L, B, Hkv, S)  # recency
+        (B, S), L, Hkv = (prefilled.positions.shape, len(prefilled.cache.k),
+                          prefilled.cache.k[0].shape[1])
+        return torch.arange(S, device=prefilled.positions.device).float().expand(L, B, Hkv, S)
 
 
 class RandomKV(Unpooled):
@@ -67,25 +68,25 @@ class RandomKV(Unpooled):
     default_options = dict(seed=0)
 
     def score(self, model, prefilled):
-        (B, S), L, Hkv = prefilled.positions.shape, len(prefilled.cache.k), prefilled.cache.k[0].shape[1]
+        (B, S), L, Hkv = (prefilled.positions.shape, len(prefilled.cache.k),
+                          prefilled.cache.k[0].shape[1])
         g = torch.Generator(device="cpu").manual_seed(self.options["seed"])
         return torch.rand(L, B, Hkv, S, generator=g).to(prefilled.positions.device)
 
 
 def check_queries(n, setting, method=None):
-    """The number of last queries a method scores with, at least 1: q[:, :, -n:] with n = 0 is q[:, :, 0:], EVERY
-    query of the prompt's last chunk, so a window of 0 silently scored another way ("TheTheThe" with exit 0), and a
-    negative n drops the first ones. `setting` names it in the error (--window: the flag every script sets it with)."""
+    """At least 1 last query to score with: q[:, :, -n:] with n = 0 is EVERY query of the
+    prompt's last chunk, a negative n drops the first ones. `setting` names n in the error."""
     if n is None or n < 1:
         who = f"method {method}" if method else "this method"
-        raise ValueError(f"{setting} {n}: {who} scores with the attention of the last {setting} prompt tokens' "
-                         f"queries (0 would silently take every query of the prompt's last chunk), so it needs at "
-                         f"least 1, e.g. {setting} 32")
+        raise ValueError(f"{setting} {n}: {who} scores with the attention of the last {setting} "
+                         f"prompt tokens' queries (0 would silently take every query of the "
+                         f"prompt's last chunk), so it needs at least 1, e.g. {setting} 32")
 
 
 class WindowHook(Hook):
-    """SnapKV's prefill score: the mean attention of the chunk's last `n` queries over the first S keys, per
-    layer and KV head (B, H_kv, S): the mean over those queries and the GQA group."""
+    """SnapKV's prefill score: the mean attention of the chunk's last `n` queries (and the GQA
+    group) over the first S keys, per layer and KV head (B, H_kv, S)."""
 
     def __init__(self, n, S):
         check_queries(n, "--window")
@@ -103,8 +104,7 @@ class SnapKV(Scorer):
     score, avg-pooled (kernel 5) along the prefix; the window itself is always kept, inside C."""
 
     def __init__(self, eviction, module=None, response=None):
-        # its window is what it scores with, not only what it keeps: at least 1 (check_queries), said when the
-        # method is made (before any model loads), as --window, the flag every script sets it with
+        # it scores with its window, not only keeps it: at least 1, checked before a model loads
         check_queries(eviction.window, "--window", eviction.method)
         self.window = eviction.window
         super().__init__(eviction)
@@ -121,15 +121,14 @@ class PyramidKV(SnapKV):
     Information Funneling", arXiv 2406.02069): SnapKV's scores, but early layers (broad attention)
     get more slots than late ones (focused attention): budgets fall linearly, mean C."""
 
-    default_options = dict(beta=20)  # KVCache-Factory's pyramid: prefix budgets fall to (C - window) // beta
+    default_options = dict(beta=20)  # prefix budgets fall to (C - window) // beta
 
     def default_budgets(self, budget, n_layers, S, least):
         return pyramid_budgets(budget, self.window, n_layers, self.options["beta"], S)
 
 
 def pyramid_budgets(budget, window, n_layers, beta, S=None):
-    """PyramidKV: budgets fall linearly from the first layer to the last, mean over layers = C, fitted to
-    the S prompt tokens (fit_to_prompt)."""
+    """PyramidKV: budgets fall linearly with depth, mean C, fitted to the S prompt tokens."""
     if n_layers == 1:
         return [budget]
     avail = budget - window
@@ -172,7 +171,8 @@ class H2OHook(Hook):
             j = min(i + self.rows, Tq)
             # keys the sub-chunk's queries see: up to slot Tk - Tq + j
             seen = Tk - Tq + j
-            probs = group_attention(q[:, :, i:j], k[:, :, :seen], None if key_valid is None else key_valid[..., :seen])
+            probs = group_attention(q[:, :, i:j], k[:, :, :seen],
+                                    None if key_valid is None else key_valid[..., :seen])
             total[..., : Tk - Tq + j] += probs.sum(dim=2)
         prev = self.sums.get(layer)
         if prev is not None:  # an earlier prefill chunk: its keys are a prefix of these
@@ -181,17 +181,16 @@ class H2OHook(Hook):
 
     def scores(self, key_valid, G):
         S = next(iter(self.sums.values())).shape[-1]
-        valid = torch.ones(1, 1, S, device=self.sums[0].device) if key_valid is None else key_valid.float()
-        seen_by = valid.flip(-1).cumsum(-1).flip(-1) * G  # real queries at or after each slot, x group
+        valid = (torch.ones(1, 1, S, device=self.sums[0].device) if key_valid is None
+                 else key_valid.float())
+        seen_by = valid.flip(-1).cumsum(-1).flip(-1) * G  # real queries at or after each slot
         return {l: s / seen_by.clamp(min=1) for l, s in self.sums.items()}
 
 
 class H2O(Scorer):
     """H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
-    Language Models", arXiv 2306.14048), prefill form: the attention each key receives from ALL
-    prompt queries, divided by how many queries can see it (else early tokens win by position
-    alone). Computed in blocks of query rows inside the prefill: never an S x S matrix. Like
-    SnapKV it keeps the last `window` tokens."""
+    Language Models", arXiv 2306.14048), prefill form (H2OHook): the attention each key receives
+    from ALL prompt queries, per query that sees it. Like SnapKV it keeps the last `window`."""
 
     def __init__(self, eviction, module=None, response=None):
         self.window = eviction.window
@@ -212,27 +211,30 @@ class LAQ(SnapKV):
     keep the top C (window kept). Decoding starts from the original first-token logits."""
 
     budget_dependent = True  # the draft runs on the SnapKV-compressed cache of size C
-    default_options = dict(draft_tokens=8)  # the draft's length, and how many last prompt queries join it
+    default_options = dict(draft_tokens=8)  # the draft's length (and prompt queries')
 
     def __init__(self, eviction, module=None, response=None):
         super().__init__(eviction, module, response)
-        check_queries(self.options["draft_tokens"], "draft_tokens", "laq")  # its RecentQueries' n
+        check_queries(self.options["draft_tokens"], "draft_tokens", "laq")
 
     def prefill_hook(self, ids):
         # SnapKV's scores (for the draft's cache) and the last draft_tokens prompt queries
-        return Hooks(WindowHook(self.window, ids.shape[1]), RecentQueries(self.options["draft_tokens"]))
+        return Hooks(WindowHook(self.window, ids.shape[1]),
+                     RecentQueries(self.options["draft_tokens"]))
 
     def score(self, model, prefilled):
         window_hook, recent = prefilled.hook.hooks
         # shallow copy: gathering in it leaves the full cache alone
-        draft_cache = keep_slots(prefilled.cache.copy(), self.evict(stack_layers(window_hook.scores), prefilled))
-        return stack_layers(laq_scores(model, prefilled.cache, draft_cache, prefilled.logits, prefilled.next_pos,
-                                       recent.q, self.options["draft_tokens"], prefilled.valid))
+        draft_cache = keep_slots(prefilled.cache.copy(),
+                                 self.evict(stack_layers(window_hook.scores), prefilled))
+        return stack_layers(laq_scores(model, prefilled.cache, draft_cache, prefilled.logits,
+                                       prefilled.next_pos, recent.q, self.options["draft_tokens"],
+                                       prefilled.valid))
 
 
 class RecentQueries(Hook):
-    """The queries of the last `n` tokens run, per layer, across every forward it watches (a prompt's
-    last chunk, decode steps, new turns): LAQ's draft and window, SnapKV's decode-phase form."""
+    """The queries of the last `n` tokens run, per layer, across every forward it watches:
+    LAQ's draft and window, SnapKV's decode-phase form."""
 
     every_chunk = True
 
@@ -242,24 +244,26 @@ class RecentQueries(Hook):
 
     def attn(self, layer, q, k, key_valid):
         prev = self.q.get(layer)
-        self.q[layer] = (q if prev is None else torch.cat([prev, q], dim=2))[:, :, -self.n:]  # (B, H, <=n, D)
+        # (B, H, <=n, D)
+        self.q[layer] = (q if prev is None else torch.cat([prev, q], dim=2))[:, :, -self.n:]
 
 
 @torch.no_grad()
 def laq_scores(model, cache, draft_cache, logits, next_pos, window_q, n, valid):
-    """LAQ: greedily draft n tokens on the compressed cache, keep the drafted tokens' queries,
-    then score the FULL prompt cache with them plus the last n prompt queries (window_q)."""
+    """LAQ's scores: n tokens' queries drafted on draft_cache, plus the last n prompt queries
+    (window_q), over the FULL prompt cache."""
     S = len(cache)
     recorder = RecentQueries(n)
     tok = logits.argmax(-1)  # (B,)
     for t in range(n):
-        out = model(tok[:, None], positions=(next_pos + t)[:, None], cache=draft_cache, hook=recorder)
+        out = model(tok[:, None], positions=(next_pos + t)[:, None], cache=draft_cache,
+                    hook=recorder)
         tok = out[:, -1].argmax(-1)
     scores = {}
     for l in range(len(cache.k)):
         k = cache.k[l][:, :, :S]
-        p_window = group_attention(window_q[l], k, valid)  # (B, H_kv, G*n, S), causal in the prompt
-        p_draft = group_attention(recorder.q[l], k, valid, causal=False)  # (B, H_kv, G*n, S): after every key
+        p_window = group_attention(window_q[l], k, valid)  # (B, H_kv, G*n, S), causal
+        p_draft = group_attention(recorder.q[l], k, valid, causal=False)  # after every key
         scores[l] = torch.cat([p_window, p_draft], dim=2).mean(dim=2)
     return scores
 
@@ -276,4 +280,5 @@ class Oracle(Unpooled):
         super().__init__(eviction)
 
     def score(self, model, prefilled):
-        return stack_layers(answer_attention(model, prefilled.cache, self.response, prefilled.next_pos))
+        return stack_layers(answer_attention(model, prefilled.cache, self.response,
+                                             prefilled.next_pos))

@@ -1,18 +1,17 @@
 """
 The steps every KV-eviction method shares: prefill -> score -> evict -> decode.
 
-After a prompt of S tokens is prefilled, each (layer, KV head) keeps only C of its S KV slots and decoding
-goes on with that compact cache. A method (a Scorer: lookaheadkv.py, baselines.py) says what it adds to the
-prefill and how it turns what it saw into scores (L, B, H_kv, S). Everything else is shared and lives here:
+After a prompt of S tokens is prefilled, each (layer, KV head) keeps only C of its S KV slots
+and decoding goes on with that compact cache. A method (a Scorer: lookaheadkv.py, baselines.py)
+says what it adds to the prefill and how it turns what it saw into scores (L, B, H_kv, S).
+Everything else is shared and lives here:
 
     scorer = make_scorer(EvictConfig("snapkv", budget=128))   # methods.py names every method
     cache, logits, next_pos, kept = compress(model, ids, scorer)
-        1. prefill   the prompt (and the method's appended embeddings), chunk by chunk, its hook watching
+        1. prefill   the prompt (and the method's appended rows), chunk by chunk, its hook watching
         2. score     scorer.score(...) -> (L, B, H_kv, S)
-        3. evict     smooth (Pool), protect (sinks, the recent window), top C_l per (layer, KV head), gather
+        3. evict     smooth (Pool), protect (sinks, window), top C_l per (layer, KV head), gather
     decode(model, cache, logits, next_pos, n)  # positions go on from S whatever the cache holds
-
-What EvictConfig leaves unset is the method's own (its paper's): Scorer.default_rule, default_budgets, default_options.
 """
 import math
 import time
@@ -29,31 +28,30 @@ class EvictConfig:
     method: str = "full"
     budget: int = 128  # C: KV slots kept per (layer, KV head), protected tokens included
     window: int = 32  # snapkv/pyramidkv/h2o/laq: the last `window` prompt tokens are always kept
-    rule: object = None  # the smoothing before the top C (a Pool; a rule with .wrap, e.g. the span rule, wraps
-    # the method: methods.make_scorer); None = the method's default_rule (snapkv: avg-pool 5; lookahead: max-pool 7)
-    budgets: object = None  # the budget policy, budgets(C, n_layers, S, least) -> slots per layer; None =
-    # the method's default_budgets (C in every layer; pyramidkv: its pyramid)
+    rule: object = None  # the smoothing before the top C (a Pool, or a rule that wraps the method);
+    # None = the method's default_rule (snapkv: avg-pool 5; lookahead: max-pool 7)
+    budgets: object = None  # the budget policy, budgets(C, n_layers, S, least) -> slots per layer;
+    # None = the method's default_budgets (C in every layer; pyramidkv: its pyramid)
     chunk_size: int = 4096  # prefill in chunks of this many tokens (bounded activations at 32K)
-    options: dict = field(default_factory=dict)  # the method's own options by name, e.g. {"n_sink": 4}: its
-    # class lists them with their defaults (Scorer.default_options); make_scorer refuses any other
+    options: dict = field(default_factory=dict)  # the method's own, e.g. {"n_sink": 4}: its
+    # Scorer.default_options lists them; make_scorer refuses any other
 
 
 # -----------------------------------------------------------------------------
 # 1. Attention over the prompt, computed explicitly for a few queries
-
-
 def group_attention(q, k, key_valid=None, causal=True):
-    """Softmax attention of a chunk's queries q (B, H, Tq, D) over all keys k (B, H_kv, Tk, D), without copying
-    K for GQA. The queries sit at the last Tq of the Tk key slots (causal) or after all of them (causal=False).
-    Returns float32 probabilities (B, H_kv, G*Tq, Tk): the G query heads that share a KV head are stacked as
-    extra rows (query head h uses KV head h // G, as in HF's repeat_kv)."""
+    """Softmax attention of queries q (B, H, Tq, D) over keys k (B, H_kv, Tk, D), without copying
+    K for GQA; the queries sit at the last Tq key slots (causal) or after them all (causal=False).
+    Returns float32 probabilities (B, H_kv, G*Tq, Tk): the G query heads of a KV head stacked as
+    rows (query head h uses KV head h // G, as in HF's repeat_kv)."""
     (B, H, Tq, D), (Hkv, Tk) = q.shape, k.shape[1:3]
     G = H // Hkv
     qg = q.reshape(B, Hkv, G * Tq, D) / math.sqrt(D)  # (B, H_kv, G*Tq, D), scaled before Q K^T
-    logits = (qg @ k.transpose(-1, -2)).float()  # (B, H_kv, G*Tq, Tk): the softmax in float32, as in HF's eager
-    if causal:  # query t (row g*Tq + t) sits at slot Tk - Tq + t: only the last Tq keys can come after it
+    logits = (qg @ k.transpose(-1, -2)).float()  # (B, H_kv, G*Tq, Tk): float32, as HF's eager
+    if causal:  # query t (row g*Tq + t) sits at slot Tk - Tq + t: only the last Tq keys follow it
         t = torch.arange(Tq, device=q.device)
-        logits[..., Tk - Tq:].masked_fill_(t[None, :] > t.repeat(G)[:, None], float("-inf"))  # (G*Tq, Tq)
+        logits[..., Tk - Tq:].masked_fill_(t[None, :] > t.repeat(G)[:, None],  # (G*Tq, Tq)
+                                           float("-inf"))
     if key_valid is None:
         return logits.softmax(dim=-1)
     logits.masked_fill_(~key_valid[:, :, None, :], float("-inf"))  # (B, 1|H_kv, 1, Tk)
@@ -68,13 +66,11 @@ def stack_layers(scores):
 
 # -----------------------------------------------------------------------------
 # 2. From scores to kept slots: smoothing, the budget per layer, top C, one gather per layer
-
-
 class Pool:
-    """SnapKV's smoothing of scores (..., S) along the sequence before the top C, so that a kept token brings
-    its neighbours: "avg" (SnapKV's code, kernel 5) or "max" (its LongBench configs, kernel 7: a peak spreads
-    at full height) over a centred window, or "none". With a protected window (kept anyway) only the prefix
-    before it is smoothed, as in SnapKV's code. avg pads with zeros and divides by the full width."""
+    """SnapKV's smoothing of scores (..., S) before the top C, so that a kept token brings its
+    neighbours: "avg" (SnapKV's code, kernel 5) or "max" (its LongBench configs, kernel 7) over a
+    centred window, or "none". Only the prefix before a protected window is smoothed, as in
+    SnapKV's code. avg pads with zeros and divides by the full width."""
 
     KINDS = ("none", "avg", "max")
 
@@ -82,8 +78,8 @@ class Pool:
         if kind not in self.KINDS:
             raise ValueError(f"unknown pooling {kind!r}: use one of {', '.join(self.KINDS)}")
         if kind != "none" and (kernel < 1 or kernel % 2 == 0):
-            raise ValueError(f"pooling width {kernel} must be odd and >= 1 (a window centred on each token): "
-                             "use e.g. 1, 3, 5 or 7")
+            raise ValueError(f"pooling width {kernel} must be odd and >= 1 (a window centred on "
+                             "each token): use e.g. 1, 3, 5 or 7")
         self.kind, self.kernel = kind, (1 if kind == "none" else kernel)
 
     def __repr__(self):
@@ -106,9 +102,8 @@ def uniform_budgets(budget, n_layers, S, least=1):
 
 
 def select(scores, budget, key_valid=None, protect=None):
-    """Indices (..., B, H_kv, C) of the top `budget` scores (..., B, H_kv, S) per (layer,) batch row and KV
-    head, in slot order. protect (B, 1, S) marks tokens kept whatever their score (inside the budget);
-    padding slots (key_valid False) are never preferred over a real token."""
+    """Indices (..., B, H_kv, C) of the top `budget` scores (..., B, H_kv, S), in slot order;
+    protect (B, 1, S) is kept whatever its score, padding (key_valid False) never preferred."""
     s = scores.float()
     if protect is not None:
         s = s.masked_fill(protect, float("inf"))
@@ -118,7 +113,7 @@ def select(scores, budget, key_valid=None, protect=None):
 
 
 def keep_slots(cache, kept):
-    """Eviction itself: per layer, keep the slots `kept` (B, H_kv, C_l) of the cache, in place."""
+    """Eviction itself: per layer, keep the slots `kept` (B, H_kv, C_l), in place."""
     for layer, idx in enumerate(kept):
         cache.gather(layer, idx)
     return cache
@@ -126,8 +121,6 @@ def keep_slots(cache, kept):
 
 # -----------------------------------------------------------------------------
 # 3. A method is a Scorer: what it adds to the prefill, and how it scores what it saw
-
-
 @dataclass
 class Prefilled:
     """What a scorer (and a selection rule) may read once the prompt is prefilled."""
@@ -142,18 +135,18 @@ class Prefilled:
 
 
 class Scorer:
-    """A KV-eviction method: what it adds to the prefill (`prefill_hook`, `appended_embeddings`: rows after
-    the prompt, scored then discarded) and how it turns what it saw into scores (`score`). `evict` is the
-    step every method shares: smooth by the rule, protect, top C_l per (layer, KV head) by the budget policy."""
+    """A KV-eviction method: what it adds to the prefill (`prefill_hook`, `appended_embeddings`:
+    rows after the prompt, scored then discarded) and how it scores what it saw (`score`).
+    `evict` is the shared step: smooth by the rule, protect, top C_l per (layer, KV head)."""
 
     evicts = True  # False: FullKV
     window = 0  # the last `window` prompt tokens are always kept (inside the budget)
     sinks = 0  # the first `sinks` tokens are always kept (inside the budget)
-    budget_dependent = False  # True: the scores themselves depend on C (they cannot serve other budgets)
-    default_rule = Pool("avg", 5)  # the smoothing it uses unless EvictConfig.rule says otherwise
-    default_options = {}  # the method's own options and their defaults (EvictConfig.options overrides them by name)
+    budget_dependent = False  # True: the scores depend on C (they cannot serve other budgets)
+    default_rule = Pool("avg", 5)  # unless EvictConfig.rule says otherwise
+    default_options = {}  # the method's own options and defaults (EvictConfig.options overrides)
 
-    def __init__(self, eviction, module=None, response=None):  # methods.make_scorer checks the config
+    def __init__(self, eviction, module=None, response=None):  # make_scorer checks the config
         self.eviction, self.options = eviction, {**self.default_options, **eviction.options}
         self.rule = eviction.rule if eviction.rule is not None else self.default_rule
 
@@ -167,25 +160,25 @@ class Scorer:
         raise NotImplementedError
 
     def protect(self, positions):
-        """(B, 1, S) bool: the tokens kept whatever their score (the last `window`, each row's first `sinks`
-        real tokens), or None."""
+        """(B, 1, S) bool, kept whatever the score: the last `window`, first `sinks`; or None."""
         if not (self.window or self.sinks):
             return None
         S = positions.shape[1]
-        return ((torch.arange(S, device=positions.device) >= S - self.window) | (positions < self.sinks))[:, None]
+        return ((torch.arange(S, device=positions.device) >= S - self.window)
+                | (positions < self.sinks))[:, None]
 
-    def default_budgets(self, budget, n_layers, S, least):  # the method's budget policy (PyramidKV overrides it)
+    def default_budgets(self, budget, n_layers, S, least):  # PyramidKV overrides it
         return uniform_budgets(budget, n_layers, S, least)
 
     def layer_budgets(self, n_layers, S):
-        """Slots per layer, by EvictConfig.budgets if given, else by the method's default_budgets."""
+        """Slots per layer, by EvictConfig.budgets if given, else by default_budgets."""
         policy = self.eviction.budgets or self.default_budgets
         return policy(self.eviction.budget, n_layers, S, least=self.window + self.sinks + 1)
 
     def evict(self, scores, prefilled, layer_budgets=None):
-        """The shared step: scores (L, B, H_kv, S) -> per layer the kept slots (B, H_kv, C_l), in slot order.
-        prefilled: the Prefilled the scores are of (its positions say what is protected, its valid what is
-        padding). layer_budgets: slots per layer; None = self.layer_budgets(L, S)."""
+        """The shared step: scores (L, B, H_kv, S) of `prefilled` (its positions say what is
+        protected, its valid what is padding) -> per layer the kept slots (B, H_kv, C_l), in
+        slot order. layer_budgets: slots per layer; None = self.layer_budgets(L, S)."""
         L, S = scores.shape[0], scores.shape[-1]
         budgets = self.layer_budgets(L, S) if layer_budgets is None else layer_budgets
         scores = self.rule.smooth(scores, self.window)
@@ -197,19 +190,19 @@ class Scorer:
 
 # -----------------------------------------------------------------------------
 # 4. prefill -> score -> evict -> return, then decode
-
-
-def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=4096, logits_at=-1, tail=0):
-    """Run embeddings x (B, T, hidden) through the model into `cache`, chunk by chunk so a 32K prompt's
-    activations stay bounded. The LAST chunk is a full one, so window scorers find all their queries in it;
-    the last `tail` rows (appended embeddings) ride along with it, so the prompt is chunked as without them.
-    A hook sees only the last chunk unless it says every_chunk. Returns the logits at row `logits_at`."""
+def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=4096, logits_at=-1,
+            tail=0):
+    """Run embeddings x (B, T, hidden) through the model into `cache`, chunk by chunk (bounded
+    activations). The LAST chunk is a full one, so window scorers find all their queries in it;
+    the last `tail` rows (appended embeddings) ride along with it. A hook sees only the last
+    chunk unless it says every_chunk. Returns the logits at row `logits_at`."""
     T, P = x.shape[1], x.shape[1] - tail  # all rows, the prompt's
     bounds = sorted({0, *range(P % chunk_size, P, chunk_size)}) + [T]
     hooks = hook.hooks if isinstance(hook, Hooks) else [hook]
     for a, b in zip(bounds[:-1], bounds[1:]):
         last = b == T
-        watching = [h for h in hooks if h is not None and (last or getattr(h, "every_chunk", False))]
+        watching = [h for h in hooks
+                    if h is not None and (last or getattr(h, "every_chunk", False))]
         h = None if not watching else watching[0] if len(watching) == 1 else Hooks(*watching)
         out = model(inputs_embeds=x[:, a:b], positions=positions[:, a:b], cache=cache,
                     pad_mask=None if pad_mask is None else pad_mask[:, a:b], hook=h,
@@ -225,10 +218,10 @@ def left_pad(prompts, dev):
     return ids, pad_mask
 
 def prefill_and_score(model, ids, scorer, pad_mask=None, clock=None):
-    """Steps 1 and 2 of compress: a Prefilled with the full prompt cache and its scores (L, B, H_kv, S) (None
-    when there is nothing to evict: S <= C, full). Scores do not depend on C (except LAQ's): one call serves
-    every budget. clock (a metrics.Stopwatch, or None) is marked after the prefill. scorer may be a list that
-    watches ONE prefill (research/harness.py): one Prefilled each, sharing one cache (evict into copies)."""
+    """Steps 1 and 2 of compress: a Prefilled with the prompt cache and its scores (L, B, H_kv, S)
+    (None when there is nothing to evict). Scores do not depend on C (except LAQ's): one call
+    serves every budget. clock (a Stopwatch, or None) is marked after the prefill. scorer may be
+    a list that watches ONE prefill: one Prefilled each, sharing one cache (evict into copies)."""
     scorers = list(scorer) if isinstance(scorer, (list, tuple)) else [scorer]
     B, S = ids.shape
     positions = torch.arange(S, device=ids.device).expand(B, S)
@@ -236,31 +229,36 @@ def prefill_and_score(model, ids, scorer, pad_mask=None, clock=None):
         positions = (pad_mask.long().cumsum(-1) - 1).clamp(min=0)
     valid = None if pad_mask is None else pad_mask[:, None, :]  # (B, 1, S)
     next_pos = positions[:, -1] + 1  # (B,) the position of the first generated token, = S_b
-    evicting = [s.evicts and S > s.eviction.budget for s in scorers]  # nothing to evict when the prompt fits
+    evicting = [s.evicts and S > s.eviction.budget for s in scorers]  # not when the prompt fits
 
-    # 1. prefill, the scorer's hook watching; embeddings it appends (the lookahead rows, at positions
-    # S_b .. S_b+M-1) ride in the last chunk. Beside other scorers, their hooks would take them for the prompt's
+    # 1. prefill, the scorer's hook watching; rows it appends (the lookahead rows, positions
+    # S_b .. S_b+M-1) ride in the last chunk (other scorers' hooks would take them for prompt)
     hooks = [s.prefill_hook(ids) if e else None for s, e in zip(scorers, evicting)]
-    appended = [a for s, e in zip(scorers, evicting) if e and (a := s.appended_embeddings()) is not None]
+    appended = [a for s, e in zip(scorers, evicting)
+                if e and (a := s.appended_embeddings()) is not None]
     if appended and len(scorers) > 1:
-        raise ValueError("a scorer that adds rows after the prompt (one-pass lookahead) prefills alone: "
-                         "use its two-pass form (options=dict(one_pass=False)) beside other scorers")
+        raise ValueError("a scorer that adds rows after the prompt (one-pass lookahead) prefills "
+                         "alone: use its two-pass form (options=dict(one_pass=False)) beside "
+                         "other scorers")
     x, x_positions, x_mask = model.model.embed_tokens(ids), positions, pad_mask  # (B, S, hidden)
     if appended:
         M = appended[0].shape[0]
         x = torch.cat([x, appended[0].to(x.dtype).expand(B, -1, -1)], dim=1)  # (B, S+M, hidden)
-        x_positions = torch.cat([positions, next_pos[:, None] + torch.arange(M, device=ids.device)], dim=1)
-        x_mask = None if pad_mask is None else torch.cat([pad_mask, pad_mask.new_ones(B, M)], dim=1)
-    chunk = max([scorers[0].eviction.chunk_size] + [s.window for s in scorers])  # the last chunk holds the window
+        x_positions = torch.cat([positions, next_pos[:, None] + torch.arange(M, device=ids.device)],
+                                dim=1)
+        x_mask = (None if pad_mask is None
+                  else torch.cat([pad_mask, pad_mask.new_ones(B, M)], dim=1))
+    chunk = max([scorers[0].eviction.chunk_size] + [s.window for s in scorers])  # holds the window
     cache = KVCache(model.config.num_hidden_layers)
     watch = Hooks(*hooks) if len(hooks) > 1 else hooks[0]
-    logits = prefill(model, x, x_positions, cache, x_mask, watch, chunk, logits_at=S - 1, tail=x.shape[1] - S)
+    logits = prefill(model, x, x_positions, cache, x_mask, watch, chunk, logits_at=S - 1,
+                     tail=x.shape[1] - S)
     cache.truncate(S)  # appended rows are scored, then discarded: never in the cache
     prefilled = [Prefilled(cache, h, logits[:, -1], positions, next_pos, valid) for h in hooks]
     if clock is not None:
         clock.mark()
 
-    # 2. score: (L, B, H_kv, S), every layer at once, so smoothing and top-k are a few launches in all
+    # 2. score: (L, B, H_kv, S), every layer at once (smoothing and top-k: a few launches in all)
     for p, s, e in zip(prefilled, scorers, evicting):
         if e:
             p.scores = s.score(model, p)
@@ -268,9 +266,8 @@ def prefill_and_score(model, ids, scorer, pad_mask=None, clock=None):
 
 
 class Stopwatch:
-    """Time marks on the device's own timeline. On CUDA they are events recorded in the stream, not
-    synchronisations: the CPU keeps queueing the scoring kernels while the GPU still runs the
-    prefill, so their launch cost hides behind it, as it would in a server. On CPU, wall time.
+    """Time marks on the device's timeline: on CUDA, events in the stream, not synchronisations
+    (the scoring kernels' launch cost hides behind the prefill, as in a server); on CPU, wall time.
     compress(..., clock=Stopwatch(device)) marks the end of the prefill and of the eviction."""
 
     def __init__(self, device):
@@ -292,15 +289,15 @@ class Stopwatch:
 
 
 def compress(model, ids, scorer, pad_mask=None, clock=None):
-    """Prefill the prompt ids (B, S) (pad_mask: False on left padding) and evict its cache down to C =
-    scorer.eviction.budget slots per (layer, KV head) by `scorer` (methods.make_scorer). Returns (cache,
-    first-token logits (B, V), next positions (B,), kept: per layer the kept slots (B, H_kv, C_l), or None
-    when nothing was evicted). clock (or None) is marked after the prefill and after the eviction."""
+    """Prefill the prompt ids (B, S) (pad_mask: False on left padding) and evict its cache down
+    to C = scorer.eviction.budget slots per (layer, KV head). Returns (cache, first-token logits
+    (B, V), next positions (B,), kept: per layer the kept slots (B, H_kv, C_l), or None when
+    nothing was evicted). clock (or None) is marked after the prefill and after the eviction."""
     # 1. prefill and 2. score
     prefilled = prefill_and_score(model, ids, scorer, pad_mask, clock)
     kept = None
     if prefilled.scores is not None:
-        # 3. evict: smooth, one top-k for all layers (per layer when budgets differ), one gather per layer
+        # 3. evict: smooth, top-k (per layer when budgets differ), one gather per layer
         kept = scorer.evict(prefilled.scores, prefilled)
         keep_slots(prefilled.cache, kept)
     if clock is not None:
@@ -315,11 +312,12 @@ def decode_step(model, cache, tokens, positions, hook=None):
 
 
 @torch.no_grad()
-def decode(model, cache, logits, next_pos, max_new_tokens, stop_ids=(), pick=None, hook=None, after_step=None):
-    """Generate from first-token logits (B, V) on `cache`, yielding token ids (B,) step by step: greedy, or
-    pick(logits) -> (B,) (support/cli.py's sampler); rows that hit a stop token are fed it on (batch decoding).
-    The positions go on from next_pos whatever the cache holds. hook watches every step's forward;
-    after_step(model, cache, next_pos) runs once a token is in the cache (extensions/decode.py evicts there)."""
+def decode(model, cache, logits, next_pos, max_new_tokens, stop_ids=(), pick=None, hook=None,
+           after_step=None):
+    """Generate from first-token logits (B, V) on `cache`, yielding token ids (B,): greedy, or
+    pick(logits) -> (B,); rows that hit a stop token are fed it on (batch decoding). Positions
+    go on from next_pos whatever the cache holds. hook watches every step's forward;
+    after_step(model, cache, next_pos) runs once a token is in the cache (decode-phase eviction)."""
     stop = torch.tensor(list(stop_ids) or [-1], device=logits.device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     for t in range(max_new_tokens):
@@ -336,8 +334,8 @@ def decode(model, cache, logits, next_pos, max_new_tokens, stop_ids=(), pick=Non
 
 @torch.no_grad()
 def greedy(model, cache, logits, next_pos, max_new_tokens, stop_ids):
-    """Greedy answers on `cache` (it grows), one id list per batch row, each ending at its stop token
-    (kept: the end of the answer is part of its future, and it makes a future of an empty answer)."""
+    """Greedy answers on `cache` (it grows), one id list per batch row, each ending at its stop
+    token (kept: the end is part of the answer's future, and makes one of an empty answer)."""
     answers, done = [[] for _ in range(logits.shape[0])], [False] * logits.shape[0]
     for tokens in decode(model, cache, logits, next_pos, max_new_tokens, stop_ids):
         for b, t in enumerate(tokens.tolist()):

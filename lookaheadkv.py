@@ -13,11 +13,10 @@ their rows, and only theirs, a LoRA, and read off where they attend:
                     of softmax_j(q_i . k_j / sqrt(d)); the lookahead K/V are dropped after scoring
     3. the target   the attention the model's own answer pays to the prompt (answer_attention)
     4. the loss     KL(s_gt / |s_gt|_1 || s / |s|_1), averaged over layers and query heads
-    5. eviction     the scores max-pooled (width 7), then the top C per (layer, KV head), C in every
-                    layer (the LookaheadKV scorer; eviction.py does the prefill, the top C, the gather)
+    5. eviction     the scores max-pooled (width 7), then the top C per (layer, KV head), C in
+                    every layer (eviction.py does the prefill, the top C, the gather)
 
-METHOD.md has each equation next to its code; train.py trains the module, generate.py uses it. The
-checks on an adapter's files are in weights/checks.py; ideas beyond the paper are in extensions/.
+METHOD.md has each equation next to its code; train.py trains the module, generate.py uses it.
 """
 import json
 import math
@@ -33,15 +32,13 @@ from weights import checks
 
 # -----------------------------------------------------------------------------
 # 1. The lookahead module: M embeddings + a LoRA that is active on their rows only
-
-
 class LookaheadModule(nn.Module):
     """M learnable lookahead embeddings P and, per layer and target projection, a LoRA
     W' = W + (alpha / r) B A applied ONLY to the lookahead rows:
         Q = [X; P] Wq + [0; P] dWq   (and the same for every other target)
-    The prompt rows never see the LoRA, so the prompt's KV cache is exactly the base model's. The paper's
-    equations show q and k; all seven measured better (RESULTS.md 10.1): the default. targets=() keeps the
-    embeddings alone. The LAST layer's v, o and MLP LoRA change no score (none reads them): no gradient."""
+    The prompt rows never see the LoRA, so the prompt's KV cache is exactly the base model's.
+    The paper's equations show q and k; all seven measured better (RESULTS.md 10.1). The LAST
+    layer's v, o and MLP LoRA change no score (none reads them): they get no gradient."""
 
     TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -51,9 +48,11 @@ class LookaheadModule(nn.Module):
         if bad:
             raise ValueError(f"unknown LoRA targets {bad}; choose from {', '.join(self.TARGETS)}")
         if n_tokens < 1 or rank < 1:
-            raise ValueError(f"a lookahead module needs at least 1 token and rank 1, got M = {n_tokens}, r = {rank}")
-        self.cfg, self.n_tokens, self.rank, self.alpha, self.targets = cfg, n_tokens, rank, alpha, tuple(targets)
-        self.info = {}  # everything else its .json says (how it was trained, how it selects), kept as is
+            raise ValueError(f"a lookahead module needs at least 1 token and rank 1, "
+                             f"got M = {n_tokens}, r = {rank}")
+        self.cfg, self.n_tokens, self.rank, self.alpha, self.targets = (cfg, n_tokens, rank, alpha,
+                                                                        tuple(targets))
+        self.info = {}  # everything else its .json says (how it was trained, how it selects)
         # random init with the scale of real token embeddings: untrained, they already act as
         # generic queries from "somewhere after the prompt", a strong baseline of their own
         self.embeddings = nn.Parameter(torch.randn(n_tokens, cfg.hidden_size) * embed_std)
@@ -63,8 +62,9 @@ class LookaheadModule(nn.Module):
             p = nn.ParameterDict()
             for t in self.targets:
                 d_in, d_out = dims[t]
-                # as in LoRA: A random, B zero, so training starts from the base model's projections
-                p[t + "_A"] = nn.Parameter(torch.empty(rank, d_in).uniform_(-1, 1) / math.sqrt(d_in))
+                # as in LoRA: A random, B zero: training starts from the base model's projections
+                p[t + "_A"] = nn.Parameter(torch.empty(rank, d_in).uniform_(-1, 1)
+                                           / math.sqrt(d_in))
                 p[t + "_B"] = nn.Parameter(torch.zeros(d_out, rank))
             self.lora.append(p)
 
@@ -73,8 +73,9 @@ class LookaheadModule(nn.Module):
         """(in, out) of each LoRA target's projection."""
         H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
-        return dict(q_proj=(hidden, H * D), k_proj=(hidden, Hkv * D), v_proj=(hidden, Hkv * D), o_proj=(H * D, hidden),
-                    gate_proj=(hidden, inter), up_proj=(hidden, inter), down_proj=(inter, hidden))
+        return dict(q_proj=(hidden, H * D), k_proj=(hidden, Hkv * D), v_proj=(hidden, Hkv * D),
+                    o_proj=(H * D, hidden), gate_proj=(hidden, inter), up_proj=(hidden, inter),
+                    down_proj=(inter, hidden))
 
     def delta(self, layer, name, x):
         """The LoRA term for rows x (B, M, in) -> (B, M, out), or None if `name` is no target."""
@@ -85,15 +86,17 @@ class LookaheadModule(nn.Module):
         return (x @ A.T) @ B.T * (self.alpha / self.rank)
 
     def metadata(self):
-        return dict(base_model=self.cfg.name, base_fingerprint=self.cfg.fingerprint(), n_tokens=self.n_tokens,
-                    rank=self.rank, alpha=self.alpha, targets=list(self.targets), **self.info)
+        return dict(base_model=self.cfg.name, base_fingerprint=self.cfg.fingerprint(),
+                    n_tokens=self.n_tokens, rank=self.rank, alpha=self.alpha,
+                    targets=list(self.targets), **self.info)
 
     def save(self, path):
-        """path (.safetensors) + the same name with .json (metadata). Writes each to a temporary file
-        first, so a failure leaves any earlier adapter at that path whole."""
+        """path (.safetensors) + the same name with .json (metadata), each through a temporary
+        file, so a failure leaves any earlier adapter at that path whole."""
         path = Path(path)
         if path.suffix != ".safetensors":
-            raise ValueError(f"adapter path {path} must end in .safetensors (its metadata goes beside it as .json)")
+            raise ValueError(f"adapter path {path} must end in .safetensors "
+                             "(its metadata goes beside it as .json)")
         tensors = {k: v.detach().float().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(tensors, str(path.with_suffix(".safetensors.tmp")))
         path.with_suffix(".json.tmp").write_text(json.dumps(self.metadata(), indent=2) + "\n")
@@ -102,14 +105,13 @@ class LookaheadModule(nn.Module):
 
     @classmethod
     def load(cls, path, cfg, device="cpu"):
-        """An adapter saved by save(). Its .json's keys that shape the module (weights/checks.ADAPTER_KEYS) build
-        it; any other key is kept as it is (never refused, unread here) in `info` and written back by save(): the
-        selection it recommends ("rule", "layer_weights": support/selection.py), how it was made (train.py's record,
-        a person's notes: nothing reads them). Each check on the files (weights/checks.py) names the file."""
+        """An adapter saved by save(), its files checked (weights/checks.py). The .json's keys that
+        shape the module (checks.ADAPTER_KEYS) build it; any other (the selection it recommends,
+        how it was made) is kept as is in `info` and written back by save()."""
         path = Path(path)
         meta, tensors = checks.read_adapter(path)
-        checks.check_adapter_metadata(meta, path.with_suffix(".json"), cfg, path.stat().st_size, cls.TARGETS,
-                                      cls.dims(cfg))
+        checks.check_adapter_metadata(meta, path.with_suffix(".json"), cfg, path.stat().st_size,
+                                      cls.TARGETS, cls.dims(cfg))
         m = cls(cfg, meta["n_tokens"], meta["rank"], meta["alpha"], meta["targets"])
         m.info = {k: v for k, v in meta.items() if k not in checks.ADAPTER_KEYS}
         checks.check_adapter_tensors(path, tensors, m.state_dict(), m.alpha, m.rank)
@@ -118,22 +120,20 @@ class LookaheadModule(nn.Module):
 
 
 def untrained_module(model, n_tokens=32, rank=8, alpha=32, targets=LookaheadModule.TARGETS):
-    """The module before training, for `model`: P drawn with the std of its token embeddings (the M rows
-    start at the scale of real tokens), LoRA B = 0 (they start as the base model's own projections), in
-    float32 (it trains in float32 whatever the model's dtype) on the model's device."""
+    """The module before training: P drawn with the std of `model`'s token embeddings, LoRA B = 0,
+    in float32 (it trains in float32 whatever the model's dtype) on the model's device."""
     embed = model.model.embed_tokens.weight
-    module = LookaheadModule(model.config, n_tokens, rank, alpha, targets, embed.float().std().item())
+    module = LookaheadModule(model.config, n_tokens, rank, alpha, targets,
+                             embed.float().std().item())
     return module.to(embed.device)
 
 
 # -----------------------------------------------------------------------------
 # 2. The scores: the M rows' attention over the prompt
-
-
 class LookaheadHook(Hook):
-    """Run inside the forward that holds the lookahead rows (the LAST M rows of the chunk): adds their
-    LoRA delta, and scores the S prompt slots by their attention, per layer: the mean over the M
-    queries and the G query heads of a KV head (B, H_kv, S), or per query head for training (B, H, S)."""
+    """In the forward that holds the lookahead rows (the chunk's LAST M): adds their LoRA delta,
+    and scores the S prompt slots by their attention, per layer: the mean over the M queries and
+    the G query heads of a KV head (B, H_kv, S), or per query head for training (B, H, S)."""
 
     def __init__(self, module, S, per_query_head=False):
         self.module, self.S, self.per_query_head = module, S, per_query_head
@@ -144,8 +144,9 @@ class LookaheadHook(Hook):
         return self.module.delta(layer, name, x[:, -self.module.n_tokens:])
 
     def attn(self, layer, q, k, key_valid):
-        M = self.module.n_tokens  # the softmax runs over every key they see, the earlier lookahead rows too
-        self.probs = group_attention(q[:, :, -M:], k, key_valid)  # (B, H_kv, G*M, Tk): row g*M+i: query i, head kv*G+g
+        M = self.module.n_tokens  # the softmax runs over every key they see, lookahead rows too
+        # (B, H_kv, G*M, Tk): row g*M + i is query i of query head kv*G + g
+        self.probs = group_attention(q[:, :, -M:], k, key_valid)
         probs = self.probs[..., :self.S]  # (B, H_kv, G*M, S): only the prompt's columns are scores
         if self.per_query_head:  # training: the mean over the M queries of each query head
             B, Hkv, _, S = probs.shape
@@ -154,55 +155,56 @@ class LookaheadHook(Hook):
             self.scores[layer] = probs.mean(dim=2)  # (B, H_kv, S)
 
     def attn_output(self, layer, v):
-        """The M rows' attention output (B, H, M, D) from the probabilities their scores came from: SDPA runs
-        for the prompt rows alone (FullKV's very call: its cache to the bit), the M rows are attended once."""
+        """The M rows' attention output (B, H, M, D) from the probabilities of their scores: SDPA
+        runs for the prompt rows alone (FullKV's very call), the M rows are attended once."""
         probs, self.probs = self.probs, None  # (B, H_kv, G*M, Tk), float32
-        # in the model's dtype, as HF's eager attention does (training keeps no float32 copy of V for backward)
-        y = probs.to(v.dtype) @ v  # (B, H_kv, G*M, D): row g*M + i is query i of query head kv*G + g
+        # in the model's dtype, as HF's eager attention (training keeps no float32 copy of V)
+        y = probs.to(v.dtype) @ v  # (B, H_kv, G*M, D): row g*M + i: query i of head kv*G + g
         return y.view(v.shape[0], -1, self.module.n_tokens, v.shape[-1])  # (B, H, M, D)
 
 
 def lookahead_pass(model, module, cache, next_pos, per_query_head=False):
-    """The two-pass form: the M lookahead rows at positions next_pos .. next_pos+M-1 (an int S, or each
-    row's (B,) prompt length) on top of a copy of the prompt cache: their scores over its len(cache) slots,
-    per layer. Under autograd, gradients reach only the module (the cache was made without them)."""
+    """The two-pass form: the M lookahead rows at positions next_pos .. next_pos+M-1 (an int S,
+    or (B,)) on a copy of the prompt cache: their scores over its slots, per layer. Under
+    autograd, gradients reach only the module (the cache was made without them)."""
     B, M, dev = cache.k[0].shape[0], module.n_tokens, cache.k[0].device
-    positions = torch.as_tensor(next_pos, device=dev).reshape(-1, 1) + torch.arange(M, device=dev)  # (B|1, M)
+    positions = (torch.as_tensor(next_pos, device=dev).reshape(-1, 1)
+                 + torch.arange(M, device=dev))  # (B|1, M)
     emb = module.embeddings.to(cache.k[0].dtype).expand(B, -1, -1)  # (B, M, hidden)
     hook = LookaheadHook(module, len(cache), per_query_head)
-    model(inputs_embeds=emb, positions=positions.expand(B, M), cache=cache.copy(), hook=hook, logits_at=-1)
+    model(inputs_embeds=emb, positions=positions.expand(B, M), cache=cache.copy(), hook=hook,
+          logits_at=-1)
     return hook.scores
 
 
 # -----------------------------------------------------------------------------
-# 3. The target: the real answer's attention over the prompt (also the oracle's scores, recall's truth)
-
-
+# 3. The target: the real answer's attention over the prompt (also the oracle's scores)
 class AnswerHook(Hook):
-    """In the forward of the answers (B, R, right-padded) on top of the prompt cache: per layer, the
-    mean attention of each row's real answer queries over the S prompt slots, per query head
-    (B, H, S: the training target) or per KV head (B, H_kv, S: the oracle's scores, recall's truth)."""
+    """Per layer, the mean attention of each row's real answer queries over the S prompt slots:
+    per query head (B, H, S: the training target) or per KV head (B, H_kv, S: the oracle's)."""
 
     def __init__(self, S, answer_mask, per_query_head):
         self.S, self.per_query_head, self.scores = S, per_query_head, {}
-        self.weights = answer_mask.float() / answer_mask.sum(-1, keepdim=True).float()  # (B, R): mean over real ones
+        self.weights = answer_mask.float() / answer_mask.sum(-1, keepdim=True).float()  # (B, R)
 
     def attn(self, layer, q, k, key_valid):
         B, H, R, _ = q.shape
         Hkv, S = k.shape[1], self.S
-        probs = group_attention(q, k, key_valid)[..., :S].view(B, Hkv, H // Hkv, R, S)  # (B, H_kv, G, R, S)
+        # (B, H_kv, G, R, S)
+        probs = group_attention(q, k, key_valid)[..., :S].view(B, Hkv, H // Hkv, R, S)
         per_head = torch.einsum("bkgrs,br->bkgs", probs, self.weights)  # (B, H_kv, G, S)
         self.scores[layer] = per_head.flatten(1, 2) if self.per_query_head else per_head.mean(dim=2)
 
 
 @torch.no_grad()
 def answer_attention(model, cache, answers, next_pos, answer_mask=None, per_query_head=False):
-    """The answers (B, R) ids on a copy of the prompt cache, at positions next_pos (B,) onwards: per layer, each
-    row's mean attention of its answer queries over the len(cache) prompt slots, {layer: (B, H, S)} per query
-    head or (B, H_kv, S) per KV head. answer_mask (B, R) marks the real tokens of right-padded answers (causal
-    attention hides the padding from them; its queries weigh 0). One forward: R x S attention per layer."""
+    """The answers (B, R) ids on a copy of the prompt cache, at positions next_pos (B,) onwards:
+    per layer, each row's mean attention of its answer queries over the prompt slots,
+    {layer: (B, H, S)} per query head or (B, H_kv, S) per KV head. answer_mask (B, R) marks the
+    real tokens of right-padded answers (the padding's queries weigh 0). One forward."""
     B, R = answers.shape
-    mask = torch.ones(B, R, dtype=torch.bool, device=answers.device) if answer_mask is None else answer_mask
+    mask = (torch.ones(B, R, dtype=torch.bool, device=answers.device) if answer_mask is None
+            else answer_mask)
     hook = AnswerHook(len(cache), mask, per_query_head)
     positions = next_pos.reshape(-1, 1) + torch.arange(R, device=answers.device)  # (B, R)
     model(answers, positions=positions.expand(B, R), cache=cache.copy(), hook=hook, logits_at=-1)
@@ -211,13 +213,10 @@ def answer_attention(model, cache, answers, next_pos, answer_mask=None, per_quer
 
 # -----------------------------------------------------------------------------
 # 4. The loss
-
-
 def kl_loss(gt, pred, eps=1e-8):
-    """KL(gt || pred) of the L1-normalised scores, averaged over layers and heads (and batch rows):
-    the future's attention is the target distribution, the lookahead rows' the prediction. gt and
-    pred: {layer: (B, H, S)}; padding slots hold 0 in both and add nothing. (The paper notes this
-    is ListNet's loss with the identity in place of exp.)"""
+    """KL(gt || pred) of the L1-normalised scores {layer: (B, H, S)}, averaged over layers, heads
+    and rows: the future's attention is the target, the lookahead rows' the prediction; padding
+    holds 0 in both. (The paper notes this is ListNet's loss with the identity in place of exp.)"""
     losses = []
     for l, g in gt.items():
         p = g.float() / g.float().sum(-1, keepdim=True)
@@ -228,23 +227,21 @@ def kl_loss(gt, pred, eps=1e-8):
 
 # -----------------------------------------------------------------------------
 # 5. Eviction: LookaheadKV as a Scorer (eviction.py does the prefill, the top C and the gather)
-
-
 class LookaheadKV(Scorer):
-    """LookaheadKV: the M lookahead rows' mean attention over the prompt predicts the answer's; as the paper's
-    text says ("mean-aggregated and pooled, then top-K"), the scores are max-pooled (width 7, as in its code's
-    base, KVCache-Factory) and the top C per (layer, KV head) kept, C in every layer. One-pass (default): the
-    rows ride in the prefill's last chunk, their K/V cut off after scoring; two-pass: a second forward of the
-    M rows on the prompt cache (training's form). Both give the same scores (causal attention, LoRA on the
-    lookahead rows only). An adapter's .json may recommend another selection: it runs only when a flag asks."""
+    """LookaheadKV: the M lookahead rows' mean attention over the prompt predicts the answer's;
+    as the paper says ("mean-aggregated and pooled, then top-K"), the scores are max-pooled
+    (width 7, as in its code's base, KVCache-Factory), then the top C per (layer, KV head) kept,
+    C in every layer. One-pass (default): the rows ride in the prefill's last chunk, their K/V
+    cut off after scoring; two-pass: a second forward of the M rows on the prompt cache
+    (training's form). Both give the same scores (causal, LoRA on the lookahead rows only)."""
 
     default_rule = Pool("max", 7)
-    default_options = dict(one_pass=True)  # the M rows ride in the prefill (fast); False: a 2nd forward (training's)
+    default_options = dict(one_pass=True)  # False: a second forward (training's form)
 
     def __init__(self, eviction, module=None, response=None):
         if module is None:
-            raise ValueError("method lookahead needs an adapter (a LookaheadModule): train one with python "
-                             "train.py, or pass --adapter")
+            raise ValueError("method lookahead needs an adapter (a LookaheadModule): train one "
+                             "with python train.py, or pass --adapter")
         self.module = module
         super().__init__(eviction)
 
@@ -257,4 +254,5 @@ class LookaheadKV(Scorer):
     def score(self, model, prefilled):
         if self.options["one_pass"]:
             return stack_layers(prefilled.hook.scores)
-        return stack_layers(lookahead_pass(model, self.module, prefilled.cache, prefilled.next_pos))
+        return stack_layers(lookahead_pass(model, self.module, prefilled.cache,
+                                           prefilled.next_pos))

@@ -1,14 +1,14 @@
 """
-Every method by name: the one table the scripts and the harness read. Nothing below this file (eviction.py,
-lookaheadkv.py, baselines.py) knows the names.
+Every method by name: the one table the scripts and the harness read. Nothing below this file
+(eviction.py, lookaheadkv.py, baselines.py) knows the names.
 
-    scorer = make_scorer(EvictConfig("lookahead", budget=128), module=load_adapter(path, model.config))
+    scorer = make_scorer(EvictConfig("lookahead", budget=128), load_adapter(path, model.config))
     cache, logits, next_pos, kept = eviction.compress(model, ids, scorer)
 
-What the EvictConfig leaves unset is the method's own, its paper's: LookaheadKV selects by max-pool 7 with C in
-every layer, whatever its adapter's .json recommends. A rule from beyond the paper (extensions/span.py) wraps
-the method, as kvpress's wrappers wrap any press: make_scorer asks the rule to (`rule.wrap`), so this file
-never names an extension. Rule texts and their checks: support/selection.py, beside the path.
+What the EvictConfig leaves unset is the method's own, its paper's: LookaheadKV selects by max-pool
+7 with C in every layer, whatever its adapter's .json recommends. A rule from beyond the paper
+(extensions/span.py) wraps the method, as kvpress's wrappers wrap any press (`rule.wrap`), so this
+file never names an extension. Rule texts and their checks: support/selection.py.
 """
 import dataclasses
 
@@ -19,23 +19,25 @@ from eviction import Pool, Scorer
 from lookaheadkv import LookaheadKV, LookaheadModule, untrained_module
 from support import selection
 
-METHODS = {"full": FullKV, "streaming": StreamingLLM, "random": RandomKV, "snapkv": SnapKV, "pyramidkv": PyramidKV,
-           "h2o": H2O, "laq": LAQ, "oracle": Oracle, "lookahead": LookaheadKV}
+METHODS = {"full": FullKV, "streaming": StreamingLLM, "random": RandomKV, "snapkv": SnapKV,
+           "pyramidkv": PyramidKV, "h2o": H2O, "laq": LAQ, "oracle": Oracle,
+           "lookahead": LookaheadKV}
 
 
 def make_scorer(eviction, module=None, response=None):
-    """The Scorer of eviction.method (module: the adapter; response: the oracle's answer), its config checked
-    (ValueError). A rule that wraps (the span rule) gets the method unpooled and wraps it."""
+    """The Scorer of eviction.method (module: the adapter; response: the oracle's answer), its
+    config checked (ValueError). A rule that wraps gets the method unpooled and wraps it."""
     if eviction.method not in METHODS:
         raise ValueError(f"unknown method {eviction.method!r}; choose from {', '.join(METHODS)}")
     method = METHODS[eviction.method]
     if issubclass(method, Unpooled) and eviction.rule is not None:
-        raise ValueError(f"method {eviction.method} selects by its own scores alone: a selection rule "
-                         f"(--pool {eviction.rule}) does not apply to it")
+        raise ValueError(f"method {eviction.method} selects by its own scores alone: a selection "
+                         f"rule (--pool {eviction.rule}) does not apply to it")
     if isinstance(eviction.rule, str):  # a rule's text, e.g. "max:7" (generate.py's --pool)
         eviction = dataclasses.replace(eviction, rule=selection.parse_rule(eviction.rule))
-    if hasattr(eviction.rule, "wrap"):  # beyond the paper: the method, unpooled, wrapped in the rule
-        scorer = eviction.rule.wrap(method(dataclasses.replace(eviction, rule=Pool("none")), module, response))
+    if hasattr(eviction.rule, "wrap"):  # the method, unpooled, wrapped in the rule
+        scorer = eviction.rule.wrap(method(dataclasses.replace(eviction, rule=Pool("none")), module,
+                                           response))
     else:
         scorer = method(eviction, module=module, response=response)
     selection.check_scorer(scorer)
@@ -43,19 +45,19 @@ def make_scorer(eviction, module=None, response=None):
 
 
 def selection_of(scorer):
-    """What a scorer selects by, in words, e.g. ("max:7", "C in every layer") for LookaheadKV, ("avg:5", "pyramid
-    budgets") for PyramidKV: generate.py's stats, bench.py's rows and evaluate.py's tables say it."""
+    """What a scorer selects by, in words, e.g. ("max:7", "C in every layer") for LookaheadKV,
+    ("avg:5", "pyramid budgets") for PyramidKV."""
     if not scorer.evicts:
         return "none", "nothing evicted"
     policy = scorer.eviction.budgets
-    if policy is None and scorer.default_budgets.__func__ is not Scorer.default_budgets:  # PyramidKV's own
-        return repr(scorer.rule), "pyramid budgets"
+    if policy is None and scorer.default_budgets.__func__ is not Scorer.default_budgets:
+        return repr(scorer.rule), "pyramid budgets"  # PyramidKV's own
     return repr(scorer.rule), getattr(policy, "name", "C in every layer")
 
 
 def load_adapter(path, cfg, device="cpu"):
-    """A LookaheadModule from path (.safetensors + .json), its .json's recommended selection (beyond the
-    paper: applied only when a flag asks) checked now as text and numbers, no extension imported:
+    """A LookaheadModule from path (.safetensors + .json), its .json's recommended selection
+    (applied only when a flag asks) checked now as text and numbers, no extension imported:
     ValueError naming the file rather than a failure after a prefill."""
     module = LookaheadModule.load(path, cfg, device)
     selection.check_adapter_selection(path, module.info, cfg.num_hidden_layers, cfg.max_context)
@@ -75,9 +77,8 @@ def parse_targets(text):
 
 
 def untrained(model, seed, like=None, **shape):
-    """The one way the scripts build an untrained module (lookaheadkv.untrained_module): drawn from `seed`, of
-    the shape of `like` (an adapter: its M, rank, alpha and targets) or of `shape` (n_tokens, rank, alpha,
-    targets; the defaults for what is not given)."""
+    """The one way the scripts build an untrained module: drawn from `seed`, of the shape of
+    `like` (an adapter: its M, rank, alpha and targets) or of `shape` (defaults where not given)."""
     torch.manual_seed(seed)  # the same draw on every run: P ~ N(0, std of the token embeddings)
     if like is not None:
         shape = dict(n_tokens=like.n_tokens, rank=like.rank, alpha=like.alpha, targets=like.targets)

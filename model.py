@@ -10,18 +10,18 @@ checkpoints directly (config.json + *.safetensors).
     cache = KVCache(model.config.num_hidden_layers)
     logits = model(ids, positions=torch.arange(ids.shape[1])[None], cache=cache)
 
-What is here, top to bottom: the config (every family difference in one place), RMSNorm,
-RoPE, attention (GQA through SDPA), the SwiGLU MLP, the KV cache, the model and the loader.
-What a config.json or a checkpoint may not be is refused in weights/checks.py, called in one
-line where the file is read.
+Top to bottom: the config (every family difference in one place), RMSNorm, RoPE, the Hook,
+attention (GQA through SDPA), the SwiGLU MLP, the KV cache, the model and the loader. What a
+config.json or a checkpoint may not be is refused in weights/checks.py.
 
 Two things the KV-eviction code relies on:
 - Positions are explicit and separate from cache slots. After eviction a layer keeps C
   slots, but the next token's position is still S (the prompt length): RoPE uses
   `positions`, the cache only stores whatever keys it was given.
 - A `Hook` is the only door for an eviction method into the model: it may add a LoRA
-  delta to any projection for the current chunk (the "masked LoRA" of LookaheadKV) and it
-  sees every layer's queries and keys after RoPE (to compute the scores it needs).
+  delta to any projection (the "masked LoRA" of LookaheadKV), see every layer's queries
+  and keys after RoPE, supply the attention output of the chunk's last rows, and see the
+  final hidden states.
 """
 
 import hashlib
@@ -39,41 +39,38 @@ from weights import checks
 
 # -----------------------------------------------------------------------------
 # Config: all differences between the supported families live here.
-
-
 @dataclass
 class ModelConfig:
-    model_type: str = "llama"  # llama, mistral, qwen2 or qwen3 (checks.SUPPORTED_MODEL_TYPES)
+    model_type: str = "llama"  # llama, mistral, qwen2 or qwen3
     vocab_size: int = 49152  # rows of the token embedding and of the LM head
     hidden_size: int = 576  # the residual stream's width
     intermediate_size: int = 1536  # the SwiGLU MLP's inner width
     num_hidden_layers: int = 30
     num_attention_heads: int = 9  # query heads
-    num_key_value_heads: int = 3  # GQA: each KV head serves num_attention_heads // this query heads
+    num_key_value_heads: int = 3  # GQA: each KV head serves heads // this query heads
     head_dim: int = 64  # explicit in Qwen3 / newer Mistral configs, else hidden // heads
-    rms_norm_eps: float = 1e-5  # added to the mean square in every RMSNorm
+    rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0  # RoPE's base: wavelengths 2 pi theta^(2i / head_dim)
-    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor", "low_freq_factor", ...}
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor", ...}
     max_position_embeddings: int = 8192  # the longest context the model was trained for
-    sliding_window: int | None = None  # Mistral v0.1: we do not implement it, so it caps the context
+    sliding_window: int | None = None  # Mistral v0.1: not implemented, so it caps the context
     tie_word_embeddings: bool = True  # lm_head shares the token embedding (SmolLM2, small Qwens)
     attention_bias: bool = False  # Qwen2 has biases on q/k/v
     qk_norm: bool = False  # Qwen3 RMS-normalises q and k per head before RoPE
-    eos_token_id: list = field(default_factory=list)  # the ids that end an answer (the tokenizer adds its own)
+    eos_token_id: list = field(default_factory=list)  # the ids that end an answer
     name: str = ""  # folder name, for messages and adapter metadata
 
     @classmethod
     def from_hf_config(cls, path):
-        """Read a Hugging Face config.json (a folder or the file itself). Every field read here was checked
-        first (type and range, weights/checks.py): a bad one is a ValueError naming the file, the key, its
-        value and what to do."""
+        """Read a Hugging Face config.json (a folder or the file itself), checked first by
+        weights/checks.py (a bad field is a ValueError naming the file, the key and the fix)."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         raw = checks.check_config(file)  # the JSON object, checked; HF's nulls ("not set") dropped
         mt, heads = raw["model_type"], raw["num_attention_heads"]
-        # transformers >= 4.56 writes rope_parameters (theta included), older configs rope_theta + rope_scaling
+        # transformers >= 4.56 writes rope_parameters (theta included), older ones rope_scaling
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        llama3 = rope.get("rope_type", rope.get("type")) == "llama3"  # the only scaling besides none
+        llama3 = rope.get("rope_type", rope.get("type")) == "llama3"  # the only scaling
         eos = raw.get("eos_token_id", [])  # HF writes one id or a list
         return cls(
             model_type=mt,
@@ -82,14 +79,15 @@ class ModelConfig:
             intermediate_size=raw["intermediate_size"],
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads", heads),  # absent: one KV head per query head
+            num_key_value_heads=raw.get("num_key_value_heads", heads),  # absent: MHA
             head_dim=raw.get("head_dim", raw["hidden_size"] // heads),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
             rope_scaling=dict(rope) if llama3 else None,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             # Mistral v0.1 always has its window; Qwen's is on only with use_sliding_window
-            sliding_window=raw.get("sliding_window") if mt == "mistral" or raw.get("use_sliding_window") else None,
+            sliding_window=(raw.get("sliding_window")
+                            if mt == "mistral" or raw.get("use_sliding_window") else None),
             tie_word_embeddings=raw.get("tie_word_embeddings", mt != "mistral"),
             attention_bias=raw.get("attention_bias", mt == "qwen2"),  # Qwen2 configs omit the key
             qk_norm=mt == "qwen3",
@@ -103,17 +101,15 @@ class ModelConfig:
 
     def fingerprint(self):
         """A short hash of the architecture, so an adapter refuses to load on another model."""
-        keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "intermediate_size", "rope_theta", "rope_scaling",
-                "tie_word_embeddings", "attention_bias", "qk_norm")
+        keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "rope_theta", "rope_scaling", "tie_word_embeddings", "attention_bias", "qk_norm")
         s = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
         return hashlib.sha256(s.encode()).hexdigest()[:16]
 
 
 # -----------------------------------------------------------------------------
 # Building blocks
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -128,9 +124,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg):
-    """Inverse frequencies of RoPE (head_dim // 2,), with Llama-3.1's frequency-dependent scaling."""
+    """Inverse frequencies of RoPE (head_dim // 2,), with Llama-3.1's scaling."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
+    inv_freq = 1.0 / (cfg.rope_theta
+                      ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
     s = cfg.rope_scaling
     if s is None:
         return inv_freq
@@ -152,18 +149,15 @@ def apply_rope(x, cos, sin):
 class Hook:
     """The one door for a KV-eviction method into the model, per forward call (a "chunk").
 
-    lora(layer, name, x): an extra term added to projection `name` ("q_proj", ..., "down_proj")
-        of layer `layer` for input x (B, T, in), or None; it may cover only the last T' rows
-        (B, T', out). LookaheadKV adds its LoRA here, on the lookahead rows only.
-    attn(layer, q, k, key_valid): sees the queries (B, H, Tq, D) after RoPE and all keys the
-        chunk attends to (B, H_kv, Tk, D), cache included; the chunk's queries sit at the LAST Tq
-        key slots. key_valid (B, 1 or H_kv, Tk) bool or None (all valid). Scorers read attention
-        from here; the model does not change.
-    attn_output(layer, v): called right after attn. A hook that computed the softmax of the chunk's
-        LAST n queries in attn (LookaheadHook: the M lookahead rows, whose attention is their score)
-        may return their attention output (B, H, n, D) from it: the model then runs SDPA on the other
-        rows only, so those n rows are attended for once, not twice. None (the default): SDPA does all.
-    hidden(h): sees the chunk's final normed hidden states (B, T, hidden).
+    lora(layer, name, x): a term added to projection `name` of layer `layer` for input x
+        (B, T, in), or None; it may cover only the last T' rows (B, T', out). LookaheadKV
+        adds its LoRA here, on the lookahead rows only.
+    attn(layer, q, k, key_valid): the queries (B, H, Tq, D) after RoPE and all keys the chunk
+        attends to (B, H_kv, Tk, D), cache included; the queries sit at the LAST Tq key slots.
+        key_valid (B, 1 or H_kv, Tk) bool or None (all valid). Scorers read attention here.
+    attn_output(layer, v): right after attn, the output (B, H, n, D) of the chunk's LAST n
+        queries whose softmax the hook computed (LookaheadHook), or None: SDPA does the rest.
+    hidden(h): the chunk's final normed hidden states (B, T, hidden).
     """
 
     def lora(self, layer, name, x):
@@ -175,26 +169,29 @@ class Hook:
     def attn_output(self, layer, v):
         return None
 
-    def hidden(self, h):  # what the LM head reads: a selection rule may ask how predictable the prompt was
+    def hidden(self, h):  # what the LM head reads (a selection rule may ask)
         pass
 
 
 class Hooks(Hook):
-    """Several hooks watching one forward (a method's and its selection rule's). At most one adds a LoRA.
-    prefill() hands each of them the chunks it asks for (every_chunk, or the last one only)."""
+    """Several hooks watching one forward (a method's and its selection rule's); at most one
+    adds a LoRA. prefill() hands each the chunks it asks for (every_chunk, or the last one)."""
 
     def __init__(self, *hooks):
-        self.hooks = [x for h in hooks if h is not None for x in (h.hooks if isinstance(h, Hooks) else [h])]
+        self.hooks = [x for h in hooks if h is not None
+                      for x in (h.hooks if isinstance(h, Hooks) else [h])]
 
     def lora(self, layer, name, x):
-        return next((d for h in self.hooks if (d := h.lora(layer, name, x)) is not None), None)
+        return next((d for h in self.hooks
+                     if (d := h.lora(layer, name, x)) is not None), None)
 
     def attn(self, layer, q, k, key_valid):
         for h in self.hooks:
             h.attn(layer, q, k, key_valid)
 
     def attn_output(self, layer, v):
-        return next((y for h in self.hooks if (y := h.attn_output(layer, v)) is not None), None)
+        return next((y for h in self.hooks
+                     if (y := h.attn_output(layer, v)) is not None), None)
 
     def hidden(self, h):
         for hook in self.hooks:
@@ -231,7 +228,8 @@ class Attention(nn.Module):
     def __init__(self, cfg, layer_idx):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_head, self.n_kv_head, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = (cfg.num_attention_heads,
+                                                      cfg.num_key_value_heads, cfg.head_dim)
         hd, b = cfg.head_dim, cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * hd, bias=b)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * hd, bias=b)
@@ -261,26 +259,29 @@ class Attention(nn.Module):
         if hook is not None:
             hook.attn(i, q, k, key_valid)
             y_last = hook.attn_output(i, v)  # (B, H, n, D) for the chunk's last n queries, or None
-        # SDPA attends for every row, or for all but the hook's last n: no earlier row sees their keys (causal)
+        # SDPA for every row, or all but the hook's last n: no earlier row sees their keys (causal)
         n, Tk = 0 if y_last is None else y_last.shape[2], k.shape[2]
         valid = None if key_valid is None else key_valid[..., : Tk - n]
-        y = self.sdpa(q[:, :, : T - n], k[:, :, : Tk - n], v[:, :, : Tk - n], valid) if n < T else None  # (B, H, T - n, D)
-        parts = [part.transpose(1, 2) for part in (y, y_last) if part is not None]  # (B, T - n and n, H, D)
-        y = torch.cat(parts, dim=1).reshape(B, T, self.n_head * self.head_dim)  # one copy, as a reshape alone makes
+        y = (self.sdpa(q[:, :, : T - n], k[:, :, : Tk - n], v[:, :, : Tk - n], valid)
+             if n < T else None)  # (B, H, T - n, D)
+        parts = [part.transpose(1, 2) for part in (y, y_last) if part is not None]  # (B, ., H, D)
+        y = torch.cat(parts, dim=1).reshape(B, T, self.n_head * self.head_dim)  # one copy
         return project(self, "o_proj", y, i, hook)
 
     def sdpa(self, q, k, v, key_valid):
-        """Causal attention of q (B, H, Tq, D), the last Tq of the Tk slots of k, v (B, H_kv, Tk, D)."""
+        """Causal attention of q (B, H, Tq, D), at the last Tq slots of k, v (B, H_kv, Tk, D)."""
         T, Tk = q.shape[2], k.shape[2]
         if key_valid is None and T == Tk:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         if key_valid is None and T == 1:
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # one new token sees everything
+            # one new token sees everything
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         if key_valid is None:
             # a chunk on top of a cache: causal, aligned bottom-right. As a CausalBias rather than a
             # bool mask, so CUDA keeps its flash kernel (which takes GQA but no explicit mask); on
             # CPU it becomes the same (T, Tk) mask as attention_mask(T, Tk, None)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, Tk), enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, Tk),
+                                                  enable_gqa=True)
         mask = attention_mask(T, Tk, key_valid, q.device)  # (B|1, H_kv|1, T, Tk)
         if mask.shape[1] > 1:  # per-KV-head validity (after eviction): one row per query head
             mask = mask.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
@@ -297,7 +298,7 @@ class MLP(nn.Module):
 
     def forward(self, x, hook):
         i = self.layer_idx
-        h = F.silu(project(self, "gate_proj", x, i, hook)) * project(self, "up_proj", x, i, hook)  # SwiGLU
+        h = F.silu(project(self, "gate_proj", x, i, hook)) * project(self, "up_proj", x, i, hook)
         return project(self, "down_proj", h, i, hook)
 
 
@@ -316,15 +317,12 @@ class DecoderLayer(nn.Module):
 
 # -----------------------------------------------------------------------------
 # KV cache
-
-
 class KVCache:
     """Per layer: keys and values (B, H_kv, T, D) and which slots hold a real token.
 
-    Slots are not positions: RoPE was applied before a key was stored, so the cache may drop
-    or reorder slots freely (eviction) without touching any position.
-    valid[l] is None (every slot real) or a bool tensor (B, 1, T) before eviction and
-    (B, H_kv, T) after it, since each KV head may then keep different tokens.
+    Slots are not positions: RoPE was applied before a key was stored, so eviction may drop or
+    reorder slots freely. valid[l] is None (every slot real) or a bool tensor (B, 1, T) before
+    eviction and (B, H_kv, T) after it, since each KV head may then keep different tokens.
     """
 
     def __init__(self, n_layers):
@@ -340,7 +338,7 @@ class KVCache:
             old_valid = self.valid[layer]
             if old_valid is not None or new_valid is not None:
                 B, T_old = k.shape[0], self.k[layer].shape[2]
-                all_valid = lambda T: torch.ones(B, 1, T, dtype=torch.bool, device=k.device)  # (B, 1, T)
+                all_valid = lambda T: torch.ones(B, 1, T, dtype=torch.bool, device=k.device)
                 old = old_valid if old_valid is not None else all_valid(T_old)
                 new = new_valid if new_valid is not None else all_valid(k.shape[2])
                 if old.shape[1] != new.shape[1]:
@@ -380,8 +378,6 @@ class KVCache:
 
 # -----------------------------------------------------------------------------
 # The model
-
-
 class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -400,11 +396,10 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids=None, positions=None, cache=None, pad_mask=None, inputs_embeds=None,
                 hook=None, logits_at=None):
-        """input_ids (B, T) or inputs_embeds (B, T, hidden); positions (B, T) the RoPE position of
-        each token; cache: a KVCache that the chunk is appended to; pad_mask (B, T) True for
-        real tokens (left padding); hook: see Hook; logits_at: None for the logits of every row,
-        or one row index (a prompt's other logits are never used: skip a (T, vocab) matmul).
-        Returns logits (B, T or 1, vocab)."""
+        """input_ids (B, T) or inputs_embeds (B, T, hidden); positions (B, T) each token's RoPE
+        position; cache: a KVCache the chunk is appended to; pad_mask (B, T) True for real tokens
+        (left padding); hook: see Hook; logits_at: None for every row's logits, or one row index
+        (skips a (T, vocab) matmul). Returns logits (B, T or 1, vocab)."""
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.inv_freq.device != x.device:
             self.inv_freq = self.inv_freq.to(x.device)
@@ -416,35 +411,33 @@ class Transformer(nn.Module):
         h = self.model.norm(x)  # (B, T, hidden)
         if hook is not None:
             hook.hidden(h)
-        return self.lm_head(h if logits_at is None else h[:, logits_at].unsqueeze(1))  # (B, T or 1, vocab)
+        return self.lm_head(h if logits_at is None else h[:, logits_at].unsqueeze(1))
 
 
 # -----------------------------------------------------------------------------
 # Loading a Hugging Face folder
-
-
 def default_dtype(device):
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
 
 def load_model(path, device="cpu", dtype=None):
-    """Load config.json and *.safetensors (single or sharded) from an HF folder: each tensor is copied into
-    the parameter of the same name, its shape checked. weights/checks.py refuses, naming the file and the fix,
-    a checkpoint whose names, shapes or values do not fit its config.json."""
+    """Load config.json and *.safetensors (single or sharded) from an HF folder: each tensor is
+    copied into the parameter of the same name. weights/checks.py refuses, naming the file and
+    the fix, a checkpoint whose names, shapes or values do not fit its config.json."""
     path = Path(path)
     checks.check_folder(path)
     cfg = ModelConfig.from_hf_config(path)
     dtype = dtype or default_dtype(device)
-    opened, stored = checks.open_checkpoint(path)  # [(file name, open safetensors file)], tensor name -> file
-    checks.check_headers(path, cfg, opened, stored)  # layer count and shapes, before a layer is built
+    opened, stored = checks.open_checkpoint(path)  # [(file, safetensors)], name -> file
+    checks.check_headers(path, cfg, opened, stored)  # before a layer is built
     with torch.device("meta"):  # no random init: every weight is copied from the checkpoint
         model = Transformer(cfg)
     model = model.to_empty(device=device).to(dtype)
-    params = dict(model.named_parameters())  # to_empty made new Parameters: lm_head.weight is its own here
+    params = dict(model.named_parameters())  # to_empty untied lm_head.weight
     if cfg.tie_word_embeddings:
-        params.pop("lm_head.weight", None)  # tied: the head is the embedding, whatever else the checkpoint holds
+        params.pop("lm_head.weight", None)  # tied: the head is the embedding, whatever is stored
     checks.check_tensor_names(path, cfg, stored, params)  # every parameter stored, nothing else
-    sums = {}  # name -> float32 sum of the copy: NaN or inf anywhere makes it so (one device sync for all)
+    sums = {}  # name -> float32 sum: NaN or inf anywhere makes it so (one device sync for all)
     for fname, f in opened:
         with f, torch.no_grad():
             for name in f.keys():
@@ -456,6 +449,6 @@ def load_model(path, device="cpu", dtype=None):
     checks.check_finite(path, stored, params, sums, dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-        checks.check_tied_head(path, stored, model.lm_head.weight)  # a stored head must be the embedding
+        checks.check_tied_head(path, stored, model.lm_head.weight)  # a stored head must equal it
     model.requires_grad_(False).eval()  # the base model is frozen: only adapters ever train
     return model
