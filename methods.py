@@ -65,7 +65,8 @@ def load_adapter(path, cfg, device="cpu"):
 
 
 def parse_targets(text):
-    """"q_proj,k_proj" -> the tuple; "all" -> all seven; "" or "none" -> () (the embeddings alone, no LoRA)."""
+    """"q_proj,k_proj" -> the tuple; "all" -> all seven; "" or "none" -> () (the embeddings alone,
+    no LoRA)."""
     if text.strip() == "all":
         return LookaheadModule.TARGETS
     targets = tuple(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none")
