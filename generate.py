@@ -4,27 +4,18 @@ Generate with a compressed KV cache, as the paper does: load -> prefill -> score
     python generate.py --prompt examples/needle.txt --budget 128
 
 finds a number hidden in a speech of 878 tokens, keeping 128 KV slots per (layer, KV head) with
-LookaheadKV in the paper's form (its shipped adapter's M = 32 rows, max-pool 7, C in every layer).
-It streams the answer, then the stats block:
-
-    The special magic number for the blue lighthouse is 7381924.
-    ---
-    method lookahead (max:7, C in every layer)  budget 128  prompt 878 tokens  kept 128 per (layer, KV head)
-    prefill 1699 ms  eviction 8 ms (score + select + gather)  ttft 1707 ms
-    decode 14.7 tok/s  KV cache 40.5 MB -> 5.9 MB
-    the adapter recommends --pool span:8:1024 --layer-budgets (beyond the paper; not applied)
-
-"prefill" is the prompt's forward pass (LookaheadKV's M rows ride in it); "eviction" is all the
-method adds after it: its scores, the pooling, the top C and the gather; ttft runs from the
-prefill's start to the first token.
+LookaheadKV in the paper's form (the shipped adapter's M = 32 rows, max-pool 7, C in every layer),
+streams the answer, then the stats: "prefill" is the prompt's forward pass (the M rows ride in it),
+"eviction" all the method adds after it (scores, pooling, top C, gather), "ttft" the prefill's start
+to the first token.
 
     python generate.py --prompt examples/needle.txt --method snapkv --show   # the kept tokens, lit
     echo "What is 2+2?" | python generate.py --prompt - --method full --json  # one JSON object
 
-Beyond the paper, each only when its flag asks: --pool span:8:1024 (the span rule), --layer-budgets,
---decode-budget (the cache held while decoding), --turns (a chat). --model takes any HF Llama,
-Mistral, Qwen2 or Qwen3 folder. Every flag and file is checked before the weights load
-(support/generate_checks.py): a bad one is one `error:` line.
+Beyond the paper, each only when its flag asks: --pool span:8:1024, --layer-budgets,
+--decode-budget,
+--turns (a chat). --model takes any HF Llama, Mistral, Qwen2 or Qwen3 folder. Every flag and file is
+checked before the weights load (support/generate_checks.py): a bad one is one `error:` line.
 """
 import argparse
 import time
@@ -44,55 +35,46 @@ from support.tokenizer import Tokenizer
 
 def get_args(argv=None):
     p = Parser("generate.py", description=__doc__,
-                   formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--prompt", default=None, help="a text file with the user message, or - for stdin")
-    a("--model", default=None,
-      help="an HF folder (default: weights/SmolLM2-135M-Instruct, prepared if missing)")
+    a("--prompt", help="a text file with the user message, or - for stdin")
+    a("--model", help="an HF folder (default: weights/SmolLM2-135M-Instruct, prepared if missing)")
     a("--method", default="lookahead", choices=METHODS, help="how to choose the kept tokens")
-    a("--budget", type=int, default=128,
-      help="KV slots kept per (layer, KV head), protected tokens included")
-    a("--adapter", default=None,
-      help="lookahead adapter .safetensors (default: the one shipped for the model)")
-    a("--window", type=int, default=32,
-      help="snapkv/pyramidkv/h2o/laq: last prompt tokens always kept (>= 1); with --decode-budget "
-      "or in a chat, every method's last slots kept at each later eviction")
-    a("--pool", default=None, metavar="RULE",
-      help="selection rule: none | avg:K | max:K | span:K | span:K:N (default: the method's own, "
-      "the paper's: lookahead max:7, snapkv avg:5). span:K:N is beyond the paper: the span rule "
-      "(extensions/span.py) keeps a run of tokens the model could not predict whole")
-    a("--layer-budgets", action="store_true",
-      help="beyond the paper (extensions/layer_budgets.py): lookahead keeps its adapter's "
-      "per-layer budgets (its .json's layer_weights, mean C) instead of C in every layer")
-    a("--uniform-budgets", action="store_true", help="C slots in every layer (the paper's; "
-      "pyramidkv: instead of its pyramid; lookahead: its default)")
-    a("--two-pass", action="store_true",
-      help="lookahead: score in a second forward (the reference form) instead of in the prefill")
+    a("--budget", type=int, default=128, help="C: KV slots kept per (layer, KV head)")
+    a("--adapter", help="lookahead adapter .safetensors (default: the one shipped for the model)")
+    a("--window", type=int, default=32, help="snapkv/pyramidkv/h2o/laq: last prompt tokens always "
+      "kept; with --decode-budget or in a chat, every method's at each later eviction")
+    a("--pool", metavar="RULE", help="selection rule: none | avg:K | max:K | span:K | span:K:N "
+      "(default: the method's own: lookahead max:7, snapkv avg:5); span is beyond the paper")
+    a("--layer-budgets", action="store_true", help="beyond the paper: the adapter's per-layer "
+      "budgets (its .json's layer_weights, mean C) instead of C in every layer")
+    a("--uniform-budgets", action="store_true", help="C in every layer (pyramidkv: no pyramid)")
+    a("--two-pass", action="store_true", help="lookahead: score in a second forward (the "
+      "reference form) instead of in the prefill")
     a("--max-new-tokens", type=int, default=256)
-    a("--decode-budget", type=int, default=None, help="beyond the paper (extensions/decode.py): "
-      "hold the cache to this many slots while decoding too")
-    a("--every", type=int, default=32, help="with --decode-budget: re-score and evict once the "
-      "cache holds decode-budget + every slots")
-    a("--turns", default=None, help="beyond the paper (extensions/chat.py): a chat, a JSON list "
-      "of user turns, or - for stdin, one line a turn (/reset starts over, end of input ends it)")
-    a("--chat", action=argparse.BooleanOptionalAction, default=None,
+    a("--decode-budget", type=int, help="beyond the paper: hold the cache to this many slots "
+      "while decoding too")
+    a("--every", type=int, default=32, help="with --decode-budget: evict once the cache holds "
+      "decode-budget + every slots")
+    a("--turns", help="beyond the paper: a chat, a JSON list of user turns, or - for stdin, one "
+      "line a turn (/reset starts over)")
+    a("--chat", action=argparse.BooleanOptionalAction,
       help="wrap the prompt in the chat template (default: when the tokenizer has one)")
     a("--temperature", type=float, default=0.0, help="0 = greedy")
     a("--top-p", type=float, default=1.0)
-    a("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-      help="cpu, cuda or cuda:N")
-    a("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a("--dtype", choices=["float32", "bfloat16", "float16"],
       help="default: float32 on CPU, bfloat16 on CUDA")
     a("--seed", type=int, default=0)
-    a("--show", action="store_true", help="print the prompt with the kept tokens highlighted "
-      "(brighter = kept by more layers and heads)")
+    a("--show", action="store_true", help="print the prompt, the kept tokens lit")
     a("--json", action="store_true", help="print one JSON object instead of streaming text")
     return p.parse_args(argv)
 
 
 def sampler(args):
     """decode()'s pick for --temperature/--top-p, seeded by --seed: None (greedy, the paper's) at
-    temperature 0, else a draw from the softmax at that temperature, cut to the nucleus of mass top_p."""
+    temperature 0, else a draw from the softmax at that temperature, cut to the nucleus of mass
+    top_p."""
     if args.temperature <= 0:
         return None
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
@@ -112,7 +94,8 @@ def eviction_of(args, module):
     (LookaheadKV: max-pool 7 and C in every layer, whatever its adapter's .json recommends)."""
     budgets = uniform_budgets if args.uniform_budgets else None
     if args.layer_budgets:  # beyond the paper: extensions/layer_budgets.py, asked for by its flag
-        budgets = extension("layer_budgets", "--layer-budgets").LayerBudgets(module.info["layer_weights"])
+        LayerBudgets = extension("layer_budgets", "--layer-budgets").LayerBudgets
+        budgets = LayerBudgets(module.info["layer_weights"])
     options = {k: v for k, v in dict(one_pass=not args.two_pass, seed=args.seed).items()
                if k in METHODS[args.method].default_options}  # the flags that set its own options
     # the rule as text ("max:7", "span:8:1024"): make_scorer reads it (support/selection.py)
@@ -129,11 +112,12 @@ def generate(model, tok, ids, scorer, args, evictor=None):
     ids = torch.tensor([ids], device=args.device)  # (1, S)
     t0, clock = time.perf_counter(), Stopwatch(args.device)
     clock.mark()
-    # 1. prefill (the M lookahead rows ride in it) -> 2. score -> 3. evict: top C, one gather a layer
+    # 1. prefill (the M lookahead rows ride in it) -> 2. score -> 3. evict: top C, one gather
     cache, logits, pos, kept = compress(model, ids, scorer, clock=clock)
-    if not torch.isfinite(logits).all():  # one bad tensor in the checkpoint: said, not an empty answer
+    if not torch.isfinite(logits).all():  # a bad tensor in the checkpoint: said, not an empty text
         folder = args.model or f"weights/{model.config.name}"
-        raise ValueError(f"the model in {folder} gives NaN or inf logits: a weight holds NaN or inf; "
+        raise ValueError(f"the model in {folder} gives NaN or inf logits: a weight holds NaN or "
+                         "inf; "
                          f"delete the folder {folder} and download the checkpoint again")
     kv_kept = [int(k.shape[2]) for k in cache.k], cache.nbytes()  # per-layer budgets vary them
     # 4. decode: positions go on from S whatever the cache holds; --decode-budget evicts as it grows
@@ -184,7 +168,8 @@ def answer(args):
     evictor = None
     if args.decode_budget is not None:  # beyond the paper: the cache held while decoding
         held = make_scorer(EvictConfig(**{**vars(eviction), "budget": args.decode_budget}), module)
-        evictor = extension("decode", "--decode-budget").DecodeEviction(held, args.every, args.window)
+        DecodeEviction = extension("decode", "--decode-budget").DecodeEviction
+        evictor = DecodeEviction(held, args.every, args.window)
 
     # the prompt's ids, in the chat template unless --no-chat
     ids = tok.encode(tok.chat(text) if args.chat is not False and tok.format else text)
@@ -193,7 +178,8 @@ def answer(args):
         t = time.perf_counter()
         _, response = full_answer(model, torch.tensor([ids], device=args.device),
                                   args.max_new_tokens, tok.stop_ids)
-        response, oracle_ms = torch.tensor(response, device=args.device), (time.perf_counter() - t) * 1e3
+        oracle_ms = (time.perf_counter() - t) * 1e3
+        response = torch.tensor(response, device=args.device)
     scorer = make_scorer(eviction, module, response)
 
     answer, printed, last, cache, kept, (per_layer, kv_bytes), timing = generate(
@@ -209,7 +195,7 @@ def answer(args):
                  kept_range=[min(per_layer), max(per_layer)], text=tok.decode(answer), **timing,
                  kv_bytes_full=2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
                  * len(ids) * model.lm_head.weight.element_size(), kv_bytes_kept=kv_bytes)
-    info = module.info if module is not None else {}  # beyond the paper: said, never applied unasked
+    info = module.info if module is not None else {}  # beyond the paper: said, not applied
     recommends = " ".join(([f"--pool {info['rule']}"] if info.get("rule") else [])
                           + (["--layer-budgets"] if info.get("layer_weights") else []))
     if recommends and (rule, budgets) != (info.get("rule", rule), "per-layer budgets"):

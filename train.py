@@ -5,19 +5,20 @@ file of TrainConfig fields; a flag overrides it.
 
 The learner's run, from scratch on 2 CPU cores in about 25 minutes, data included:
     python train.py --config research/configs/train-quick.json --out runs/quick
-It prints the validation KL at step 0 and every --eval-every steps (also in OUT/log.jsonl), where the
-adapter was saved and, at the end, the held-out answer KL at C = 128 beside SnapKV's and the shipped
-adapter's. Longer recipes (after a kill, the same command with --resume goes on):
+It prints the validation KL at step 0 and every --eval-every steps (also in OUT/log.jsonl), where
+the adapter was saved and, at the end, the held-out answer KL at C = 128 beside SnapKV's and the
+shipped adapter's. Longer recipes (after a kill, the same command with --resume goes on):
     python train.py --config research/configs/train-cpu.json --out runs/cpu   # 2 CPU cores: hours
     python train.py --config research/configs/train-gpu.json --out runs/gpu   # one GPU
-    python train.py --config research/configs/train-gpu.json --out runs/gpu --stage data && torchrun \\
-        --nproc_per_node=8 train.py --config research/configs/train-gpu.json --out runs/gpu --stage train
+    python train.py --config research/configs/train-gpu.json --out runs/gpu --stage data
+    torchrun --nproc_per_node=8 train.py --config research/configs/train-gpu.json --out runs/gpu \\
+        --stage train
 
-1. data: prompts from the text sources (support/data.py), the base model's greedy answer on the full
-   cache, then the target: lookaheadkv.answer_attention of that answer over the prompt's cache. Cache
-   and target go to OUT/samples, the rows to OUT/data.jsonl.
-2. train: the M lookahead rows on micro-batches of cached prompts, loss = lookaheadkv.kl_loss; AdamW,
-   warm-up then cosine, clipping; the validation KL on held-out prompts; checkpoints.
+1. data: prompts from the text sources (support/data.py), the base model's greedy answer on the
+   full cache, then the target: lookaheadkv.answer_attention of that answer over the prompt's
+   cache. Cache and target go to OUT/samples, the rows to OUT/data.jsonl.
+2. train: the M lookahead rows on micro-batches of cached prompts, loss = lookaheadkv.kl_loss;
+   AdamW, warm-up then cosine, clipping; the validation KL on held-out prompts; checkpoints.
 Every setting and file is checked before the model loads (support/recipe.py). Research options:
 python -m research.train_lab --help.
 """
@@ -53,8 +54,8 @@ from support.tokenizer import Tokenizer
 @dataclasses.dataclass
 class TrainConfig:
     # where
-    model: str | None = None  # --model: HF folder of the base model (None: weights/SmolLM2-135M-Instruct)
-    out: str = "runs/lookahead"  # --out: the run's folder (data.jsonl, samples/, ckpt.pt, log.jsonl)
+    model: str | None = None  # --model: the base model's HF folder (None: SmolLM2-135M-Instruct)
+    out: str = "runs/lookahead"  # --out: the run's folder (data.jsonl, samples/, ckpt.pt, log)
     adapter_out: str | None = None  # --adapter-out: the adapter (None: OUT/adapter.safetensors)
     stage: str = "all"  # --stage: data | train (on the samples OUT holds) | all (data + train)
     # data: the prompts and the base model's answers
@@ -64,16 +65,16 @@ class TrainConfig:
     max_tokens: int = 2048  # --max-tokens: longest prompt, but for a long_frac share
     long_frac: float = 0.1  # share of prompts longer than max_tokens, up to long_max
     long_max: int = 4096  # longest of the long prompts
-    copy_frac: float | None = None  # share of prompts whose answer copies a span (None: about a third)
-    max_new_tokens: int = 256  # --max-new-tokens: length cap of the base model's answers (paper: 512)
+    copy_frac: float | None = None  # share of prompts whose answer copies a span (None: ~1/3)
+    max_new_tokens: int = 256  # --max-new-tokens: the base model's answers' cap (paper: 512)
     gen_batch: int | None = None  # prompts answered together (None: 32 on CUDA, 8 on CPU)
-    store_dtype: str = "bfloat16"  # prompt caches on disk: bfloat16 | float16 | float32 | none (remade)
+    store_dtype: str = "bfloat16"  # caches on disk: bfloat16 | float16 | float32 | none (remade)
     store_gb: float = 40.0  # refuse to build samples that would take more disk than this (GiB)
     # the module
     n_tokens: int = 32  # M, lookahead tokens
     rank: int = 8  # LoRA rank r
     alpha: float = 32.0  # LoRA alpha (the delta is scaled by alpha / r)
-    targets: str = "all"  # --targets: LoRA targets: all (the seven projections), a comma list, or none
+    targets: str = "all"  # --targets: all (the seven projections), a comma list, or none
     rule: str | None = None  # a selection the adapter's .json recommends beyond the paper, e.g.
     # "span:8:1024" (generate.py applies it only with --pool); None: the paper's form, max-pool 7
     # optimisation
@@ -88,12 +89,12 @@ class TrainConfig:
     eval_every: int = 10  # --eval-every: optimiser steps between validation checks
     save_every: int = 10  # --save-every: optimiser steps between checkpoints (OUT/ckpt.pt)
     resume: bool = False  # --resume: continue from OUT/ckpt.pt
-    max_minutes: float | None = None  # --max-minutes: stop (checkpoint + adapter saved) after this long
+    max_minutes: float | None = None  # --max-minutes: stop after this long (all saved)
     # the machine
     device: str | None = None  # --device: cpu, cuda, cuda:1 (None: cuda if there is one)
     dtype: str | None = None  # --dtype: the base model's, float32 | bfloat16 (None: bf16 on CUDA)
     seed: int = 0  # --seed: prompts, init, batch order
-    compare: int | None = None  # end with the held-out answer KL at this C beside SnapKV's and others'
+    compare: int | None = None  # end with the held-out answer KL at this C beside SnapKV's
 
 
 def parser(prog="train.py", stages=("data", "train", "all")):
@@ -107,8 +108,8 @@ def get_args(argv=None, Config=TrainConfig, p=None):
 
 
 def resolved(cfg):
-    """The config as this machine runs it: the device and dtype named, a micro-batch no larger than the
-    batch (--batch 4 with the default micro-batch of 8 is one micro-batch of 4)."""
+    """The config as this machine runs it: the device and dtype named, a micro-batch no larger than
+    the batch (--batch 4 with the default micro-batch of 8 is one micro-batch of 4)."""
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = cfg.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     return dataclasses.replace(cfg, device=device, dtype=dtype,
@@ -126,18 +127,21 @@ def full_cache(model, ids, pad_mask):
 
 @torch.no_grad()
 def answer_and_target(model, tok, prompts, max_new_tokens):
-    """B prompts (id lists) prefilled together: per prompt, the greedy answer (its stop token kept: the
-    end is part of its future), the prompt's cache k, v (L, H_kv, S_b, D) and the target (L, H, S_b)."""
+    """B prompts (id lists) prefilled together: per prompt, the greedy answer (its stop token kept:
+    the end is part of its future), the prompt's cache k, v (L, H_kv, S_b, D) and the target (L, H,
+    S_b)."""
     ids, pad_mask = left_pad(prompts, model.lm_head.weight.device)
     run_, answers = full_answer(model, ids, max_new_tokens, tok.stop_ids, pad_mask)
     return samples_of(model, run_.cache, run_.next_pos, prompts, answers)
 
 
 def answer_targets(model, cache, next_pos, answers):
-    """answer_attention of B answers (id lists, right-padded: answer_mask) on their prompts' cache."""
+    """answer_attention of B answers (id lists, right-padded: answer_mask) on their prompts' cache.
+    """
     R, dev = max(len(a) for a in answers), cache.k[0].device
     answer_ids = torch.tensor([a + [0] * (R - len(a)) for a in answers], device=dev)  # (B, R)
-    answer_mask = torch.tensor([[True] * len(a) + [False] * (R - len(a)) for a in answers], device=dev)
+    answer_mask = torch.tensor([[True] * len(a) + [False] * (R - len(a)) for a in answers],
+                               device=dev)
     return answer_attention(model, cache, answer_ids, next_pos, answer_mask,
                             per_query_head=True)  # {l: (B, H, S)}
 
@@ -146,7 +150,8 @@ def samples_of(model, cache, next_pos, prompts, answers):
     """B samples from their prompts' cache (left-padded): the target, then each row's own slots."""
     target, S = answer_targets(model, cache, next_pos, answers), len(cache)
     return [dict(response_ids=a,
-                 k=torch.stack([cache.k[l][b][:, S - len(p):] for l in target]),  # (L, H_kv, S_b, D)
+                 # (L, H_kv, S_b, D)
+                 k=torch.stack([cache.k[l][b][:, S - len(p):] for l in target]),
                  v=torch.stack([cache.v[l][b][:, S - len(p):] for l in target]),
                  target=torch.stack([target[l][b][:, S - len(p):] for l in target]))  # (L, H, S_b)
             for b, (p, a) in enumerate(zip(prompts, answers))]
@@ -169,11 +174,13 @@ def build_dataset(model, tok, cfg, folder, rows, out_of_time=lambda: False):
     B = cfg.gen_batch or (32 if cfg.device.startswith("cuda") else 8)
     for i in tqdm(range(0, len(todo), B), desc="answering prompts", disable=not todo):
         if out_of_time():  # the rows so far are kept
-            print(f"--max-minutes reached in the data stage: {len(rows)} rows kept; the same command "
+            print(f"--max-minutes reached in the data stage: {len(rows)} rows kept; the same "
+                  "command "
                   "goes on")
             break
         batch = todo[i:i + B]
-        samples = answer_and_target(model, tok, [p["prompt_ids"] for p in batch], cfg.max_new_tokens)
+        samples = answer_and_target(model, tok, [p["prompt_ids"] for p in batch],
+                                    cfg.max_new_tokens)
         new = [dict(id=p["id"], split=p["split"], source=p["source"], task=p["task"],
                     base_model=model.config.name, fingerprint=model.config.fingerprint(),
                     dtype=cfg.dtype, prompt_ids=p["prompt_ids"], response_ids=s["response_ids"])
@@ -192,9 +199,9 @@ def build_dataset(model, tok, cfg, folder, rows, out_of_time=lambda: False):
 
 def get_batch(paths, dev, dtype):
     """Sample files of different lengths, left-padded into one batch: a KVCache with (B, H_kv, S, D)
-    per layer and its valid mask (B, 1, S) (None when the files hold no cache: store_dtype none), the
-    targets {layer: (B, H, S)} (zero on padding: they add nothing to the KL) and each row's prompt
-    length (B,), where its lookahead rows start."""
+    per layer and its valid mask (B, 1, S) (None when the files hold no cache: store_dtype none),
+    the targets {layer: (B, H, S)} (zero on padding: they add nothing to the KL) and each row's
+    prompt length (B,), where its lookahead rows start."""
     items = [RunFolder.read_sample(p) for p in paths]
     lengths = [it["target"].shape[-1] for it in items]
     B, S, (L, H) = len(items), max(lengths), items[0]["target"].shape[:2]
@@ -232,9 +239,10 @@ def lr_at(step, total, cfg):
 
 
 def new_module(model, cfg):
-    """The untrained module of this run's settings, seeded by cfg.seed (its .json recommends cfg.rule)."""
-    module = methods.untrained(model, cfg.seed, n_tokens=cfg.n_tokens, rank=cfg.rank, alpha=cfg.alpha,
-                               targets=methods.parse_targets(cfg.targets))
+    """The untrained module of this run's settings, seeded by cfg.seed (its .json recommends
+    cfg.rule)."""
+    module = methods.untrained(model, cfg.seed, n_tokens=cfg.n_tokens, rank=cfg.rank,
+                               alpha=cfg.alpha, targets=methods.parse_targets(cfg.targets))
     if cfg.rule is not None:
         module.info["rule"] = cfg.rule
     return module
@@ -260,10 +268,11 @@ def validation(model, rows, micro_batch):
 
 
 def optimizer_step(module, opt, model, micro, n_samples, clip, world=1, loss=None):
-    """One optimiser step over this rank's micro-batches (get_batch results): the M lookahead rows on
-    each prompt's cache at its own length, kl_loss against the target (or `loss`), each sample weighing
-    the same in the mean over n_samples (all ranks); the ranks' gradients averaged; then clip and step.
-    Returns the step's loss (0-dim). A nan or inf is one ValueError line, nothing stepped."""
+    """One optimiser step over this rank's micro-batches (get_batch results): the M lookahead rows
+    on each prompt's cache at its own length, kl_loss against the target (or `loss`), each sample
+    weighing the same in the mean over n_samples (all ranks); the ranks' gradients averaged; then
+    clip and step. Returns the step's loss (0-dim). A nan or inf is one ValueError line, nothing
+    stepped."""
     loss = loss or kl_loss
     total = torch.zeros((), device=next(module.parameters()).device)
     for cache, target, lengths in micro:
@@ -276,11 +285,12 @@ def optimizer_step(module, opt, model, micro, n_samples, clip, world=1, loss=Non
             dist.all_reduce(p.grad)  # a sum (gloo has no average)
             p.grad /= world
     norm = torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
-    if not torch.isfinite(norm):  # a bad sample, too high a rate: stop with the last good checkpoint
+    if not torch.isfinite(norm):  # a bad sample, too high a rate: the last good checkpoint stays
         opt.zero_grad(set_to_none=True)
-        raise ValueError("the training loss or its gradient is not finite (nan or inf): stopped before "
-                         "this step, nothing saved from it (OUT/ckpt.pt keeps the last good checkpoint); "
-                         "check --init's adapter and its .json, and the data, or lower --lr, then rerun "
+        raise ValueError("the training loss or its gradient is not finite (nan or inf): stopped "
+                         "before this step, nothing saved from it (OUT/ckpt.pt keeps the last good "
+                         "checkpoint); check --init's adapter and its .json, and the data, or "
+                         "lower --lr, then rerun "
                          "with --resume")
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -298,7 +308,8 @@ def print0(*args):
 def train_loop(model, module, cfg, rows, folder, heldout, weights_id, out_of_time, loss=None,
                rank=0, world=1):
     """AdamW from the checkpoint's step (or 0) to the planned total, or until out_of_time():
-    (module, optimiser, step, total, log). Step 0 checks the untrained module, the honest reference."""
+    (module, optimiser, step, total, log). Step 0 checks the untrained module, the honest reference.
+    """
     opt = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     # micro-batches of similar prompt lengths (little padding); each epoch shuffles them
     order = sorted(range(len(rows)), key=lambda i: (len(rows[i]["prompt_ids"]), rows[i]["id"]))
@@ -317,7 +328,8 @@ def train_loop(model, module, cfg, rows, folder, heldout, weights_id, out_of_tim
             folder.append_log(log[-1])
 
     def batch(idx):  # a micro-batch read from disk (its prompt caches made again if not stored)
-        cache, target, lengths = get_batch([folder.sample_path(rows[i]["id"]) for i in idx], dev, dtype)
+        paths = [folder.sample_path(rows[i]["id"]) for i in idx]
+        cache, target, lengths = get_batch(paths, dev, dtype)
         if cache is None:
             cache = prompt_cache(model, [rows[i]["prompt_ids"] for i in idx])
         return cache, target, lengths
@@ -328,11 +340,13 @@ def train_loop(model, module, cfg, rows, folder, heldout, weights_id, out_of_tim
     bar = tqdm(total=total, initial=step, desc="training", disable=not master_process)
     while step < total:
         if out_of_time():
-            print0(f"--max-minutes {cfg.max_minutes} reached at step {step}/{total}: saving what we have")
+            print0(f"--max-minutes {cfg.max_minutes} reached at step {step}/{total}: saving what "
+                   "we have")
             evaluate()
             break
         epoch, k = divmod(step, steps_per_epoch)
-        random.Random(cfg.seed + epoch).shuffle(epoch_order := list(batches))  # the same on every rank
+        epoch_order = list(batches)
+        random.Random(cfg.seed + epoch).shuffle(epoch_order)  # the same on every rank
         step_batches = epoch_order[k * per_step:(k + 1) * per_step]
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, cfg)
@@ -342,7 +356,8 @@ def train_loop(model, module, cfg, rows, folder, heldout, weights_id, out_of_tim
         loss_ = optimizer_step(module, opt, model, (m.result() for m in micro), n_step, cfg.clip,
                                world, loss)
         step, n_seen = step + 1, n_seen + n_step
-        bar.set_postfix(loss=f"{loss_.item():.4f}", samples_s=f"{n_seen / (time.perf_counter() - t0):.1f}")
+        speed = n_seen / (time.perf_counter() - t0)
+        bar.set_postfix(loss=f"{loss_.item():.4f}", samples_s=f"{speed:.1f}")
         bar.update()
         if n_seen == n_step and master_process:  # the first step: its peak memory is known now
             folder.warn_memory(cfg.device)
@@ -358,6 +373,11 @@ def train_loop(model, module, cfg, rows, folder, heldout, weights_id, out_of_tim
 # The run
 
 
+def time_limit(minutes, start):
+    """--max-minutes as a question asked between batches and steps: has it run out since start?"""
+    return lambda: bool(minutes) and time.perf_counter() - start > 60 * minutes
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     again = "python train.py " + shlex.join([a for a in argv if a != "--resume"] + ["--resume"])
@@ -367,11 +387,7 @@ def main(argv=None):
 def train(cfg):
     """The run, stage by stage: checks, the base model, data and/or train, the adapter."""
     global master_process
-    start = time.perf_counter()  # --max-minutes counts from here, data stage included
-
-    def out_of_time():
-        return bool(cfg.max_minutes) and time.perf_counter() - start > 60 * cfg.max_minutes
-
+    out_of_time = time_limit(cfg.max_minutes, time.perf_counter())  # data stage included
     cfg = resolved(cfg)
     weights_id = check(cfg, parser())  # every setting and file, before the model loads; raises
     folder = RunFolder(cfg)
@@ -409,8 +425,9 @@ def train(cfg):
     # stage 2: train
     heldout = validation(model, rows if master_process else [], cfg.micro_batch)
     t_train = time.perf_counter()
-    module, opt, step, total, log = train_loop(model, new_module(model, cfg), cfg, train_rows, folder,
-                                               heldout, weights_id, out_of_time, rank=rank, world=world)
+    module, opt, step, total, log = train_loop(model, new_module(model, cfg), cfg, train_rows,
+                                               folder, heldout, weights_id, out_of_time,
+                                               rank=rank, world=world)
 
     # the adapter and its .json (stopped early: a checkpoint too, to resume from where it stopped)
     if master_process:
@@ -418,7 +435,8 @@ def train(cfg):
             folder.save_checkpoint(module, opt, step, log, cfg, weights_id)
         module.info = adapter_metadata(cfg, train_rows, n_held, step, total, log, weights_id)
         folder.save_adapter(module)
-        print(f"saved {folder.dest} (+ .json) after {step} steps, {time.perf_counter() - t_train:.0f} s")
+        seconds = time.perf_counter() - t_train
+        print(f"saved {folder.dest} (+ .json) after {step} steps, {seconds:.0f} s")
         if cfg.compare:  # the learner's run ends with what it bought, in answers
             compare(model, [r for r in rows if r["split"] == "heldout"], cfg.compare,
                     {"this adapter": module, "untrained (step 0)": new_module(model, cfg)})

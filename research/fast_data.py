@@ -16,11 +16,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eviction import decode_step
+from eviction import decode_step, left_pad
 from model import Hook, KVCache
 from research import harness
-from support import data, recipe
-from eviction import left_pad
+from support import data
 from support.data import sample_bytes, sample_ok, sample_path, save_sample
 from train import full_cache
 
@@ -279,12 +278,13 @@ def save_batch(out, batch, samples, store):
             save_sample(sample_path(out, p["id"]), s, store, prefix=data.prefix_path(out, key) if shared else None)
 
 
-def build_dataset(model, tok, cfg, out, rows):
+def build_dataset(model, tok, cfg, folder, rows, out_of_time=lambda: False):
     """Append {id, split, task, prompt_ids, response_ids} rows to OUT/data.jsonl until it holds
     n_train + n_heldout of them, and write each training row's sample file (cache + target) in the
     same pass. Rows and samples already there are kept (resume); a row without a whole sample file
     (e.g. a data.jsonl from elsewhere, a file cut short) gets one from one forward over [prompt; answer].
     Prints what the new rows cost (wall clock and CPU time, prompts per hour)."""
+    out = folder.out
     fp, path = model.config.fingerprint(), Path(out) / "data.jsonl"
     made_in = str(model.lm_head.weight.dtype).removeprefix("torch.")  # each row records it: check_data_dtype
     have = {split: sum(r.get("split") == split for r in rows) for split in ("train", "heldout")}
@@ -302,7 +302,7 @@ def build_dataset(model, tok, cfg, out, rows):
             missing.append(r)
     for p in todo:
         p["prompt_ids"] = tok.encode(tok.chat(p["prompt"]))
-    recipe.check_store(cfg, model.config, rows + todo, store, stored_bytes(cfg, model.config, rows + todo, store))
+    folder.check_disk(cfg, model.config, rows + todo, store, stored_bytes(cfg, model.config, rows + todo, store))
     for r in tqdm(missing, desc="samples from data.jsonl", disable=not missing):
         cache, gt, _ = harness.ground_truth(model, r["prompt_ids"], r["response_ids"])
         save_sample(sample_path(out, r["id"]), dict(k=torch.cat(cache.k), v=torch.cat(cache.v),
@@ -310,6 +310,9 @@ def build_dataset(model, tok, cfg, out, rows):
     bar = tqdm(total=len(todo), desc="answering prompts", disable=not todo)
     wall, cpu = time.perf_counter(), time.process_time()
     for batch in answer_batches(todo, cfg.gen_batch or (32 if cfg.device.startswith("cuda") else 8), cfg.seed):
+        if out_of_time():  # --max-minutes counts the data stage; the rows so far are kept
+            print(f"--max-minutes reached in the data stage: {len(rows)} rows kept; the same command goes on")
+            break
         samples = answer_and_target(model, tok, [p["prompt_ids"] for p in batch], cfg.max_new_tokens,
                                     groups=[p.get("group", p["id"]) for p in batch])
         new = [dict(id=p["id"], split=p["split"], source=p["source"], task=p["task"], base_model=model.config.name,

@@ -21,6 +21,7 @@ import json
 import random
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,8 +33,10 @@ from eviction import EvictConfig
 from extensions import layer_budgets, layer_loss
 from lookaheadkv import kl_loss
 from research import fast_data, harness
-from support import cli, recipe, selection
-from support.data import load_batch, sample_path
+from model import ModelConfig, load_model
+from support import cli, recipe
+from support.data import sample_path
+from support.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass
@@ -101,10 +104,6 @@ def training_loss(cfg, model_cfg):
     return layer_loss.LayerWeightedKL(layer_loss.read_weights(path, model_cfg.num_hidden_layers))
 
 
-def check(cfg):
-    return recipe.check_run(cfg, parser(), selection.parse_rule, read_adapter)
-
-
 # -----------------------------------------------------------------------------
 # The steps of train.py's Recipe that the research options change
 
@@ -138,50 +137,29 @@ def harness_check(model, cfg, rows, src):
     return check if heldout else None
 
 
-class LabRecipe(train.Recipe):
-    """train.py's recipe with the research options: --init's module, --loss-weights' loss, --train-rows' draw,
-    the fast data maker, the harness's held-out check, and what the adapter's .json says of them."""
+def start_module(model, cfg, adapter, init):
+    """The module to train: --init's adapter (its per-layer weights dropped: they were measured for
+    its weights, not the new ones; what it was is kept in `init` for the .json), or an untrained one."""
+    if adapter is None:
+        return train.new_module(model, cfg)
+    module = adapter.to(cfg.device)
+    init.update(module.info, path=Path(module.info["path"]).name)
+    if "layer_weights" in module.info:
+        print(f"--init {cfg.init}: its per-layer weights are dropped; measure them again for the trained "
+              "adapter (python -m research.train_lab --stage budgets)")
+    module.info = dict(rule=cfg.rule) if cfg.rule is not None else {}
+    return module
 
-    def __init__(self, cfg, checked):
-        super().__init__(cfg)
-        self.checked, self.init = checked, {}
-        self.weighted_loss = training_loss(cfg, checked.model_cfg)
 
-    def check(self):
-        return self.checked
-
-    def build_dataset(self, model, tok, out, rows):
-        return fast_data.build_dataset(model, tok, self.cfg, out, rows)
-
-    def train_rows(self, rows):
-        return draw_rows(rows, self.cfg.train_rows, self.cfg.seed) if self.cfg.train_rows else rows
-
-    def start(self, model, adapter):
-        if adapter is None:
-            return train.new_module(model, self.cfg)
-        module = adapter.to(self.cfg.device)
-        self.init.update(module.info, path=Path(module.info["path"]).name)
-        if "layer_weights" in module.info:  # measured for the init's weights, not the new ones
-            train.print0(f"--init {self.cfg.init}: its per-layer weights are dropped; measure them again for the "
-                         "trained adapter (python -m research.train_lab --stage budgets)")
-        module.info = dict(rule=self.cfg.rule) if self.cfg.rule is not None else {}
-        return module
-
-    def loss(self, target, prediction):
-        return self.weighted_loss(target, prediction)
-
-    def heldout(self, model, rows, src):
-        return harness_check(model, self.cfg, rows, src)
-
-    def describe(self, log, info):
-        cfg, init = self.cfg, self.init
-        if cfg.train_rows:
-            info["train_data"]["drawn"] = dict(asked=cfg.train_rows, seed=cfg.seed)
-        if cfg.loss_weights:  # beyond the paper: the layer-weighted loss (extensions/layer_loss.py)
-            info["loss"] = dict(layer_weights_from=Path(cfg.loss_weights).name)
-        if init:  # step 0 was the init adapter, not an untrained module: keep the init's own reference
-            info.update(untrained=init.get("untrained"), init=dict(
-                path=init["path"], steps=init.get("steps"), heldout=log[0] if log else None))
+def describe(cfg, info, log, init):
+    """What the adapter's .json adds about the research options."""
+    if cfg.train_rows:
+        info["train_data"]["drawn"] = dict(asked=cfg.train_rows, seed=cfg.seed)
+    if cfg.loss_weights:  # beyond the paper: the layer-weighted loss (extensions/layer_loss.py)
+        info["loss"] = dict(layer_weights_from=Path(cfg.loss_weights).name)
+    if init:  # step 0 was the init adapter, not an untrained module: keep the init's own reference
+        info.update(untrained=init.get("untrained"), init=dict(
+            path=init["path"], steps=init.get("steps"), heldout=log[0] if log else None))
 
 
 # -----------------------------------------------------------------------------
@@ -193,7 +171,7 @@ def stored_samples(model, out, rows):
     file holds only the target)."""
     dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     for r in rows:
-        cache, gt, _ = load_batch([sample_path(out, r["id"])], dev, dtype)
+        cache, gt, _ = train.get_batch([sample_path(out, r["id"])], dev, dtype)
         cache = cache if cache is not None else train.prompt_cache(model, [r["prompt_ids"]])
         yield cache, gt, torch.tensor([r["response_ids"]], device=dev)
 
@@ -221,13 +199,12 @@ def measure_budgets(model, module, cfg, src, out, rows, dest):
     print(f"wrote {dest} (+ .json): its weights as they were, its .json with layer_weights")
 
 
-def budgets(cfg, checked):
-    out, src, dest, _, rows, adapter, _ = checked
-    cli.claim_folder("--out", out)
-    if src != out:
-        cli.claim_folder("--data", src)
-    model, _, _ = cli.load(cfg.model, cfg.device, cfg.dtype, tokenizer=False)
-    measure_budgets(model, adapter.to(cfg.device), cfg, src, out, rows, dest)
+def budgets(cfg, adapter):
+    folder = recipe.RunFolder(cfg)
+    folder.claim()
+    model = load_model(folder.model_dir, cfg.device, getattr(torch, cfg.dtype))
+    measure_budgets(model, adapter.to(cfg.device), cfg, folder.src, folder.out, folder.rows(),
+                    folder.dest)
 
 
 # -----------------------------------------------------------------------------
@@ -241,10 +218,43 @@ def main(argv=None):
 
 
 def run(cfg):
-    checked = check(cfg)  # everything checked before the model loads
+    """train.py's run with the research options, on one process: its functions, called in its order."""
+    start = time.perf_counter()  # --max-minutes counts from here, data stage included
+    cfg = train.resolved(cfg)
+    weights_id = recipe.check(cfg, parser(), read_adapter)  # every setting and file, before the model
+    adapter = read_adapter(cfg, ModelConfig.from_hf_config(cli.resolve_model(cfg.model)))
     if cfg.stage == "budgets":
-        return budgets(cfg, checked)
-    train.train(cfg, LabRecipe(cfg, checked))
+        return budgets(cfg, adapter)
+    out_of_time = train.time_limit(cfg.max_minutes, start)
+    folder = recipe.RunFolder(cfg)
+    folder.claim()
+    torch.manual_seed(cfg.seed)
+    model = load_model(folder.model_dir, cfg.device, getattr(torch, cfg.dtype))
+    rows = folder.rows(trim=cfg.stage in ("data", "all"))
+    if cfg.stage in ("data", "all"):  # research/fast_data.py: the target summed while answering
+        tok = Tokenizer(folder.model_dir, model.config)
+        rows = fast_data.build_dataset(model, tok, cfg, folder, rows, out_of_time)
+    if cfg.stage == "all" and out_of_time():
+        return print("--max-minutes reached in the data stage: training not started; the same command "
+                     "goes on")
+    have = [r for r in rows if r["split"] == "train" and folder.sample_path(r["id"]).exists()]
+    n_held = sum(r["split"] == "heldout" for r in rows)
+    if cfg.stage == "data":
+        return print(f"data ready: {len(have)} train, {n_held} held-out rows in {folder.out / 'data.jsonl'}")
+    train_rows = draw_rows(have, cfg.train_rows, cfg.seed) if cfg.train_rows else have
+    init = {}
+    module = start_module(model, cfg, adapter, init)
+    heldout = harness_check(model, cfg, rows, folder.src)
+    t_train = time.perf_counter()
+    module, opt, step, total, log = train.train_loop(
+        model, module, cfg, train_rows, folder, heldout, weights_id, out_of_time,
+        loss=training_loss(cfg, model.config))
+    if step < total:
+        folder.save_checkpoint(module, opt, step, log, cfg, weights_id)
+    module.info = recipe.adapter_metadata(cfg, train_rows, n_held, step, total, log, weights_id)
+    describe(cfg, module.info, log, init)
+    folder.save_adapter(module)
+    print(f"saved {folder.dest} (+ .json) after {step} steps, {time.perf_counter() - t_train:.0f} s")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,9 @@ def no_loading(monkeypatch):
     fail = lambda *a, **k: pytest.fail("the model was loaded")  # noqa: E731
     monkeypatch.setattr(cli, "load", fail)
     monkeypatch.setattr(generate_py, "load_model", fail)
+    import train
+
+    monkeypatch.setattr(train, "load_model", fail)
 
 
 @pytest.fixture

@@ -591,7 +591,7 @@ def test_compress_marks_the_clock_after_the_prefill_and_after_the_eviction():
         mp.setattr(ev, "keep_slots", lambda cache, kept: (cache_sizes.append(len(cache)), real(cache, kept))[1])
         compress_by(model, rand_ids(1, 40), EvictConfig("snapkv", budget=16, window=4), clock=clock)
     assert clock.marks == [0, 1]  # one mark before the eviction's gather, one after it
-    clock = eviction.Stopwatch("cpu")
+    clock = ev.Stopwatch("cpu")
     clock.mark()
     compress_by(model, rand_ids(1, 40), EvictConfig("full"), clock=clock)
     assert len(clock.marks) == 3 and clock.ms(0, 1) > 0 and clock.ms(1, 2) >= 0  # full: nothing evicted

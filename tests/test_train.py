@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from support import cli
 from support import data, recipe
+from support import recipe as train_recipe
 import lookaheadkv as lk
 import methods
 from support import selection
@@ -57,6 +58,12 @@ def ground_truth(model, row):
     cache, _, next_pos = train.full_cache(model, prompt, None)
     target = train.answer_targets(model, cache, next_pos, [row["response_ids"]])
     return cache, target, dict(prompt=prompt, response=response)
+
+
+def batch_loss(model, module, cache, gt, lengths):
+    """One micro-batch's loss as train.optimizer_step computes it: the M lookahead rows on each prompt's
+    cache (at its own length) against the target, the paper's KL."""
+    return lk.kl_loss(gt, lk.lookahead_pass(model, module, cache, lengths, per_query_head=True))
 
 
 def group_mean(scores, n_kv_heads):
@@ -176,7 +183,7 @@ def test_a_few_steps_lower_the_loss_on_a_fixed_batch():
     opt = torch.optim.AdamW(mod.parameters(), lr=1e-2)
     losses = [train.optimizer_step(mod, opt, model, micro, 2, clip=1.0).item() for _ in range(8)]
     with torch.no_grad():
-        final = sum(train.batch_loss(model, mod, *m).item() for m in micro) / 2
+        final = sum(batch_loss(model, mod, *m).item() for m in micro) / 2
     assert final < 0.8 * losses[0], losses + [final]
     assert final > 0
 
@@ -382,7 +389,7 @@ def test_data_from_another_base_model_is_refused(model_dir, tmp_path, stub_promp
 def test_checkpoint_corrupt_or_of_other_settings(model_dir, tmp_path, monkeypatch):
     out = tmp_path / "o"
     write_data(out, model_dir)
-    monkeypatch.setattr(cli_load_guard(), "load", no_model)  # every case below stops before the model loads
+    guard_loading(monkeypatch)  # every case below stops before the model loads
     (out / "ckpt.pt").write_bytes(b"\x80\x04 this is not a checkpoint" * 20)
     with pytest.raises(SystemExit) as e:
         train.main(argv(model_dir, out, "--resume"))
@@ -403,10 +410,12 @@ def test_checkpoint_corrupt_or_of_other_settings(model_dir, tmp_path, monkeypatc
     assert (out / "ckpt.pt").exists()
 
 
-def cli_load_guard():
+def guard_loading(monkeypatch):
+    """Any attempt to load the model's weights fails the test (train.py's loader, and cli.load's)."""
     from support import cli
 
-    return cli
+    monkeypatch.setattr(cli, "load", no_model)
+    monkeypatch.setattr(train, "load_model", no_model)
 
 
 def no_model(*a, **k):
@@ -418,7 +427,7 @@ def test_bad_flags_and_paths_stop_before_the_model_loads(model_dir, tmp_path, mo
     loads, and nothing that was there is touched."""
     out = tmp_path / "o"
     write_data(out, model_dir)
-    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    guard_loading(monkeypatch)
     weights = tmp_path / "w.json"
     weights.write_text("precious")
     a_file = tmp_path / "file"
@@ -465,7 +474,7 @@ def test_recipe_values_that_failed_late_or_silently_stop_before_the_model_loads(
     out = tmp_path / "o"
     write_data(out, model_dir)
     before = {f: f.read_bytes() for f in out.rglob("*") if f.is_file()}
-    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    guard_loading(monkeypatch)
     monkeypatch.chdir(tmp_path)
     args = argv(model_dir, out, *flags, **recipe)
     if "--out" in flags:  # the one given last wins
@@ -479,10 +488,10 @@ def test_recipe_values_that_failed_late_or_silently_stop_before_the_model_loads(
 
 def test_a_batch_below_the_micro_batch_is_one_micro_batch_of_it():
     """The docstring's smoke run (--batch 4, micro_batch 8 by default) trained on 8 samples a step: now 4."""
-    cfg = train.TrainConfig(batch=4)
+    cfg = train.resolved(train.TrainConfig(batch=4))
     recipe.check_numbers(cfg)
     assert (cfg.batch, cfg.micro_batch) == (4, 4)
-    recipe.check_numbers(cfg := train.TrainConfig(batch=32, micro_batch=8))
+    recipe.check_numbers(cfg := train.resolved(train.TrainConfig(batch=32, micro_batch=8)))
     assert (cfg.batch, cfg.micro_batch) == (32, 8)
 
 
@@ -505,13 +514,13 @@ def test_adapter_out_json_is_refused_and_left_untouched(model_dir, tmp_path):
 def own_checkpoint(model_dir, out, *flags, **recipe):
     """OUT/ckpt.pt as the run of argv(model_dir, out, *flags, **recipe) saves it (its checked settings), without
     training; (its path, its bytes)."""
-    cfg = train.get_args(argv(model_dir, out, *flags, **recipe))
+    cfg = train.resolved(train.get_args(argv(model_dir, out, *flags, **recipe)))
     (out / "ckpt.pt").unlink(missing_ok=True)
-    train.Recipe(cfg).check()
+    train_recipe.check(cfg, train.parser())
     module = LookaheadModule(ModelConfig.from_hf_config(model_dir), n_tokens=cfg.n_tokens, rank=cfg.rank,
-                             alpha=cfg.alpha, targets=train.recipe.parse_targets(cfg.targets))
-    train.recipe.save_checkpoint(out / "ckpt.pt", module, torch.optim.AdamW(module.parameters()), 1, [],
-                          train.recipe.schedule_of(cfg))
+                             alpha=cfg.alpha, targets=train_recipe.parse_targets(cfg.targets))
+    train_recipe.save_checkpoint(out / "ckpt.pt", module, torch.optim.AdamW(module.parameters()), 1, [],
+                          train_recipe.schedule_of(cfg))
     return out / "ckpt.pt", (out / "ckpt.pt").read_bytes()
 
 
@@ -528,7 +537,7 @@ def test_resume_with_any_other_setting_is_refused_naming_it(model_dir, tmp_path,
     out = tmp_path / "o"
     write_data(out, model_dir, n_train=6)
     path, before = own_checkpoint(model_dir, out, "--n-train", "6", "--micro-batch", "2")
-    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    guard_loading(monkeypatch)
     with pytest.raises(SystemExit) as e:
         train.main(argv(model_dir, out, "--n-train", "6", "--micro-batch", "2", "--resume", *flags, **recipe))
     assert error_line(e).startswith(f"error: --resume: {path} was made with other settings: {says}. It is not corrupt")
@@ -547,7 +556,7 @@ def test_every_setting_that_defines_the_run_is_recorded_and_compared(model_dir, 
     fields = {f.name for f in dataclasses.fields(train.TrainConfig)}
     assert set(ck["settings"]) == set(recipe.resume_keys(train.TrainConfig)) == fields - set(recipe.MAY_CHANGE) - set(recipe.MODULE_KEYS)
     assert {"micro_batch", "n_train", "dtype", "rule", "store_dtype"} <= set(recipe.resume_keys(train.TrainConfig))
-    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    guard_loading(monkeypatch)
     for key in recipe.resume_keys(train.TrainConfig):
         torch.save(dict(ck, settings=dict(ck["settings"], **{key: "OTHER"})), path)
         with pytest.raises(SystemExit) as e:
@@ -562,7 +571,7 @@ def test_out_holding_another_runs_checkpoint_is_refused_without_resume(model_dir
     out = tmp_path / "o"
     write_data(out, model_dir)
     path, before = own_checkpoint(model_dir, out, "--lr", "0.05")
-    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    guard_loading(monkeypatch)
     with pytest.raises(SystemExit) as e:
         train.main(argv(model_dir, out))
     assert error_line(e) == (f"error: --out {out} holds another run's checkpoint ({path}: made with other settings: "
@@ -574,7 +583,10 @@ def test_out_holding_another_runs_checkpoint_is_refused_without_resume(model_dir
     assert "holds another run's checkpoint" in error_line(e) and "cannot read as a checkpoint" in error_line(e)
     assert path.read_bytes() == b"not a checkpoint" and not (out / "log.jsonl").exists()
     own_checkpoint(model_dir, out)  # this run's own: checked, and started over (None: nothing to resume)
-    assert train.Recipe(train.get_args(argv(model_dir, out))).check().ckpt is None
+    cfg = train.resolved(train.get_args(argv(model_dir, out)))
+    recipe.check(cfg, train.parser())  # this run's own checkpoint passes the checks
+    assert recipe.checkpoint_to_resume(cfg, out, ModelConfig.from_hf_config(model_dir), None,
+                                             train.parser()) is None
 
 
 def test_adapter_backups_never_replace_an_earlier_one(model_dir, tmp_path, capsys):
@@ -601,7 +613,7 @@ def test_an_adapter_out_that_cannot_be_written_stops_before_the_model_loads(mode
     of a file the save writes (its .json) is named."""
     out = tmp_path / "o"
     write_data(out, model_dir)
-    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    guard_loading(monkeypatch)
     if Path("/proc/self").exists():  # procfs: no file can be made in /proc, not even by root
         with pytest.raises(SystemExit) as e:
             train.main(argv(model_dir, out, "--adapter-out", "/proc/adapter.safetensors"))
@@ -621,7 +633,7 @@ def test_a_rule_wider_than_the_context_stops_before_the_model_loads(model_dir, t
     that wide). The recipe's rule is read by selection.parse_rule with the model's context."""
     out = tmp_path / "o"
     write_data(out, model_dir)
-    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    guard_loading(monkeypatch)
     for rule, says in [("max:99999999999", "context of 512"), ("span:513", "context of 512"),
                        ("avg:513", "context of 512")]:
         with pytest.raises(SystemExit) as e:
@@ -647,14 +659,14 @@ def test_a_truncated_sample_is_named_deleted_and_rebuilt(model_dir, tmp_path, st
     train.main(argv(model_dir, out, "--stage", "data"))
     assert files[1].read_bytes() == whole
     # one that goes bad mid-training (after the checks): named and deleted, not a traceback
-    real = data.load_batch
+    real = train.get_batch
 
     def cut(paths, *a):
         paths[0].write_bytes(b"\x00" * 20)
         return real(paths, *a)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train, "load_batch", cut)
+        mp.setattr(train, "get_batch", cut)
         with pytest.raises(SystemExit) as e:
             train.main(argv(model_dir, out, "--stage", "train"))
     assert "training sample" in error_line(e) and "deleted" in error_line(e)
@@ -891,7 +903,7 @@ def test_batched_loss_equals_the_mean_of_per_sample_losses(tmp_path):
     per_sample = []
     for r in rows:
         cache, gt, _ = ground_truth(model, r)
-        per_sample.append(train.batch_loss(model, mod, cache, gt, len(cache)))
+        per_sample.append(batch_loss(model, mod, cache, gt, len(cache)))
     mean = sum(per_sample) / 3
     mean.backward()
     # (None: the last layer's v/o/MLP LoRA, which no score reads)
@@ -899,9 +911,9 @@ def test_batched_loss_equals_the_mean_of_per_sample_losses(tmp_path):
     grads = {n: grad(p) for n, p in mod.named_parameters()}
     assert sum(g.abs().sum() > 0 for g in grads.values()) > len(grads) / 2
     mod.zero_grad()
-    cache, gt, lengths = train.load_batch(paths, "cpu", torch.float32)
+    cache, gt, lengths = train.get_batch(paths, "cpu", torch.float32)
     assert lengths.tolist() == [20, 33, 27] and cache.k[0].shape[2] == 33
-    loss = train.batch_loss(model, mod, cache, gt, lengths)
+    loss = batch_loss(model, mod, cache, gt, lengths)
     assert loss.item() == pytest.approx(mean.item(), rel=1e-5)
     loss.backward()
     for n, p in mod.named_parameters():
@@ -911,7 +923,7 @@ def test_batched_loss_equals_the_mean_of_per_sample_losses(tmp_path):
     # optimizer_step: micro-batches of 1 and 2 samples, each sample weighing 1/3 of the step; SGD with lr 1
     # moves every parameter by minus the gradient of the mean (no clipping at 1e9)
     before = {n: p.detach().clone() for n, p in mod.named_parameters()}
-    micro = [train.load_batch(paths[:1], "cpu", torch.float32), train.load_batch(paths[1:], "cpu", torch.float32)]
+    micro = [train.get_batch(paths[:1], "cpu", torch.float32), train.get_batch(paths[1:], "cpu", torch.float32)]
     step_loss = train.optimizer_step(mod, torch.optim.SGD(mod.parameters(), lr=1.0), model, micro, 3, clip=1e9)
     assert step_loss.dim() == 0 and step_loss.item() == pytest.approx(mean.item(), rel=1e-5)
     for n, p in mod.named_parameters():
@@ -945,14 +957,15 @@ def test_a_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(model_
     checkpoint as it was, and no adapter written from the bad weights."""
     out = tmp_path / "run"
     write_data(out, model_dir)
-    real, calls = train.batch_loss, []
+    real, calls = train.kl_loss, []
 
     def nan_at_step_3(*a):
-        calls.append(1)
+        if torch.is_grad_enabled():  # a training step's, not the validation's
+            calls.append(1)
         loss = real(*a)
         return loss * float("nan") if len(calls) > 4 else loss  # micro-batch 1, 2 per step: step 3 on
 
-    monkeypatch.setattr(train, "batch_loss", nan_at_step_3)
+    monkeypatch.setattr(train, "kl_loss", nan_at_step_3)
     with pytest.raises(SystemExit, match=r"^error: the training loss or its gradient is not finite") as e:
         train.main(argv(model_dir, out, "--save-every", "1"))
     assert "\n" not in str(e.value)
