@@ -140,7 +140,9 @@ class LookaheadKVPress(BasePress):
         if mask is not None and not bool(mask.bool().all()):
             raise ValueError("LookaheadKVPress scores prompts of equal length: this batch is "
                              "padded (zeros in its attention mask); run one prompt at a time")
-        if kwargs.get("use_cache") is False or not isinstance(cache, (DynamicCache, type(None))):
+        if kwargs.get("use_cache") is False:
+            raise ValueError("LookaheadKVPress evicts the prefill's cache: call with use_cache=True")
+        if not isinstance(cache, (DynamicCache, type(None))):
             raise ValueError(f"LookaheadKVPress evicts from a DynamicCache, not "
                              f"{type(cache).__name__} (a static cache keeps its slots): pass "
                              "past_key_values=DynamicCache()")
