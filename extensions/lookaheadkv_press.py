@@ -124,8 +124,8 @@ class LookaheadKVPress(BasePress):
                              f"is not supported; supported: {', '.join(FAMILIES)}")
         base, trained = self.info.get("base_model"), self.info.get("base_fingerprint")
         if fingerprint != trained:
-            raise ValueError(f"LookaheadKVPress: {self.adapter} was trained for {base} ({trained}), "
-                             f"not for {model.config.name_or_path or 'this model'} "
+            raise ValueError(f"LookaheadKVPress: {self.adapter} was trained for {base} "
+                             f"({trained}), not for {model.config.name_or_path or 'this model'} "
                              f"({fingerprint}): use the adapter trained for this model")
         if self.adapter_name not in getattr(model, "peft_config", {}):
             model.load_adapter(str(self.adapter), adapter_name=self.adapter_name)
@@ -141,7 +141,7 @@ class LookaheadKVPress(BasePress):
             raise ValueError("LookaheadKVPress scores prompts of equal length: this batch is "
                              "padded (zeros in its attention mask); run one prompt at a time")
         if kwargs.get("use_cache") is False:
-            raise ValueError("LookaheadKVPress evicts the prefill's cache: call with use_cache=True")
+            raise ValueError("LookaheadKVPress evicts the prefill's cache: use_cache=True")
         if not isinstance(cache, (DynamicCache, type(None))):
             raise ValueError(f"LookaheadKVPress evicts from a DynamicCache, not "
                              f"{type(cache).__name__} (a static cache keeps its slots): pass "
