@@ -6,7 +6,10 @@ policy any scorer takes (EvictConfig.budgets: --layer-budgets); layer_loss.py's 
 paper's kl_loss, layer by layer (python -m research.train_lab --loss-weights); answer_weights.py makes a data
 folder whose targets weigh the answer tokens that need the prompt; decode.py's DecodeEviction runs any
 method's scorer again while the answer grows (--decode-budget); chat.py, generate.py's chat (--turns), builds
-on it; kvpress_press.py runs an adapter as a press of NVIDIA's kvpress (the optional extra [kvpress]).
+on it; lookaheadkv_press.py is LookaheadKV as a press of NVIDIA's kvpress, self-contained (torch, transformers,
+kvpress, safetensors, peft: it imports nothing of this repository, so a kvpress user copies the one file), and
+export_peft.py writes one of our adapters as the folder it loads (a PEFT LoRA beside the lookahead embeddings;
+the optional extra [kvpress]).
 Nothing on the reading path imports them: support/selection.py and support/generate_checks.py import one when
 its flag is given, and tests/test_reading_path.py deletes each file in turn (then all of them) and shows the
 core, generate.py's default run and train.py still work."""

@@ -1,6 +1,6 @@
 """
 RULER-4K measured in kvpress's own pipeline (NVIDIA kvpress 0.5.5, transformers): LookaheadKVPress
-(extensions/kvpress_press.py, the shipped adapter) beside kvpress's presses, at C = 128 and 512 KV slots per
+(extensions/lookaheadkv_press.py, the shipped adapter) beside kvpress's presses, at C = 128 and 512 KV slots per
 (layer, KV head), on the HF model SmolLM2-135M-Instruct, in two protocols:
 
   inside  ours (research/evaluate.py's): the whole chat prompt, question and answer prefix included
@@ -11,10 +11,11 @@ RULER-4K measured in kvpress's own pipeline (NVIDIA kvpress 0.5.5, transformers)
           template's end of turn and the answer prefix come after the compression, then greedy decoding.
           RULER's input is split at its last line: the question (every RULER template asks it there).
 
-Presses (kvpress's defaults unless said): full (no press, the reference), lookahead (our adapter in the paper's
-form: max-pool 7, C in every layer), lookahead-shipped (the same adapter as its .json recommends: span:8:1024
-and per-layer budgets), snapkv (window 64, avg-pool 5), pyramidkv, streaming, tova, expected
-(ExpectedAttentionPress), adakv-expected (AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))), kvzip.
+Presses (kvpress's defaults unless said): full (no press, the reference), lookahead
+(extensions/lookaheadkv_press.py, the paper's form: max-pool 7, C in every layer; --adapter is the folder
+python -m extensions.export_peft writes, by default the shipped adapter's), snapkv (window 64, avg-pool 5),
+pyramidkv, streaming, tova, expected (ExpectedAttentionPress), adakv-expected
+(AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))), kvzip.
 kvpress's presses take a compression ratio; a row of S tokens gets r = 1 - (C + 0.5) / S, which keeps exactly
 int(S (1 - r)) = C slots (r = 0, no compression, when C >= S); LookaheadKVPress takes budget=C. KVzip and
 AdaKV keep C per (layer, KV head) on average, spread over heads (and, for KVzip, over layers).
@@ -26,14 +27,18 @@ stopped, rows already there are skipped): protocol, press, C, the RULER score (r
 metric), seconds for the row (prefill + compression + decoding) and until the cache was compressed, and the
 memory the compressed cache really holds: the slots kept per (layer, KV head) and their bytes, counting kept
 slots, not masked ones (KVzip and AdaKV keep every slot's tensor and hide the evicted ones behind kvpress's
-attention patch; LookaheadKV's per-layer budgets pad each layer to the largest C_l the same way): "held_mb" is
-what the tensors occupy, "kept_mb" what is not hidden. At the end (and with --report alone), the mean per
-(protocol, press, C), per task, and RULER's average over tasks, and LookaheadKV (both forms) against each other
+attention patch): "held_mb" is what the tensors occupy, "kept_mb" what is not hidden. At the end (and with
+--report alone), the mean per (protocol, press, C), per task, and RULER's average over tasks, and LookaheadKV
+against each other
 press paired over the rows both ran (the mean difference, a 95% bootstrap interval over rows), printed and
 written to summary.md. Rows go sample by sample over the tasks (sample 0 of all 11 tasks, then sample 1, ...),
-so a run stopped early holds as many samples of every task, give or take one.
+so a run stopped early holds as many samples of every task, give or take one. Every row records the identity of
+the weights (every byte of --model's config.json and *.safetensors) and of the adapter (every byte of its
+folder's files): a re-run into the same --out on other weights or with another adapter is refused, naming the
+folder, rather than reporting the old rows as the new ones. Every flag is checked before the model loads; a bad
+one is one `error:` line and exit status 1.
 
-The full run (11 tasks x 5 samples x 2 protocols x (2 budgets x 9 presses + full): many CPU hours; KVzip alone
+The full run (11 tasks x 5 samples x 2 protocols x (2 budgets x 8 presses + full): many CPU hours; KVzip alone
 costs 2-3 prefills a row):
 
     python -m research.kvpress_eval --lengths 4096 --per-task 5 --budgets 128,512 --threads 2 \\
@@ -47,20 +52,25 @@ whenever other jobs share the CPU, as torch's threads otherwise wait for busy co
 """
 import argparse
 import contextlib
+import hashlib
 import json
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
+from model import ModelConfig
+from support import cli, files
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "weights" / "SmolLM2-135M-Instruct"
-ADAPTER = ROOT / "weights" / "SmolLM2-135M-Instruct.lookahead.safetensors"
-PRESSES = ("full", "lookahead", "lookahead-shipped", "snapkv", "pyramidkv", "streaming", "tova", "expected",
-           "adakv-expected", "kvzip")
+ADAPTER = ROOT / "weights" / "SmolLM2-135M-Instruct.lookahead-peft"  # python -m extensions.export_peft's folder
+PRESSES = ("full", "lookahead", "snapkv", "pyramidkv", "streaming", "tova", "expected", "adakv-expected", "kvzip")
 PROTOCOLS = ("inside", "after")
+ROW_KEYS = ("protocol", "press", "budget", "id", "task", "score", "seconds", "kept_slots", "kept_mb", "held_mb")
+SUMMARY_HEAD = "<!-- research.kvpress_eval's summary of results.jsonl: --report writes it again -->"
+OURS = {"results.jsonl", "summary.md", files.CACHE_NAME}  # what a run leaves in --out
 
 
 def make_press(name, C, S, adapter):
@@ -68,14 +78,12 @@ def make_press(name, C, S, adapter):
     import kvpress
     from kvpress.utils import compute_n_kept
 
-    from extensions.kvpress_press import LookaheadKVPress
+    from extensions.lookaheadkv_press import LookaheadKVPress
 
     if name == "full":
         return None
     if name == "lookahead":
-        return LookaheadKVPress.from_adapter(adapter, budget=C)
-    if name == "lookahead-shipped":
-        return LookaheadKVPress.from_adapter(adapter, budget=C, rule="span:8:1024", layer_budgets=True)
+        return LookaheadKVPress.from_pretrained(adapter, budget=C)
     r = max(0.0, 1 - (C + 0.5) / S)
     assert r == 0 or compute_n_kept(S, r) == C
     if name == "adakv-expected":
@@ -179,55 +187,163 @@ def report(results, out):
     score = {(r["protocol"], r["press"], r["budget"], r["id"]): r["score"] for r in results}
     paired = ["", "| protocol | C | ours | against | rows | ours - theirs [95% CI] |", "|---|---|---|---|---|---|"]
     for protocol, C in sorted({(p, c) for p, _, c in groups if c}):
-        for ours in ("lookahead", "lookahead-shipped"):
+        for ours in ("lookahead",):
             for other in PRESSES:
                 theirs = (protocol, other, 0 if other == "full" else C)
                 ids = [i for (*key, i) in score if tuple(key) == (protocol, ours, C) and (*theirs, i) in score]
-                if other in (ours, "lookahead") or not ids:  # (shipped - paper: once, the other way round)
+                if other == ours or not ids:
                     continue
                 diffs = [score[protocol, ours, C, i] - score[(*theirs, i)] for i in ids]
                 lo, hi = paired_ci(diffs)
                 paired.append(f"| {protocol} | {C} | {ours} | {other} | {len(ids)} | "
                               f"{mean(diffs):+.3f} [{lo:+.3f}, {hi:+.3f}] |")
     text = "\n".join(lines + per_task + paired) + "\n"
-    (out / "summary.md").write_text(text)
+    files.write_atomic(out / "summary.md", SUMMARY_HEAD + "\n" + text)
     print(text)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+# -----------------------------------------------------------------------------
+# The front door: every flag and file checked before the model loads
+
+
+def get_args(argv):
+    p = cli.Parser("-m research.kvpress_eval", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for results.jsonl and summary.md (runs/...)")
     p.add_argument("--model", type=Path, default=MODEL, help="an HF folder of a family model.py loads")
-    p.add_argument("--adapter", type=Path, default=ADAPTER, help="our adapter for that model (.safetensors)")
-    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096])
+    p.add_argument("--adapter", type=Path, default=ADAPTER,
+                   help="LookaheadKVPress's folder for that model (python -m extensions.export_peft writes it)")
+    p.add_argument("--lengths", default="4096", help="RULER lengths (prompt + answer), e.g. 4096")
     p.add_argument("--per-task", type=int, default=5)
     p.add_argument("--tasks", type=lambda s: s.split(","), default=None, help="RULER tasks (default: all 11)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[128, 512])
+    p.add_argument("--budgets", default="128,512", help="KV slots per (layer, KV head), e.g. 128,512")
     p.add_argument("--presses", type=lambda s: s.split(","), default=list(PRESSES))
     p.add_argument("--protocols", type=lambda s: s.split(","), default=list(PROTOCOLS))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--report", action="store_true", help="only summarise what --out holds")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def check_args(args):
+    """Every flag, before anything is read or made: ValueError (or FileNotFoundError) naming it."""
+    from research import ruler
+
     for name, given, allowed in (("press", args.presses, PRESSES), ("protocol", args.protocols, PROTOCOLS)):
         bad = [x for x in given if x not in allowed]
         if bad:
             extra = " (RestoreKV: its adapters are on the HF hub, for 8B models only)" if "restorekv" in bad else ""
-            sys.exit(f"error: unknown {name} {', '.join(bad)}{extra}; choose from {', '.join(allowed)}")
-    from research import ruler
+            raise ValueError(f"unknown {name} {', '.join(bad)}{extra}; choose from {', '.join(allowed)}")
     bad = [t for t in args.tasks or [] if t not in ruler.TASKS]
     if bad:
-        sys.exit(f"error: unknown RULER task {', '.join(bad)}; choose from {', '.join(ruler.TASKS)}")
-    if any(c < 1 for c in args.budgets):
-        sys.exit(f"error: every budget must be >= 1 KV slot, got {args.budgets}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    results_file = args.out / "results.jsonl"
-    results = [json.loads(x) for x in results_file.read_text().splitlines() if x] if results_file.exists() else []
+        raise ValueError(f"unknown RULER task {', '.join(bad)}; choose from {', '.join(ruler.TASKS)}")
+    try:
+        args.budgets = cli.counts(args.budgets, "--budgets")
+    except ValueError:
+        raise ValueError(f"every budget must be >= 1 KV slot, got {args.budgets}") from None
+    args.lengths = cli.counts(args.lengths, "--lengths")
+    cli.at_least("--per-task", args.per_task, 1)
+    cli.check_seed("--seed", args.seed)
+    cli.check_threads("--threads", args.threads)
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file: pass a folder (it is made if missing)")
+    if args.report:
+        return
+    cli.check_model_dir(args.model)
+    ctx = ModelConfig.from_hf_config(args.model).max_context  # a family model.py reads, or ValueError
+    for n in args.lengths:
+        if n > ctx:
+            raise ValueError(f"--lengths {n} (prompt and answer) is past the model's context of {ctx} tokens: "
+                             f"use lengths up to {ctx}")
+    if "lookahead" in args.presses:
+        missing = [f for f in ADAPTER_FILES if not (args.adapter / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"--adapter {args.adapter}: no LookaheadKVPress folder there (it lacks "
+                                    f"{', '.join(missing)}): pass the folder python -m extensions.export_peft "
+                                    "ADAPTER FOLDER wrote")
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "lookahead_embeddings.safetensors",
+                 "lookahead_config.json")
+
+
+def adapter_identity(folder):
+    """A digest (16 hex) of every byte of the adapter folder's files: another adapter, another identity."""
+    h = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        h.update(name.encode() + b"\0" + hashlib.sha256((Path(folder) / name).read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+def read_results(out):
+    """results.jsonl's rows, each checked (a line of JSON holding ROW_KEYS): ValueError naming the line."""
+    path = out / "results.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        missing = [k for k in ROW_KEYS if k not in row] if isinstance(row, dict) else ["a JSON object"]
+        if missing:
+            raise ValueError(f"{path} line {n} is not a kvpress_eval row (it lacks {', '.join(missing)}): pass "
+                             "another --out, or remove that line")
+        rows.append(row)
+    return rows
+
+
+def check_out(out, results, report):
+    """--out holds only what a run writes (a summary.md it did not write is never replaced), and --report has
+    rows to summarise."""
+    if report and not results:
+        raise ValueError(f"--out {out} holds no results.jsonl rows: nothing to report")
+    if not out.is_dir():
+        return
+    theirs = sorted(p.name for p in out.iterdir() if p.name not in OURS)
+    summary = out / "summary.md"
+    if summary.exists() and (not summary.is_file() or not summary.read_text().startswith(SUMMARY_HEAD)):
+        theirs.insert(0, "summary.md")
+    if theirs:
+        raise ValueError(f"--out {out} holds files research.kvpress_eval did not write ({', '.join(theirs[:3])}): "
+                         "pass a new folder, or one an earlier run wrote")
+
+
+def check_same_run(results, identity, out):
+    """Rows made on other weights or with another adapter (or before identities were recorded) are not this
+    run's: refused, naming the folder, rather than skipped as done and reported as this run's."""
+    for r in results:
+        was = {k: r.get(k) for k in identity}
+        if was != identity:
+            what = " and ".join(k for k in identity if was[k] != identity[k])
+            raise ValueError(f"--out {out} holds rows made with another {what.replace('_id', '')} ({was}; this run: "
+                             f"{identity}): pass another --out for these weights and this adapter")
+
+
+def main(argv=None):
+    return cli.run(lambda: evaluate(get_args(argv)))
+
+
+def evaluate(args):
+    check_args(args)
+    results = read_results(args.out)
+    check_out(args.out, results, args.report)
     if args.report:
         return report(results, args.out)
+    identity = dict(weights_id=files.weights_identity(args.model, args.out if args.out.is_dir() else None),
+                    adapter_id=adapter_identity(args.adapter) if "lookahead" in args.presses else None)
+    if identity["adapter_id"] is None:  # no lookahead rows: any earlier run's adapter does not matter
+        identity.pop("adapter_id")
+    check_same_run(results, identity, args.out)
+    cli.output_folder("--out", args.out)
+    files.keep_identity(args.model, args.out, identity["weights_id"])
 
     import transformers  # noqa: F401 (kvpress registers its pipeline with transformers)
     import kvpress  # noqa: F401
+    from research import ruler
     from support.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
@@ -238,7 +354,7 @@ def main(argv=None):
     stop = set(tok.stop_ids)
     done = {(r["protocol"], r["press"], r["budget"], r["id"]) for r in results}
     todo = [(name, C) for name in args.presses for C in ([0] if name == "full" else args.budgets)]
-    with results_file.open("a") as f:
+    with (args.out / "results.jsonl").open("a") as f:
         for row in rows(tok, args):
             ids = torch.tensor([tok.encode(ruler.chat_prompt(tok, row))])
             context, cut, question = row["input"].rpartition("\n")
@@ -264,7 +380,7 @@ def main(argv=None):
                                   prompt_tokens=S, score=ruler.score(row["task"], answer, row["answers"]),
                                   seconds=round(seconds, 3), compressed_s=compressed and round(compressed, 3),
                                   kept_slots=round(memory[0], 1), kept_mb=round(memory[1], 4),
-                                  held_mb=round(memory[2], 4), answer=answer)
+                                  held_mb=round(memory[2], 4), answer=answer, **identity)
                     f.write(json.dumps(result) + "\n")
                     f.flush()
                     results.append(result)

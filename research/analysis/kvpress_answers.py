@@ -1,13 +1,15 @@
 """
 Answer by answer: a press in kvpress's pipeline (research/kvpress_eval.py's results.jsonl, protocol "inside")
 against one of our methods on our model (research/evaluate.py's results.json), on the same RULER rows, budgets
-and prompt. Parity of kept slots is tested (tests/test_kvpress.py); this checks that it carries through the
-whole answer, HF's model and kvpress's decoding on one side, model.py and ours on the other.
+and prompt. Parity of kept slots is tested (tests/test_kvpress.py for kvpress's presses, tests/test_lookahead_press.py
+for extensions/lookaheadkv_press.py, kvpress_eval's "lookahead"); this checks that it carries through the whole
+answer, HF's model and kvpress's decoding on one side, model.py and ours on the other.
 
     python -m research.analysis.kvpress_answers runs/kvpress-ruler4k runs/snap-window64 --press snapkv \\
         --method snapkv
 
-FullKV is compared too (kvpress_eval's "full" against evaluate's "full"). Prints each answer that differs and
+FullKV is compared too (kvpress_eval's "full" against evaluate's "full"); for LookaheadKVPress, --press lookahead
+--method lookahead (both the paper's form, the same adapter: kvpress_eval's --adapter is its export). Prints each answer that differs and
 the count of equal ones (answers compared after stripping white space).
 """
 import argparse

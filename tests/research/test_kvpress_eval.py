@@ -1,5 +1,6 @@
 """research/kvpress_eval.py without a model: the order its rows run in, the summary it writes (means and the
 paired differences), and the flags it refuses before loading anything. kvpress itself is not needed."""
+import json
 import random
 from types import SimpleNamespace
 
@@ -79,3 +80,117 @@ def test_answers_are_compared_on_the_rows_both_ran(tmp_path, capsys):
     assert kvpress_answers.main([str(kv), str(ours), "--press", "snapkv", "--method", "snapkv"]) == 1
     out = capsys.readouterr().out
     assert "a snapkv C=128: ours ' 42. ', kvpress ' 4.'" in out and "2 answers equal, 1 differ" in out
+
+
+# --- the front door (issue 66): every bad input one `error:` line before the model loads ---------------------
+
+
+def error_of(argv):
+    """kvpress_eval.main(argv)'s one `error:` line (SystemExit), with the model never loaded."""
+    import transformers
+
+    loaded = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+    transformers.AutoModelForCausalLM.from_pretrained = lambda *a, **k: loaded.append(1)
+    try:
+        with pytest.raises(SystemExit) as e:
+            kvpress_eval.main(argv)
+    finally:
+        transformers.AutoModelForCausalLM.from_pretrained = real
+    assert not loaded
+    text = str(e.value)
+    assert text.startswith("error: ") and "\n" not in text, text
+    return text
+
+
+@pytest.fixture
+def small(tiny_hf_model, tmp_path):
+    """(a tiny HF model folder (context 512), a LookaheadKVPress folder's files (their bytes are the adapter's
+    identity; the press never loads here), flags that name both)."""
+    model = tiny_hf_model("llama")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    for name in kvpress_eval.ADAPTER_FILES:
+        (adapter / name).write_text(name)
+    return model, adapter, ["--model", str(model), "--adapter", str(adapter), "--lengths", "256",
+                            "--threads", "1", "--presses", "lookahead", "--budgets", "16"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lengths", "0"], "error: --lengths '0': every value must be at least 1"),
+    (["--lengths", "100000"], "error: --lengths 100000 (prompt and answer) is past the model's context of 512"),
+    (["--threads", "0"], "error: --threads 0"),
+    (["--threads", "999"], "error: --threads 999: this machine gives this process"),
+    (["--per-task", "0"], "error: --per-task 0"),
+    (["--budgets", "x"], "error: every budget must be >= 1 KV slot"),
+    (["--lengths", "1e3"], "error: --lengths '1e3'"),
+])
+def test_bad_numbers_are_one_error_line(small, tmp_path, flags, message):
+    *_, base = small
+    assert error_of(["--out", str(tmp_path / "out"), *base, *flags]).startswith(message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_model_adapter_and_foreign_folders_are_one_error_line(small, tmp_path):
+    model, adapter, base = small
+    out = ["--out", str(tmp_path / "out")]
+    assert "--model " in error_of(out + base + ["--model", str(tmp_path / "nowhere")])
+    said = error_of(out + base + ["--adapter", str(tmp_path / "nowhere")])
+    assert said.startswith("error: --adapter") and "export_peft" in said
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps(dict(model_type="gpt2", vocab_size=128, n_embd=64)))
+    assert "'gpt2'" in error_of(out + base + ["--model", str(gpt2)])
+    assert not (tmp_path / "out").exists()
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("mine")
+    assert error_of(["--out", str(a_file)] + base).startswith(f"error: --out {a_file} is a file")
+    assert a_file.read_text() == "mine"
+
+
+@pytest.mark.parametrize("lines, message", [
+    (["{not json"], "results.jsonl line 1 is not a kvpress_eval row (it lacks a JSON object)"),
+    ([json.dumps(row("inside", "full", 0, "a", 1.0)),
+      json.dumps({k: v for k, v in row("inside", "full", 0, "b", 1.0).items() if k != "task"})],
+     "results.jsonl line 2 is not a kvpress_eval row (it lacks task)"),
+])
+def test_a_broken_results_file_is_one_error_line(small, tmp_path, lines, message):
+    *_, base = small
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.jsonl").write_text("\n".join(lines) + "\n")
+    for argv in (["--out", str(out), *base], ["--out", str(out), "--report"]):
+        assert message in error_of(argv)
+
+
+def test_rows_of_other_weights_or_another_adapter_are_refused_naming_the_folder(small, tmp_path):
+    """The resume key holds what made the rows: another adapter's (or other weights', or unrecorded) rows are
+    never skipped as done and reported as this run's."""
+    from support import files
+
+    model, adapter, base = small
+    out = tmp_path / "out"
+    out.mkdir()
+    ours = dict(weights_id=files.weights_identity(model), adapter_id=kvpress_eval.adapter_identity(adapter))
+    for made_by, what in ((dict(ours, adapter_id="0" * 16), "another adapter"),
+                          (dict(ours, weights_id="0" * 16), "another weights"), ({}, "another weights and adapter")):
+        (out / "results.jsonl").write_text(json.dumps(row("inside", "lookahead", 16, "a", 1.0) | made_by) + "\n")
+        said = error_of(["--out", str(out), *base])
+        assert f"--out {out} holds rows made with {what}" in said and "pass another --out" in said
+    (adapter / "adapter_model.safetensors").write_text("other bytes")  # the same folder, another adapter
+    (out / "results.jsonl").write_text(json.dumps(row("inside", "lookahead", 16, "a", 1.0) | ours) + "\n")
+    assert "another adapter" in error_of(["--out", str(out), *base])
+
+
+def test_report_never_replaces_a_file_it_did_not_write(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    assert "holds no results.jsonl rows: nothing to report" in error_of(["--out", str(out), "--report"])
+    (out / "results.jsonl").write_text(json.dumps(row("inside", "full", 0, "a", 1.0)) + "\n")
+    (out / "summary.md").write_text("my notes")
+    assert "did not write (summary.md)" in error_of(["--out", str(out), "--report"])
+    assert (out / "summary.md").read_text() == "my notes"
+    (out / "summary.md").unlink()
+    kvpress_eval.main(["--out", str(out), "--report"])  # its own summary.md: written, then written again
+    kvpress_eval.main(["--out", str(out), "--report"])
+    assert "| inside | full | - | 1 | 1.000 |" in (out / "summary.md").read_text()
