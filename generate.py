@@ -89,24 +89,10 @@ def sampler(args):
     return pick
 
 
-def eviction_of(args, module):
-    """The method as the flags set it: what they leave unset is the method's own, its paper's
-    (LookaheadKV: max-pool 7 and C in every layer, whatever its adapter's .json recommends)."""
-    budgets = uniform_budgets if args.uniform_budgets else None
-    if args.layer_budgets:  # beyond the paper: extensions/layer_budgets.py, asked for by its flag
-        LayerBudgets = extension("layer_budgets", "--layer-budgets").LayerBudgets
-        budgets = LayerBudgets(module.info["layer_weights"])
-    options = {k: v for k, v in dict(one_pass=not args.two_pass, seed=args.seed).items()
-               if k in METHODS[args.method].default_options}  # the flags that set its own options
-    # the rule as text ("max:7", "span:8:1024"): make_scorer reads it (support/selection.py)
-    return EvictConfig(args.method, args.budget, window=args.window, rule=args.pool,
-                       options=options, budgets=budgets)
-
-
 @torch.no_grad()
-def generate(model, tok, ids, scorer, args, evictor=None):
+def generate(model, tok, ids, scorer, args, pick=None, evictor=None):
     """Prefill -> score -> evict, then decode on the compact cache, printing the answer as it comes.
-    evictor: --decode-budget's DecodeEviction (beyond the paper), or None. Returns (answer ids, the
+    pick: decode's sampler (None: greedy); evictor: --decode-budget's DecodeEviction (beyond the paper), or None. Returns (answer ids, the
     text printed, the last token read, the cache, the kept slots, (slots per layer, bytes) after
     the eviction, timings in ms)."""
     ids = torch.tensor([ids], device=args.device)  # (1, S)
@@ -123,8 +109,8 @@ def generate(model, tok, ids, scorer, args, evictor=None):
     # 4. decode: positions go on from S whatever the cache holds; --decode-budget evicts as it grows
     watch = {} if evictor is None else dict(hook=evictor.hook, after_step=evictor.after_step)
     answer, printed, last, t_first = [], "", None, None
-    for token in decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids,
-                        sampler(args), **watch):
+    for token in decode(model, cache, logits, pos, args.max_new_tokens, tok.stop_ids, pick,
+                        **watch):
         t_first, last = t_first or time.perf_counter(), token.item()
         if last in tok.stop_ids:
             break
@@ -150,6 +136,7 @@ def answer(args):
     """Check, load, build the method, compress the prompt, decode it, report: the stats."""
     folder, text = check(args)  # every flag and file: raises, or the model's folder and the prompt
     torch.manual_seed(args.seed)
+    pick = sampler(args)  # greedy (None) unless --temperature
 
     # the model, its tokenizer, the adapter (the paper's M embeddings and their LoRA)
     model = load_model(folder, args.device, args.dtype and getattr(torch, args.dtype))
@@ -160,8 +147,16 @@ def answer(args):
         module = load_adapter(args.adapter or default, model.config, args.device)
         module.to(args.device, model.lm_head.weight.dtype)
 
-    # the method: e.g. LookaheadKV, max-pool 7, C = --budget in every layer
-    eviction = eviction_of(args, module)
+    # the method: e.g. LookaheadKV, max-pool 7, C = --budget in every layer; what the flags leave
+    # unset is the method's own, its paper's (whatever the adapter's .json recommends)
+    budgets = uniform_budgets if args.uniform_budgets else None
+    if args.layer_budgets:  # beyond the paper: extensions/layer_budgets.py, asked for by its flag
+        LayerBudgets = extension("layer_budgets", "--layer-budgets").LayerBudgets
+        budgets = LayerBudgets(module.info["layer_weights"])
+    options = {k: v for k, v in dict(one_pass=not args.two_pass, seed=args.seed).items()
+               if k in METHODS[args.method].default_options}  # the flags that set its options
+    eviction = EvictConfig(args.method, args.budget, window=args.window, rule=args.pool,
+                           options=options, budgets=budgets)  # rule: text, e.g. "max:7"
     if args.turns is not None:  # beyond the paper: a chat, evicted to --budget at every turn
         chat = extension("chat", "--turns").chat
         return chat(args, model, tok, folder, text, eviction, module)
@@ -183,7 +178,7 @@ def answer(args):
     scorer = make_scorer(eviction, module, response)
 
     answer, printed, last, cache, kept, (per_layer, kv_bytes), timing = generate(
-        model, tok, ids, scorer, args, evictor)
+        model, tok, ids, scorer, args, pick, evictor)
     if response is not None:
         timing["evict_ms"], timing["ttft_ms"] = (round(timing[k] + oracle_ms, 1)
                                                  for k in ("evict_ms", "ttft_ms"))

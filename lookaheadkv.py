@@ -108,10 +108,10 @@ class LookaheadModule(nn.Module):
         """An adapter saved by save(), its files checked (weights/checks.py). The .json's keys that
         shape the module (checks.ADAPTER_KEYS) build it; any other (the selection it recommends,
         how it was made) is kept as is in `info` and written back by save()."""
-        path = Path(path)
+        path, dims = Path(path), cls.dims(cfg)
         meta, tensors = checks.read_adapter(path)
         checks.check_adapter_metadata(meta, path.with_suffix(".json"), cfg, path.stat().st_size,
-                                      cls.TARGETS, cls.dims(cfg))
+                                      cls.TARGETS, dims)
         m = cls(cfg, meta["n_tokens"], meta["rank"], meta["alpha"], meta["targets"])
         m.info = {k: v for k, v in meta.items() if k not in checks.ADAPTER_KEYS}
         checks.check_adapter_tensors(path, tensors, m.state_dict(), m.alpha, m.rank)

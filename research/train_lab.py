@@ -104,8 +104,14 @@ def training_loss(cfg, model_cfg):
     return layer_loss.LayerWeightedKL(layer_loss.read_weights(path, model_cfg.num_hidden_layers))
 
 
+def check(cfg):
+    """Every setting and file, before the model loads (recipe.check with the research options'):
+    the base weights' identity."""
+    return recipe.check(cfg, parser(), read_adapter)
+
+
 # -----------------------------------------------------------------------------
-# The steps of train.py's Recipe that the research options change
+# The research options' steps, around train.py's functions
 
 
 def draw_rows(rows, n, seed):
@@ -221,7 +227,7 @@ def run(cfg):
     """train.py's run with the research options, on one process: its functions, called in its order."""
     start = time.perf_counter()  # --max-minutes counts from here, data stage included
     cfg = train.resolved(cfg)
-    weights_id = recipe.check(cfg, parser(), read_adapter)  # every setting and file, before the model
+    weights_id = check(cfg)  # every setting and file, before the model loads
     adapter = read_adapter(cfg, ModelConfig.from_hf_config(cli.resolve_model(cfg.model)))
     if cfg.stage == "budgets":
         return budgets(cfg, adapter)

@@ -9,9 +9,14 @@ a learner must open to follow what runs, with the checks that only raise listed 
 generate.py: `--prompt examples/needle.txt --budget 128` (the README's command; 16 new tokens). train.py: the
 learner's recipe (research/configs/train-quick.json) on a small run, 8 training and 2 held-out prompts, two
 optimiser steps of 4 samples, in a temporary folder. A function counts once with its whole `def` (a nested
-one inside a counted one is not counted again); a check is a function whose name starts with "check" or one
-in support/generate_checks.py or weights/checks.py. Lines of code outside functions (a dataclass's fields,
-imports) are in the path's `wc -l` only.
+one inside a counted one is not counted again). Beside the path, each executed function is one of:
+- a check (it only raises): its name starts with "check", or it is in support/generate_checks.py or
+  weights/checks.py;
+- what a learner may skip (issue 64's support/: file I/O, locks and hashing, the tokenizer and chat formats,
+  the training text sources and prompt tasks, the flags' parser and the error wrapper, the stats block's
+  formatting): SKIP_FILES, and SKIP_FUNCTIONS by name in the other files;
+- what a learner must open: everything else (e.g. a function that builds a scorer or computes a metric).
+Lines of code outside functions (a dataclass's fields, imports) are in the path's `wc -l` only.
 """
 import argparse
 import ast
@@ -26,6 +31,22 @@ sys.path.insert(0, str(ROOT))
 READING_PATH = ["model.py", "eviction.py", "lookaheadkv.py", "baselines.py", "methods.py", "train.py",
                 "generate.py"]
 CHECK_FILES = ("support/generate_checks.py", "weights/checks.py")
+SKIP_FILES = ("support/files.py", "support/lock.py", "support/tokenizer.py", "support/data.py",
+              "weights/prepare.py", "research/analysis/reading_trace.py", "support/__init__.py")
+SKIP_FUNCTIONS = {  # file -> function names: I/O, the flags' parser, the error wrapper, formatting
+    "support/cli.py": {"run", "quiet_exit", "one_line", "__init__", "error", "input_file", "read_text",
+                       "printable", "resolve_model", "claim_folder", "release_folders", "warn",
+                       "output_folder", "output_file", "print_stats", "show_kept", "why_empty",
+                       "free_memory_gib", "universal_newlines", "default_adapter_path"},
+    "support/recipe.py": {"config", "read_config", "parser", "flag_of", "rows", "read_rows",
+                          "append_rows", "sample_path", "save_sample", "read_sample", "missing_samples",
+                          "check_disk", "resume", "save_checkpoint", "append_log", "save_adapter",
+                          "warn_memory", "peak_memory_gib", "memory_warning", "schedule_of",
+                          "resume_keys", "load_checkpoint", "resume_from", "resume_note", "claim",
+                          "keep_previous", "backup_names", "keep_one", "describe_rows",
+                          "adapter_metadata", "is_adapter", "__init__"},
+    "support/metrics.py": {"keep_fraction"},
+}
 
 
 def def_spans(path):
@@ -46,6 +67,8 @@ def trace(fn):
     def profile(frame, event, arg):
         if event == "call":
             code = frame.f_code
+            if code.co_filename.startswith("<"):  # frozen modules, exec'd strings
+                return
             try:
                 rel = Path(code.co_filename).resolve().relative_to(ROOT)
             except ValueError:  # another library's code
@@ -60,20 +83,24 @@ def trace(fn):
 
 
 def line_counts(seen):
-    """{file: (lines of executed functions, of which checks)}, outermost defs only."""
+    """{file: (lines to read, lines a learner may skip, lines of checks)} of executed functions,
+    outermost defs only."""
     out = {}
     for rel, firsts in seen.items():
         spans = def_spans(ROOT / rel)
         ran = sorted((a, *spans[a]) for a in firsts if a in spans)
-        total = checks = 0
+        read = skip = checks = 0
         for i, (a, b, name) in enumerate(ran):
             if any(a0 < a and b <= b0 for a0, b0, _ in ran[:i]):  # inside a counted def
                 continue
             n = b - a + 1
-            total += n
             if name.startswith("check") or rel in CHECK_FILES:
                 checks += n
-        out[rel] = (total, checks)
+            elif rel in SKIP_FILES or name in SKIP_FUNCTIONS.get(rel, ()):
+                skip += n
+            else:
+                read += n
+        out[rel] = (read, skip, checks)
     return out
 
 
@@ -92,17 +119,16 @@ def run_train():
 def report(name, counts):
     path = {f: sum(1 for _ in open(ROOT / f)) for f in READING_PATH}
     rest = {f: c for f, c in counts.items() if f not in READING_PATH}
-    opened = sum(t - c for t, c in rest.values())
-    print(f"\n{name}: the path's files (wc -l) and what runs beside them (lines of executed functions)")
+    print(f"\n{name}: the path's files (wc -l), and beside them the lines of the functions that run")
     for f in READING_PATH:
-        t, c = counts.get(f, (0, 0))
-        print(f"  path  {f:<34s} {path[f]:5d} lines, {t:5d} in functions it runs")
-    for f, (t, c) in sorted(rest.items()):
-        print(f"  open  {f:<34s} {t - c:5d} lines to read  {c:5d} of checks (only raise)")
-    total = sum(path.values())
-    print(f"  path {total} + beside it {opened} = {total + opened} lines to follow what runs "
-          f"(checks apart: {sum(c for _, c in rest.values())})")
-    return dict(path=total, beside=opened, checks=sum(c for _, c in rest.values()))
+        print(f"  path  {f:<34s} {path[f]:5d} lines ({sum(counts.get(f, (0, 0, 0))):5d} of them run)")
+    for f, (read, skip, checks) in sorted(rest.items()):
+        print(f"  beside {f:<33s} {read:5d} to read  {skip:5d} may skip  {checks:5d} checks (raise)")
+    total, opened = sum(path.values()), sum(c[0] for c in rest.values())
+    skipped, checked = sum(c[1] for c in rest.values()), sum(c[2] for c in rest.values())
+    print(f"  path {total} + what a learner must open beside it {opened} = {total + opened} lines "
+          f"(apart: {skipped} they may skip, {checked} of checks)")
+    return dict(path=total, must_open=opened, may_skip=skipped, checks=checked)
 
 
 def main():

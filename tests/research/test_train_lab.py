@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: test_train's fixtures and helpers
 import test_train as tt
-from test_train import (StubTok, TINY, adapter, cli_load_guard, error_line, fake_prompts, ground_truth, model_dir,
+from test_train import (StubTok, TINY, adapter, guard_loading, error_line, fake_prompts, ground_truth, model_dir,
                         no_model, rand_list, stub_prompts, tiny_model, write_data)
 
 from support import cli, data, recipe
@@ -70,7 +70,8 @@ def test_bad_research_flags_stop_before_the_model_loads(model_dir, tmp_path, mon
     the model loads, and nothing that was there is touched."""
     out = tmp_path / "o"
     write_data(out, model_dir)
-    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    guard_loading(monkeypatch)
+    monkeypatch.setattr(train_lab, "load_model", no_model)
     weights = tmp_path / "w.json"
     weights.write_text("precious")
     cases = [
@@ -98,7 +99,8 @@ def test_recipe_values_that_failed_late_or_silently_stop_before_the_model_loads(
     out = tmp_path / "o"
     write_data(out, model_dir)
     before = {f: f.read_bytes() for f in out.rglob("*") if f.is_file()}
-    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    guard_loading(monkeypatch)
+    monkeypatch.setattr(train_lab, "load_model", no_model)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
         train_lab.main(argv(model_dir, out, *flags, **fields))
@@ -111,13 +113,14 @@ def test_every_research_setting_is_recorded_and_compared(model_dir, tmp_path, mo
     assert {"budget", "init", "data", "train_rows", "group", "loss_weights"} <= set(recipe.resume_keys(train_lab.LabConfig))
     out = tmp_path / "o"
     write_data(out, model_dir)
-    cfg = train.get_args(argv(model_dir, out), train_lab.LabConfig, train_lab.parser())
+    cfg = train.resolved(train.get_args(argv(model_dir, out), train_lab.LabConfig, train_lab.parser()))
     train_lab.check(cfg)
     module = LookaheadModule(ModelConfig.from_hf_config(model_dir), n_tokens=cfg.n_tokens, rank=cfg.rank,
                              alpha=cfg.alpha, targets=recipe.parse_targets(cfg.targets))
     recipe.save_checkpoint(out / "ckpt.pt", module, torch.optim.AdamW(module.parameters()), 1, [],
                            recipe.schedule_of(cfg))
-    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    guard_loading(monkeypatch)
+    monkeypatch.setattr(train_lab, "load_model", no_model)
     with pytest.raises(SystemExit) as e:
         train_lab.main(argv(model_dir, out, "--resume", budget=17))
     assert 'other settings: budget 16 (this run: 17)' in error_line(e)
@@ -138,7 +141,8 @@ def test_a_data_folder_made_in_another_dtype_is_refused(model_dir, tmp_path, mon
     (old / "heldout").mkdir()
     torch.save(dict(k=[torch.zeros(1, 2, 3, 16)], v=[torch.zeros(1, 2, 3, 16)], gt={}, extra={}),
                old / "heldout" / "0123456789abcdef.pt")
-    monkeypatch.setattr(cli_load_guard(), "load", no_model)
+    guard_loading(monkeypatch)
+    monkeypatch.setattr(train_lab, "load_model", no_model)
     for folder in (src, old):
         with pytest.raises(SystemExit) as e:
             train_lab.main(argv(model_dir, tmp_path / "b", "--stage", "train", "--data", str(folder), "--dtype", "bfloat16"))
