@@ -62,7 +62,7 @@ def stack_layers(scores):
 # -----------------------------------------------------------------------------
 # 2. From scores to kept slots: smoothing, the budget per layer, top C, one gather per layer
 class Pool:
-    """SnapKV's smoothing of scores (..., S) before the top C, so a kept token brings its neighbours:
+    """SnapKV's smoothing of scores (..., S) before the top C, so a kept token keeps its neighbours:
     "avg" (SnapKV's code, kernel 5, zero-padded, over the full width) or "max" (its LongBench
     configs, kernel 7) over a centred window, or "none". A protected window is not smoothed."""
 
