@@ -45,8 +45,7 @@ def full_answer(model, ids, max_new_tokens, stop_ids, pad_mask=None, clock=None)
 
 class StreamingLLM(Unpooled):
     """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks",
-    arXiv 2309.17453): keep the first n_sink tokens, which soak up attention whatever they say,
-    and the most recent C - n_sink (the score is the position). No attention is looked at."""
+    arXiv 2309.17453): the first n_sink tokens (they soak up attention) and the last C - n_sink."""
 
     default_options = dict(n_sink=4)  # the first tokens, always kept (attention sinks)
 
@@ -152,9 +151,8 @@ def fit_to_prompt(budgets, S):
 
 
 class H2OHook(Hook):
-    """H2O's prefill score: attention each key receives from ALL prompt queries, summed, then
-    divided by how many queries can see it (else early tokens win by position alone).
-    Queries are processed `rows` at a time, so memory is O(rows x S), never S x S."""
+    """H2O's prefill score: each key's attention from ALL prompt queries, per query that sees it
+    (else early tokens win by position alone); `rows` queries at a time: O(rows x S) memory."""
 
     every_chunk = True  # with chunked prefill, every chunk's queries count
 
@@ -185,8 +183,7 @@ class H2OHook(Hook):
 
 class H2O(Scorer):
     """H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
-    Language Models", arXiv 2306.14048), prefill form (H2OHook): the attention each key receives
-    from ALL prompt queries, per query that sees it. Like SnapKV it keeps the last `window`."""
+    Language Models", arXiv 2306.14048), prefill form (H2OHook); it keeps the last `window` too."""
 
     def __init__(self, eviction, module=None, response=None):
         self.window = eviction.window
@@ -264,9 +261,8 @@ def laq_scores(model, cache, draft_cache, logits, next_pos, window_q, n, valid):
 
 
 class Oracle(Unpooled):
-    """The true future: the full-cache greedy answer (B, R) run on top of the prompt cache; the
-    mean attention of its R queries over the prompt. It needs the whole answer first, so it is a
-    ceiling, not a method; unpooled (the exact top C of the truth)."""
+    """The true future: the mean attention of the full-cache greedy answer's R queries over the
+    prompt. It needs the whole answer first: a ceiling, not a method; unpooled (the exact top C)."""
 
     def __init__(self, eviction, module=None, response=None):
         if response is None:

@@ -24,13 +24,10 @@ class EvictConfig:
     method: str = "full"
     budget: int = 128  # C: KV slots kept per (layer, KV head), protected tokens included
     window: int = 32  # snapkv/pyramidkv/h2o/laq: the last `window` prompt tokens are always kept
-    rule: object = None  # the smoothing before the top C (a Pool, or a rule that wraps the method);
-    # None = the method's default_rule (snapkv: avg-pool 5; lookahead: max-pool 7)
-    budgets: object = None  # the budget policy, budgets(C, n_layers, S, least) -> slots per layer;
-    # None = the method's default_budgets (C in every layer; pyramidkv: its pyramid)
+    rule: object = None  # a Pool, or a rule that wraps the method; None: the method's default_rule
+    budgets: object = None  # (C, n_layers, S, least) -> slots per layer; None: default_budgets
     chunk_size: int = 4096  # prefill in chunks of this many tokens (bounded activations at 32K)
-    options: dict = field(default_factory=dict)  # the method's own, e.g. {"n_sink": 4}: its
-    # Scorer.default_options lists them; make_scorer refuses any other
+    options: dict = field(default_factory=dict)  # the method's own (its default_options only)
 
 
 # -----------------------------------------------------------------------------

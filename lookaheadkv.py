@@ -127,9 +127,8 @@ def untrained_module(model, n_tokens=32, rank=8, alpha=32, targets=LookaheadModu
 # -----------------------------------------------------------------------------
 # 2. The scores: the M rows' attention over the prompt
 class LookaheadHook(Hook):
-    """In the forward that holds the lookahead rows (the chunk's LAST M): adds their LoRA delta,
-    and scores the S prompt slots by their attention, per layer: the mean over the M queries and
-    the G query heads of a KV head (B, H_kv, S), or per query head for training (B, H, S)."""
+    """In the forward holding the lookahead rows (the chunk's LAST M): adds their LoRA and scores
+    the S prompt slots by their mean attention per layer, per KV head (or query head: training)."""
 
     def __init__(self, module, S, per_query_head=False):
         self.module, self.S, self.per_query_head = module, S, per_query_head

@@ -2,10 +2,9 @@
 Every method by name: the one table the scripts and the harness read. Nothing below this file
 (eviction.py, lookaheadkv.py, baselines.py) knows the names.
 
-What the EvictConfig leaves unset is the method's own, its paper's: LookaheadKV selects by max-pool
-7 with C in every layer, whatever its adapter's .json recommends. A rule from beyond the paper
-(extensions/span.py) wraps the method, as kvpress's wrappers wrap any press (`rule.wrap`), so this
-file never names an extension. Rule texts and their checks: support/selection.py.
+What the EvictConfig leaves unset is its paper's: LookaheadKV selects by max-pool 7, C in every
+layer, whatever its adapter's .json recommends. A rule beyond the paper (extensions/span.py) wraps
+the method as kvpress's wrappers wrap any press (`rule.wrap`): this file names no extension.
 """
 import dataclasses
 

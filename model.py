@@ -140,8 +140,7 @@ class Hook:
     lora(layer, name, x): a term added to projection `name` for input x (B, T, in), or None;
         it may cover only the last T' rows (B, T', out): LookaheadKV's LoRA, on its rows only.
     attn(layer, q, k, key_valid): queries (B, H, Tq, D) after RoPE, at the LAST Tq of the keys
-        the chunk attends to (B, H_kv, Tk, D), cache included; key_valid (B, 1 or H_kv, Tk) bool
-        or None (all valid). Scorers read attention here.
+        the chunk sees (B, H_kv, Tk, D), cache included; key_valid (B, 1|H_kv, Tk) bool or None.
     attn_output(layer, v): right after attn, the output (B, H, n, D) of the chunk's LAST n
         queries whose softmax the hook computed (LookaheadHook), or None: SDPA does the rest.
     hidden(h): the chunk's final normed hidden states (B, T, hidden).
@@ -298,10 +297,9 @@ class DecoderLayer(nn.Module):
 
 
 class KVCache:
-    """Per layer: keys and values (B, H_kv, T, D) and which slots hold a real token. Slots are
-    not positions: RoPE was applied before a key was stored, so eviction may drop or reorder
-    slots freely. valid[l] is None (all real) or bool (B, 1, T); (B, H_kv, T) after eviction,
-    since each KV head may then keep different tokens."""
+    """Per layer: keys and values (B, H_kv, T, D) and which slots hold a real token. Slots are not
+    positions (RoPE was applied before a key was stored): eviction may drop or reorder them freely.
+    valid[l]: None (all real) or bool (B, 1, T); (B, H_kv, T) after eviction (per KV head)."""
 
     def __init__(self, n_layers):
         self.k, self.v, self.valid = [None] * n_layers, [None] * n_layers, [None] * n_layers
@@ -389,8 +387,6 @@ class Transformer(nn.Module):
         return self.lm_head(h if logits_at is None else h[:, logits_at].unsqueeze(1))
 
 
-# -----------------------------------------------------------------------------
-# Loading a Hugging Face folder
 def default_dtype(device):
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
