@@ -1,7 +1,6 @@
 """
-The methods LookaheadKV is compared with, one Scorer each (eviction.py has the steps every method
-shares: the prefill, the top C, the gather; lookaheadkv.py the paper). Each class says only what it
-adds to the prefill and how it scores; its docstring cites its paper.
+The methods LookaheadKV is compared with, one Scorer each: what it adds to the prefill and how it
+scores, its paper cited (eviction.py has the shared steps, lookaheadkv.py the paper).
 
     full        FullKV: no eviction
     streaming   StreamingLLM: 4 sink tokens + the most recent ones
@@ -36,9 +35,8 @@ class FullKV(Unpooled):
 
 @torch.no_grad()
 def full_answer(model, ids, max_new_tokens, stop_ids, pad_mask=None, clock=None):
-    """FullKV's greedy answer to the prompt ids (B, S), the reference every method is judged by
-    and the future LookaheadKV learns: (FullKV's Prefilled, one id list per row, each ending at
-    its stop token)."""
+    """FullKV's greedy answer to the prompt ids (B, S), every method's reference and the future
+    LookaheadKV learns: (FullKV's Prefilled, one id list per row ending at its stop token)."""
     prefilled = prefill_and_score(model, ids, FullKV(EvictConfig("full")), pad_mask, clock)
     cache = prefilled.cache.copy()  # the answer grows the copy: prefilled.cache stays the prompt's
     return prefilled, greedy(model, cache, prefilled.logits, prefilled.next_pos, max_new_tokens,
@@ -47,8 +45,7 @@ def full_answer(model, ids, max_new_tokens, stop_ids, pad_mask=None, clock=None)
 
 class StreamingLLM(Unpooled):
     """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks",
-    arXiv 2309.17453): keep the first n_sink tokens, which soak up attention whatever they say,
-    and the most recent C - n_sink (the score is the position). No attention is looked at."""
+    arXiv 2309.17453): the first n_sink tokens (they soak up attention) and the last C - n_sink."""
 
     default_options = dict(n_sink=4)  # the first tokens, always kept (attention sinks)
 
@@ -100,8 +97,7 @@ class WindowHook(Hook):
 class SnapKV(Scorer):
     """SnapKV (Li et al., "SnapKV: LLM Knows What You Are Looking for Before Generation", arXiv
     2404.14469): the last `window` prompt tokens play the answer; their mean attention over the
-    prompt (softmax over all keys, causal inside the window, mean over the GQA group) is the
-    score, avg-pooled (kernel 5) along the prefix; the window itself is always kept, inside C."""
+    prompt, avg-pooled (kernel 5), is the score; the window itself is always kept, inside C."""
 
     def __init__(self, eviction, module=None, response=None):
         # it scores with its window, not only keeps it: at least 1, checked before a model loads
@@ -155,9 +151,8 @@ def fit_to_prompt(budgets, S):
 
 
 class H2OHook(Hook):
-    """H2O's prefill score: attention each key receives from ALL prompt queries, summed, then
-    divided by how many queries can see it (else early tokens win by position alone).
-    Queries are processed `rows` at a time, so memory is O(rows x S), never S x S."""
+    """H2O's prefill score: each key's attention from ALL prompt queries, per query that sees it
+    (else early tokens win by position alone); `rows` queries at a time: O(rows x S) memory."""
 
     every_chunk = True  # with chunked prefill, every chunk's queries count
 
@@ -169,8 +164,7 @@ class H2OHook(Hook):
         total = torch.zeros(k.shape[0], k.shape[1], Tk, device=k.device)  # (B, H_kv, Tk)
         for i in range(0, Tq, self.rows):
             j = min(i + self.rows, Tq)
-            # keys the sub-chunk's queries see: up to slot Tk - Tq + j
-            seen = Tk - Tq + j
+            seen = Tk - Tq + j  # keys the sub-chunk's queries see
             probs = group_attention(q[:, :, i:j], k[:, :, :seen],
                                     None if key_valid is None else key_valid[..., :seen])
             total[..., : Tk - Tq + j] += probs.sum(dim=2)
@@ -189,8 +183,7 @@ class H2OHook(Hook):
 
 class H2O(Scorer):
     """H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
-    Language Models", arXiv 2306.14048), prefill form (H2OHook): the attention each key receives
-    from ALL prompt queries, per query that sees it. Like SnapKV it keeps the last `window`."""
+    Language Models", arXiv 2306.14048), prefill form (H2OHook); it keeps the last `window` too."""
 
     def __init__(self, eviction, module=None, response=None):
         self.window = eviction.window
@@ -205,10 +198,9 @@ class H2O(Scorer):
 
 
 class LAQ(SnapKV):
-    """LAQ (Lookahead Q-Cache, arXiv 2505.20334): a pseudo future from a real draft. Compress
-    with SnapKV, greedily draft `draft_tokens` tokens on that small cache, then score the FULL
-    prompt cache with the draft's queries plus the last `draft_tokens` prompt queries; pool and
-    keep the top C (window kept). Decoding starts from the original first-token logits."""
+    """LAQ (Lookahead Q-Cache, arXiv 2505.20334): compress with SnapKV, greedily draft n =
+    `draft_tokens` tokens on that cache, score the FULL prompt cache with the draft's and the last n
+    prompt queries; pool, keep the top C (window kept). Decoding starts from the prefill's."""
 
     budget_dependent = True  # the draft runs on the SnapKV-compressed cache of size C
     default_options = dict(draft_tokens=8)  # the draft's length (and prompt queries')
@@ -269,9 +261,8 @@ def laq_scores(model, cache, draft_cache, logits, next_pos, window_q, n, valid):
 
 
 class Oracle(Unpooled):
-    """The true future: the full-cache greedy answer (B, R) run on top of the prompt cache; the
-    mean attention of its R queries over the prompt. It needs the whole answer first, so it is a
-    ceiling, not a method; unpooled (the exact top C of the truth)."""
+    """The true future: the mean attention of the full-cache greedy answer's R queries over the
+    prompt. It needs the whole answer first: a ceiling, not a method; unpooled (the exact top C)."""
 
     def __init__(self, eviction, module=None, response=None):
         if response is None:

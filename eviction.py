@@ -1,12 +1,8 @@
 """
-The steps every KV-eviction method shares: prefill -> score -> evict -> decode.
+The steps every KV-eviction method shares: prefill -> score -> evict -> decode. Each (layer, KV
+head) keeps C of the prompt's S KV slots; a method (a Scorer: lookaheadkv.py, baselines.py) says
+what it adds to the prefill and how it scores what it saw. The rest is shared and lives here:
 
-After a prompt of S tokens is prefilled, each (layer, KV head) keeps only C of its S KV slots
-and decoding goes on with that compact cache. A method (a Scorer: lookaheadkv.py, baselines.py)
-says what it adds to the prefill and how it turns what it saw into scores (L, B, H_kv, S).
-Everything else is shared and lives here:
-
-    scorer = make_scorer(EvictConfig("snapkv", budget=128))   # methods.py names every method
     cache, logits, next_pos, kept = compress(model, ids, scorer)
         1. prefill   the prompt (and the method's appended rows), chunk by chunk, its hook watching
         2. score     scorer.score(...) -> (L, B, H_kv, S)
@@ -28,22 +24,18 @@ class EvictConfig:
     method: str = "full"
     budget: int = 128  # C: KV slots kept per (layer, KV head), protected tokens included
     window: int = 32  # snapkv/pyramidkv/h2o/laq: the last `window` prompt tokens are always kept
-    rule: object = None  # the smoothing before the top C (a Pool, or a rule that wraps the method);
-    # None = the method's default_rule (snapkv: avg-pool 5; lookahead: max-pool 7)
-    budgets: object = None  # the budget policy, budgets(C, n_layers, S, least) -> slots per layer;
-    # None = the method's default_budgets (C in every layer; pyramidkv: its pyramid)
+    rule: object = None  # a Pool, or a rule that wraps the method; None: the method's default_rule
+    budgets: object = None  # (C, n_layers, S, least) -> slots per layer; None: default_budgets
     chunk_size: int = 4096  # prefill in chunks of this many tokens (bounded activations at 32K)
-    options: dict = field(default_factory=dict)  # the method's own, e.g. {"n_sink": 4}: its
-    # Scorer.default_options lists them; make_scorer refuses any other
+    options: dict = field(default_factory=dict)  # the method's own (its default_options only)
 
 
 # -----------------------------------------------------------------------------
 # 1. Attention over the prompt, computed explicitly for a few queries
 def group_attention(q, k, key_valid=None, causal=True):
-    """Softmax attention of queries q (B, H, Tq, D) over keys k (B, H_kv, Tk, D), without copying
-    K for GQA; the queries sit at the last Tq key slots (causal) or after them all (causal=False).
-    Returns float32 probabilities (B, H_kv, G*Tq, Tk): the G query heads of a KV head stacked as
-    rows (query head h uses KV head h // G, as in HF's repeat_kv)."""
+    """Softmax attention of q (B, H, Tq, D) over k (B, H_kv, Tk, D) without copying K for GQA;
+    the queries sit at the last Tq key slots (causal) or after them all (causal=False). Returns
+    float32 probabilities (B, H_kv, G*Tq, Tk): a KV head's G query heads stacked as rows."""
     (B, H, Tq, D), (Hkv, Tk) = q.shape, k.shape[1:3]
     G = H // Hkv
     qg = q.reshape(B, Hkv, G * Tq, D) / math.sqrt(D)  # (B, H_kv, G*Tq, D), scaled before Q K^T
@@ -67,10 +59,9 @@ def stack_layers(scores):
 # -----------------------------------------------------------------------------
 # 2. From scores to kept slots: smoothing, the budget per layer, top C, one gather per layer
 class Pool:
-    """SnapKV's smoothing of scores (..., S) before the top C, so that a kept token brings its
-    neighbours: "avg" (SnapKV's code, kernel 5) or "max" (its LongBench configs, kernel 7) over a
-    centred window, or "none". Only the prefix before a protected window is smoothed, as in
-    SnapKV's code. avg pads with zeros and divides by the full width."""
+    """SnapKV's smoothing of scores (..., S) before the top C, so a kept token keeps its neighbours:
+    "avg" (SnapKV's code, kernel 5, zero-padded, over the full width) or "max" (its LongBench
+    configs, kernel 7) over a centred window, or "none". A protected window is not smoothed."""
 
     KINDS = ("none", "avg", "max")
 
@@ -176,9 +167,8 @@ class Scorer:
         return policy(self.eviction.budget, n_layers, S, least=self.window + self.sinks + 1)
 
     def evict(self, scores, prefilled, layer_budgets=None):
-        """The shared step: scores (L, B, H_kv, S) of `prefilled` (its positions say what is
-        protected, its valid what is padding) -> per layer the kept slots (B, H_kv, C_l), in
-        slot order. layer_budgets: slots per layer; None = self.layer_budgets(L, S)."""
+        """The shared step: scores (L, B, H_kv, S) -> per layer the kept slots (B, H_kv, C_l), in
+        slot order; `prefilled` tells protected and padding. None budgets: self.layer_budgets."""
         L, S = scores.shape[0], scores.shape[-1]
         budgets = self.layer_budgets(L, S) if layer_budgets is None else layer_budgets
         scores = self.rule.smooth(scores, self.window)
@@ -192,10 +182,9 @@ class Scorer:
 # 4. prefill -> score -> evict -> return, then decode
 def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=4096, logits_at=-1,
             tail=0):
-    """Run embeddings x (B, T, hidden) through the model into `cache`, chunk by chunk (bounded
-    activations). The LAST chunk is a full one, so window scorers find all their queries in it;
-    the last `tail` rows (appended embeddings) ride along with it. A hook sees only the last
-    chunk unless it says every_chunk. Returns the logits at row `logits_at`."""
+    """Run embeddings x (B, T, hidden) into `cache`, chunk by chunk. The LAST chunk is full, so
+    window scorers find all their queries in it, and the last `tail` rows (appended embeddings)
+    ride in it; a hook sees only it unless every_chunk. Returns the logits at row `logits_at`."""
     T, P = x.shape[1], x.shape[1] - tail  # all rows, the prompt's
     bounds = sorted({0, *range(P % chunk_size, P, chunk_size)}) + [T]
     hooks = hook.hooks if isinstance(hook, Hooks) else [hook]
@@ -218,10 +207,9 @@ def left_pad(prompts, dev):
     return ids, pad_mask
 
 def prefill_and_score(model, ids, scorer, pad_mask=None, clock=None):
-    """Steps 1 and 2 of compress: a Prefilled with the prompt cache and its scores (L, B, H_kv, S)
-    (None when there is nothing to evict). Scores do not depend on C (except LAQ's): one call
-    serves every budget. clock (a Stopwatch, or None) is marked after the prefill. scorer may be
-    a list that watches ONE prefill: one Prefilled each, sharing one cache (evict into copies)."""
+    """Steps 1 and 2 of compress: a Prefilled, the prompt cache and its scores (L, B, H_kv, S) or
+    None if nothing is evicted. Scores do not depend on C (but LAQ's): one call serves every budget.
+    A list of scorers shares ONE prefill: a Prefilled each, one cache (evict into copies)."""
     scorers = list(scorer) if isinstance(scorer, (list, tuple)) else [scorer]
     B, S = ids.shape
     positions = torch.arange(S, device=ids.device).expand(B, S)
@@ -267,8 +255,7 @@ def prefill_and_score(model, ids, scorer, pad_mask=None, clock=None):
 
 class Stopwatch:
     """Time marks on the device's timeline: on CUDA, events in the stream, not synchronisations
-    (the scoring kernels' launch cost hides behind the prefill, as in a server); on CPU, wall time.
-    compress(..., clock=Stopwatch(device)) marks the end of the prefill and of the eviction."""
+    (scoring kernels' launch cost hides behind the prefill, as in a server); on CPU, wall time."""
 
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"
@@ -289,10 +276,9 @@ class Stopwatch:
 
 
 def compress(model, ids, scorer, pad_mask=None, clock=None):
-    """Prefill the prompt ids (B, S) (pad_mask: False on left padding) and evict its cache down
-    to C = scorer.eviction.budget slots per (layer, KV head). Returns (cache, first-token logits
-    (B, V), next positions (B,), kept: per layer the kept slots (B, H_kv, C_l), or None when
-    nothing was evicted). clock (or None) is marked after the prefill and after the eviction."""
+    """Prefill the prompt ids (B, S) (pad_mask: False on left padding), evict to C slots per
+    (layer, KV head): (cache, first-token logits (B, V), next positions (B,), kept: per layer the
+    slots (B, H_kv, C_l), None if none evicted). clock (a Stopwatch): marked after each step."""
     # 1. prefill and 2. score
     prefilled = prefill_and_score(model, ids, scorer, pad_mask, clock)
     kept = None
@@ -314,9 +300,8 @@ def decode_step(model, cache, tokens, positions, hook=None):
 @torch.no_grad()
 def decode(model, cache, logits, next_pos, max_new_tokens, stop_ids=(), pick=None, hook=None,
            after_step=None):
-    """Generate from first-token logits (B, V) on `cache`, yielding token ids (B,): greedy, or
-    pick(logits) -> (B,); rows that hit a stop token are fed it on (batch decoding). Positions
-    go on from next_pos whatever the cache holds. hook watches every step's forward;
+    """Yield token ids (B,) from first-token logits (B, V) on `cache`: greedy or pick(logits); a
+    row that hit a stop token is fed it on. Positions go on from next_pos. hook watches each step;
     after_step(model, cache, next_pos) runs once a token is in the cache (decode-phase eviction)."""
     stop = torch.tensor(list(stop_ids) or [-1], device=logits.device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)

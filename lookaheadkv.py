@@ -1,11 +1,11 @@
 """
 LookaheadKV (arXiv 2603.10899, ICLR 2026): KV-cache eviction by glimpsing into the future
-without generating it. This file is the paper, in the paper's order, and nothing else.
+without generating it. This file is the paper, in the paper's order, and nothing else (METHOD.md
+has each equation next to its code).
 
-The problem: after a prompt of S tokens is prefilled, keep only C KV slots per (layer, KV head)
-and decode on that compact cache. Which C? The ones the *answer* will attend to. The paper's
-answer: append M learned "lookahead" embeddings P after the prompt (positions S .. S+M-1), give
-their rows, and only theirs, a LoRA, and read off where they attend:
+The problem: keep only C KV slots per (layer, KV head) of a prefilled prompt of S tokens: the
+ones the *answer* will attend to. The paper appends M learned "lookahead" embeddings P after the
+prompt (positions S .. S+M-1), gives their rows alone a LoRA, and reads off where they attend:
 
     1. the module   every LoRA target W becomes  [X; P] W + [0; P] (alpha / r) B A
                     so the prompt rows (and the prompt's KV cache) are exactly the frozen model's
@@ -15,8 +15,6 @@ their rows, and only theirs, a LoRA, and read off where they attend:
     4. the loss     KL(s_gt / |s_gt|_1 || s / |s|_1), averaged over layers and query heads
     5. eviction     the scores max-pooled (width 7), then the top C per (layer, KV head), C in
                     every layer (eviction.py does the prefill, the top C, the gather)
-
-METHOD.md has each equation next to its code; train.py trains the module, generate.py uses it.
 """
 import json
 import math
@@ -36,9 +34,8 @@ class LookaheadModule(nn.Module):
     """M learnable lookahead embeddings P and, per layer and target projection, a LoRA
     W' = W + (alpha / r) B A applied ONLY to the lookahead rows:
         Q = [X; P] Wq + [0; P] dWq   (and the same for every other target)
-    The prompt rows never see the LoRA, so the prompt's KV cache is exactly the base model's.
-    The paper's equations show q and k; all seven measured better (RESULTS.md 10.1). The LAST
-    layer's v, o and MLP LoRA change no score (none reads them): they get no gradient."""
+    so the prompt's KV cache is exactly the base model's. The paper shows q and k; all seven
+    measured better (RESULTS.md 10.1). The LAST layer's v, o, MLP LoRA feed no score: no grad."""
 
     TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -105,9 +102,8 @@ class LookaheadModule(nn.Module):
 
     @classmethod
     def load(cls, path, cfg, device="cpu"):
-        """An adapter saved by save(), its files checked (weights/checks.py). The .json's keys that
-        shape the module (checks.ADAPTER_KEYS) build it; any other (the selection it recommends,
-        how it was made) is kept as is in `info` and written back by save()."""
+        """An adapter saved by save(), checked by weights/checks.py; the .json's keys beyond
+        checks.ADAPTER_KEYS (how it was made, what it recommends) stay in `info`, saved back."""
         path, dims = Path(path), cls.dims(cfg)
         meta, tensors = checks.read_adapter(path)
         checks.check_adapter_metadata(meta, path.with_suffix(".json"), cfg, path.stat().st_size,
@@ -131,9 +127,8 @@ def untrained_module(model, n_tokens=32, rank=8, alpha=32, targets=LookaheadModu
 # -----------------------------------------------------------------------------
 # 2. The scores: the M rows' attention over the prompt
 class LookaheadHook(Hook):
-    """In the forward that holds the lookahead rows (the chunk's LAST M): adds their LoRA delta,
-    and scores the S prompt slots by their attention, per layer: the mean over the M queries and
-    the G query heads of a KV head (B, H_kv, S), or per query head for training (B, H, S)."""
+    """In the forward holding the lookahead rows (the chunk's LAST M): adds their LoRA and scores
+    the S prompt slots by their mean attention per layer, per KV head (or query head: training)."""
 
     def __init__(self, module, S, per_query_head=False):
         self.module, self.S, self.per_query_head = module, S, per_query_head
@@ -164,9 +159,8 @@ class LookaheadHook(Hook):
 
 
 def lookahead_pass(model, module, cache, next_pos, per_query_head=False):
-    """The two-pass form: the M lookahead rows at positions next_pos .. next_pos+M-1 (an int S,
-    or (B,)) on a copy of the prompt cache: their scores over its slots, per layer. Under
-    autograd, gradients reach only the module (the cache was made without them)."""
+    """The two-pass form: the M rows at positions next_pos .. (an int S, or (B,)) on a copy of the
+    prompt cache: their scores per layer. Gradients reach only the module (the cache has none)."""
     B, M, dev = cache.k[0].shape[0], module.n_tokens, cache.k[0].device
     positions = (torch.as_tensor(next_pos, device=dev).reshape(-1, 1)
                  + torch.arange(M, device=dev))  # (B|1, M)
@@ -198,10 +192,9 @@ class AnswerHook(Hook):
 
 @torch.no_grad()
 def answer_attention(model, cache, answers, next_pos, answer_mask=None, per_query_head=False):
-    """The answers (B, R) ids on a copy of the prompt cache, at positions next_pos (B,) onwards:
-    per layer, each row's mean attention of its answer queries over the prompt slots,
-    {layer: (B, H, S)} per query head or (B, H_kv, S) per KV head. answer_mask (B, R) marks the
-    real tokens of right-padded answers (the padding's queries weigh 0). One forward."""
+    """The answers (B, R) on a copy of the prompt cache at positions next_pos (B,) onwards: {layer:
+    each row's mean attention of its answer queries over the prompt, (B, H, S) or (B, H_kv, S)}.
+    answer_mask (B, R): real tokens of right-padded answers (padding weighs 0). One forward."""
     B, R = answers.shape
     mask = (torch.ones(B, R, dtype=torch.bool, device=answers.device) if answer_mask is None
             else answer_mask)
@@ -228,12 +221,11 @@ def kl_loss(gt, pred, eps=1e-8):
 # -----------------------------------------------------------------------------
 # 5. Eviction: LookaheadKV as a Scorer (eviction.py does the prefill, the top C and the gather)
 class LookaheadKV(Scorer):
-    """LookaheadKV: the M lookahead rows' mean attention over the prompt predicts the answer's;
-    as the paper says ("mean-aggregated and pooled, then top-K"), the scores are max-pooled
-    (width 7, as in its code's base, KVCache-Factory), then the top C per (layer, KV head) kept,
-    C in every layer. One-pass (default): the rows ride in the prefill's last chunk, their K/V
-    cut off after scoring; two-pass: a second forward of the M rows on the prompt cache
-    (training's form). Both give the same scores (causal, LoRA on the lookahead rows only)."""
+    """LookaheadKV: the M lookahead rows' mean attention over the prompt predicts the answer's. As
+    the paper says ("mean-aggregated and pooled, then top-K"): max-pool 7 (as in its code's base,
+    KVCache-Factory), then the top C per (layer, KV head), C in every layer. One-pass (default):
+    the rows ride in the prefill's last chunk, their K/V cut after scoring; two-pass (training's
+    form): a second forward of the M rows on the prompt cache. Same scores (causal; LoRA on M)."""
 
     default_rule = Pool("max", 7)
     default_options = dict(one_pass=True)  # False: a second forward (training's form)

@@ -2,13 +2,9 @@
 Every method by name: the one table the scripts and the harness read. Nothing below this file
 (eviction.py, lookaheadkv.py, baselines.py) knows the names.
 
-    scorer = make_scorer(EvictConfig("lookahead", budget=128), load_adapter(path, model.config))
-    cache, logits, next_pos, kept = eviction.compress(model, ids, scorer)
-
-What the EvictConfig leaves unset is the method's own, its paper's: LookaheadKV selects by max-pool
-7 with C in every layer, whatever its adapter's .json recommends. A rule from beyond the paper
-(extensions/span.py) wraps the method, as kvpress's wrappers wrap any press (`rule.wrap`), so this
-file never names an extension. Rule texts and their checks: support/selection.py.
+What the EvictConfig leaves unset is its paper's: LookaheadKV selects by max-pool 7, C in every
+layer, whatever its adapter's .json recommends. A rule beyond the paper (extensions/span.py) wraps
+the method as kvpress's wrappers wrap any press (`rule.wrap`): this file names no extension.
 """
 import dataclasses
 
@@ -45,8 +41,7 @@ def make_scorer(eviction, module=None, response=None):
 
 
 def selection_of(scorer):
-    """What a scorer selects by, in words, e.g. ("max:7", "C in every layer") for LookaheadKV,
-    ("avg:5", "pyramid budgets") for PyramidKV."""
+    """What a scorer selects by, in words, e.g. ("max:7", "C in every layer") for LookaheadKV."""
     if not scorer.evicts:
         return "none", "nothing evicted"
     policy = scorer.eviction.budgets
@@ -56,17 +51,15 @@ def selection_of(scorer):
 
 
 def load_adapter(path, cfg, device="cpu"):
-    """A LookaheadModule from path (.safetensors + .json), its .json's recommended selection
-    (applied only when a flag asks) checked now as text and numbers, no extension imported:
-    ValueError naming the file rather than a failure after a prefill."""
+    """A LookaheadModule from path (.safetensors + .json); its recommended selection (used only if
+    a flag asks) checked now as text, no extension imported: a ValueError, not a failed prefill."""
     module = LookaheadModule.load(path, cfg, device)
     selection.check_adapter_selection(path, module.info, cfg.num_hidden_layers, cfg.max_context)
     return module
 
 
 def parse_targets(text):
-    """"q_proj,k_proj" -> the tuple; "all" -> all seven; "" or "none" -> () (the embeddings alone,
-    no LoRA)."""
+    """"q_proj,k_proj" -> the tuple; "all" -> all seven; "" or "none" -> () (no LoRA)."""
     if text.strip() == "all":
         return LookaheadModule.TARGETS
     targets = tuple(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none")

@@ -2,26 +2,16 @@
 A from-scratch Llama / Mistral / Qwen2 / Qwen3 decoder in one file, loading Hugging Face
 checkpoints directly (config.json + *.safetensors).
 
-    from model import KVCache, load_model
-    from support.tokenizer import Tokenizer
-    model = load_model("weights/SmolLM2-135M-Instruct")          # float32 on CPU
-    tok = Tokenizer("weights/SmolLM2-135M-Instruct")
-    ids = torch.tensor([tok.encode(tok.chat("Hello!"))])
-    cache = KVCache(model.config.num_hidden_layers)
-    logits = model(ids, positions=torch.arange(ids.shape[1])[None], cache=cache)
-
 Top to bottom: the config (every family difference in one place), RMSNorm, RoPE, the Hook,
 attention (GQA through SDPA), the SwiGLU MLP, the KV cache, the model and the loader. What a
 config.json or a checkpoint may not be is refused in weights/checks.py.
 
 Two things the KV-eviction code relies on:
-- Positions are explicit and separate from cache slots. After eviction a layer keeps C
-  slots, but the next token's position is still S (the prompt length): RoPE uses
-  `positions`, the cache only stores whatever keys it was given.
-- A `Hook` is the only door for an eviction method into the model: it may add a LoRA
-  delta to any projection (the "masked LoRA" of LookaheadKV), see every layer's queries
-  and keys after RoPE, supply the attention output of the chunk's last rows, and see the
-  final hidden states.
+- Positions are explicit and separate from cache slots: after eviction a layer keeps C slots,
+  but the next token's position is still S. RoPE uses `positions`; the cache stores any keys.
+- A `Hook` is the only door for an eviction method into the model: it may add a LoRA delta to
+  any projection (LookaheadKV's "masked LoRA"), see every layer's queries and keys after RoPE,
+  supply the attention output of the chunk's last rows, and see the final hidden states.
 """
 
 import hashlib
@@ -62,8 +52,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, path):
-        """Read a Hugging Face config.json (a folder or the file itself), checked first by
-        weights/checks.py (a bad field is a ValueError naming the file, the key and the fix)."""
+        """Read a Hugging Face config.json (folder or file), checked by weights/checks.py."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         raw = checks.check_config(file)  # the JSON object, checked; HF's nulls ("not set") dropped
@@ -131,8 +120,7 @@ def rope_inv_freq(cfg):
     s = cfg.rope_scaling
     if s is None:
         return inv_freq
-    # llama3: long wavelengths are slowed down by `factor`, short ones kept, the band between
-    # them interpolated smoothly (one torch.where instead of a loop over frequencies)
+    # llama3: long wavelengths slowed by `factor`, short ones kept, the band between interpolated
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_ctx = s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
@@ -149,12 +137,10 @@ def apply_rope(x, cos, sin):
 class Hook:
     """The one door for a KV-eviction method into the model, per forward call (a "chunk").
 
-    lora(layer, name, x): a term added to projection `name` of layer `layer` for input x
-        (B, T, in), or None; it may cover only the last T' rows (B, T', out). LookaheadKV
-        adds its LoRA here, on the lookahead rows only.
-    attn(layer, q, k, key_valid): the queries (B, H, Tq, D) after RoPE and all keys the chunk
-        attends to (B, H_kv, Tk, D), cache included; the queries sit at the LAST Tq key slots.
-        key_valid (B, 1 or H_kv, Tk) bool or None (all valid). Scorers read attention here.
+    lora(layer, name, x): a term added to projection `name` for input x (B, T, in), or None;
+        it may cover only the last T' rows (B, T', out): LookaheadKV's LoRA, on its rows only.
+    attn(layer, q, k, key_valid): queries (B, H, Tq, D) after RoPE, at the LAST Tq of the keys
+        the chunk sees (B, H_kv, Tk, D), cache included; key_valid (B, 1|H_kv, Tk) bool or None.
     attn_output(layer, v): right after attn, the output (B, H, n, D) of the chunk's LAST n
         queries whose softmax the hook computed (LookaheadHook), or None: SDPA does the rest.
     hidden(h): the chunk's final normed hidden states (B, T, hidden).
@@ -199,8 +185,7 @@ class Hooks(Hook):
 
 
 def project(module, name, x, layer, hook):
-    """module.<name>(x), plus the hook's term for this projection if it has one. The term may
-    cover only the LAST rows of the chunk (B, T' <= T, out): the rows before it get nothing."""
+    """module.<name>(x) plus the hook's term, if any, which may cover only the LAST T' rows."""
     y = getattr(module, name)(x)
     if hook is not None and (delta := hook.lora(layer, name, x)) is not None:
         if delta.shape[1] == y.shape[1]:
@@ -211,15 +196,13 @@ def project(module, name, x, layer, hook):
 
 
 def attention_mask(Tq, Tk, key_valid, device):
-    """Boolean mask (B or 1, H_kv or 1, Tq, Tk), True = may attend, for a chunk of Tq queries
-    that sits at the last Tq of Tk key slots (bottom-right causal: SDPA's is_causal is top-left
-    aligned, which is wrong as soon as there is a cache)."""
+    """Bool mask (B|1, H_kv|1, Tq, Tk), True = may attend, for Tq queries at the last Tq of Tk
+    slots: bottom-right causal (SDPA's is_causal is top-left aligned, wrong with a cache)."""
     q_slot = torch.arange(Tk - Tq, Tk, device=device)[:, None]  # (Tq, 1)
     k_slot = torch.arange(Tk, device=device)[None, :]  # (1, Tk)
     mask = (k_slot <= q_slot)[None, None]  # (1, 1, Tq, Tk)
     if key_valid is not None:
-        # padding / empty slots are never attended to, except a query's own slot, so that the
-        # rows of left-padding tokens are not all -inf (they would give NaN; they are never used)
+        # no padding / empty slot, except a query's own: a left-padding row all -inf would be NaN
         mask = mask & (key_valid[:, :, None, :] | (k_slot == q_slot))
     return mask
 
@@ -273,13 +256,11 @@ class Attention(nn.Module):
         T, Tk = q.shape[2], k.shape[2]
         if key_valid is None and T == Tk:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        if key_valid is None and T == 1:
-            # one new token sees everything
+        if key_valid is None and T == 1:  # one new token sees everything
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         if key_valid is None:
-            # a chunk on top of a cache: causal, aligned bottom-right. As a CausalBias rather than a
-            # bool mask, so CUDA keeps its flash kernel (which takes GQA but no explicit mask); on
-            # CPU it becomes the same (T, Tk) mask as attention_mask(T, Tk, None)
+            # a chunk on a cache: bottom-right causal, as a CausalBias so CUDA keeps its flash
+            # kernel (GQA but no explicit mask); on CPU the same mask as attention_mask(T, Tk, None)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, Tk),
                                                   enable_gqa=True)
         mask = attention_mask(T, Tk, key_valid, q.device)  # (B|1, H_kv|1, T, Tk)
@@ -315,15 +296,10 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x), hook)
 
 
-# -----------------------------------------------------------------------------
-# KV cache
 class KVCache:
-    """Per layer: keys and values (B, H_kv, T, D) and which slots hold a real token.
-
-    Slots are not positions: RoPE was applied before a key was stored, so eviction may drop or
-    reorder slots freely. valid[l] is None (every slot real) or a bool tensor (B, 1, T) before
-    eviction and (B, H_kv, T) after it, since each KV head may then keep different tokens.
-    """
+    """Per layer: keys and values (B, H_kv, T, D) and which slots hold a real token. Slots are not
+    positions (RoPE was applied before a key was stored): eviction may drop or reorder them freely.
+    valid[l]: None (all real) or bool (B, 1, T); (B, H_kv, T) after eviction (per KV head)."""
 
     def __init__(self, n_layers):
         self.k, self.v, self.valid = [None] * n_layers, [None] * n_layers, [None] * n_layers
@@ -376,8 +352,6 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
 
 
-# -----------------------------------------------------------------------------
-# The model
 class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -396,10 +370,9 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids=None, positions=None, cache=None, pad_mask=None, inputs_embeds=None,
                 hook=None, logits_at=None):
-        """input_ids (B, T) or inputs_embeds (B, T, hidden); positions (B, T) each token's RoPE
-        position; cache: a KVCache the chunk is appended to; pad_mask (B, T) True for real tokens
-        (left padding); hook: see Hook; logits_at: None for every row's logits, or one row index
-        (skips a (T, vocab) matmul). Returns logits (B, T or 1, vocab)."""
+        """input_ids (B, T) or inputs_embeds (B, T, hidden); positions (B, T) for RoPE; cache: a
+        KVCache the chunk is appended to; pad_mask (B, T) True on real tokens; hook: see Hook;
+        logits_at: one row's logits only (no (T, vocab) matmul), or None. -> (B, T or 1, vocab)"""
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.inv_freq.device != x.device:
             self.inv_freq = self.inv_freq.to(x.device)
@@ -414,16 +387,13 @@ class Transformer(nn.Module):
         return self.lm_head(h if logits_at is None else h[:, logits_at].unsqueeze(1))
 
 
-# -----------------------------------------------------------------------------
-# Loading a Hugging Face folder
 def default_dtype(device):
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
 
 def load_model(path, device="cpu", dtype=None):
-    """Load config.json and *.safetensors (single or sharded) from an HF folder: each tensor is
-    copied into the parameter of the same name. weights/checks.py refuses, naming the file and
-    the fix, a checkpoint whose names, shapes or values do not fit its config.json."""
+    """Load config.json and *.safetensors (one file or shards) of an HF folder into parameters of
+    the same names; weights/checks.py refuses a checkpoint that does not fit its config.json."""
     path = Path(path)
     checks.check_folder(path)
     cfg = ModelConfig.from_hf_config(path)
