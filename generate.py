@@ -91,10 +91,10 @@ def sampler(args):
 
 @torch.no_grad()
 def generate(model, tok, ids, scorer, args, pick=None, evictor=None):
-    """Prefill -> score -> evict, then decode on the compact cache, printing the answer as it comes.
-    pick: decode's sampler (None: greedy); evictor: --decode-budget's DecodeEviction (beyond the paper), or None. Returns (answer ids, the
-    text printed, the last token read, the cache, the kept slots, (slots per layer, bytes) after
-    the eviction, timings in ms)."""
+    """Prefill -> score -> evict, then decode on the compact cache, printing the answer as it comes
+    (pick: the sampler, None: greedy; evictor: --decode-budget's, beyond the paper). Returns the
+    answer's ids, the text printed, the last token, the cache, the kept slots, (slots per layer,
+    bytes) after the eviction, and the timings in ms."""
     ids = torch.tensor([ids], device=args.device)  # (1, S)
     t0, clock = time.perf_counter(), Stopwatch(args.device)
     clock.mark()

@@ -1,26 +1,17 @@
 """
 Train the lookahead module (M embeddings + a LoRA on their rows) with the paper's KL loss, the base
-model frozen: it learns to attend to the prompt as the model's own answer will. A recipe is a JSON
-file of TrainConfig fields; a flag overrides it.
+model frozen: it learns to attend to the prompt as the model's own answer will.
 
-The learner's run, from scratch on 2 CPU cores in about 25 minutes, data included:
-    python train.py --config research/configs/train-quick.json --out runs/quick
-It prints the validation KL at step 0 and every --eval-every steps (also in OUT/log.jsonl), where
-the adapter was saved and, at the end, the held-out answer KL at C = 128 beside SnapKV's and the
-shipped adapter's. Longer recipes (after a kill, the same command with --resume goes on):
-    python train.py --config research/configs/train-cpu.json --out runs/cpu   # 2 CPU cores: hours
-    python train.py --config research/configs/train-gpu.json --out runs/gpu   # one GPU
-    python train.py --config research/configs/train-gpu.json --out runs/gpu --stage data
-    torchrun --nproc_per_node=8 train.py --config research/configs/train-gpu.json --out runs/gpu \\
-        --stage train
+    python train.py --config research/configs/train-quick.json --out runs/quick  # ~25 min, 2 CPUs
+    python train.py --config research/configs/train-gpu.json --out runs/gpu      # one GPU
+    torchrun --nproc_per_node=8 train.py ... --stage train    # after --stage data on one process
 
 1. data: prompts from the text sources (support/data.py), the base model's greedy answer on the
-   full cache, then the target: lookaheadkv.answer_attention of that answer over the prompt's
-   cache. Cache and target go to OUT/samples, the rows to OUT/data.jsonl.
-2. train: the M lookahead rows on micro-batches of cached prompts, loss = lookaheadkv.kl_loss;
-   AdamW, warm-up then cosine, clipping; the validation KL on held-out prompts; checkpoints.
-Every setting and file is checked before the model loads (support/recipe.py). Research options:
-python -m research.train_lab --help.
+   full cache, then the target: its attention over the prompt (lookaheadkv.answer_attention).
+2. train: the M lookahead rows on micro-batches of cached prompts, lookaheadkv.kl_loss, AdamW,
+   warm-up then cosine, clipping; the validation KL on held-out prompts; checkpoints (--resume).
+A recipe (--config) is a JSON file of TrainConfig fields; a flag overrides it. Every setting and
+file is checked before the model loads (support/recipe.py). Research options: research/train_lab.py.
 """
 
 import dataclasses
@@ -117,8 +108,7 @@ def resolved(cfg):
 
 
 # -----------------------------------------------------------------------------
-# Stage data: each prompt's greedy answer, and the target: that answer's attention over the prompt
-# (Eq. 3)
+# Stage data: each prompt's greedy answer, and the target: its attention over the prompt (Eq. 3)
 
 def full_cache(model, ids, pad_mask):
     """Prefill, nothing evicted: (cache, first-token logits, next positions)."""
@@ -128,8 +118,7 @@ def full_cache(model, ids, pad_mask):
 @torch.no_grad()
 def answer_and_target(model, tok, prompts, max_new_tokens):
     """B prompts (id lists) prefilled together: per prompt, the greedy answer (its stop token kept:
-    the end is part of its future), the prompt's cache k, v (L, H_kv, S_b, D) and the target (L, H,
-    S_b)."""
+    the end is part of its future), the cache k, v (L, H_kv, S_b, D) and the target (L, H, S_b)."""
     ids, pad_mask = left_pad(prompts, model.lm_head.weight.device)
     run_, answers = full_answer(model, ids, max_new_tokens, tok.stop_ids, pad_mask)
     return samples_of(model, run_.cache, run_.next_pos, prompts, answers)
@@ -196,7 +185,6 @@ def build_dataset(model, tok, cfg, folder, rows, out_of_time=lambda: False):
 # -----------------------------------------------------------------------------
 # Stage train: a batch, the learning rate, the validation KL, the loop
 
-
 def get_batch(paths, dev, dtype):
     """Sample files of different lengths, left-padded into one batch: a KVCache with (B, H_kv, S, D)
     per layer and its valid mask (B, 1, S) (None when the files hold no cache: store_dtype none),
@@ -239,8 +227,7 @@ def lr_at(step, total, cfg):
 
 
 def new_module(model, cfg):
-    """The untrained module of this run's settings, seeded by cfg.seed (its .json recommends
-    cfg.rule)."""
+    """The untrained module of this run's settings, seeded by cfg.seed."""
     module = methods.untrained(model, cfg.seed, n_tokens=cfg.n_tokens, rank=cfg.rank,
                                alpha=cfg.alpha, targets=methods.parse_targets(cfg.targets))
     if cfg.rule is not None:

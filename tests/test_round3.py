@@ -177,10 +177,9 @@ def checkpointed_run(roomy, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     cfg = train.TrainConfig(model=str(roomy), out=str(out), device="cpu", dtype="float32")
-    cfg.weights_id = files.weights_identity(roomy)
     module = LookaheadModule(model.ModelConfig.from_hf_config(roomy), cfg.n_tokens, cfg.rank, cfg.alpha)
     recipe.save_checkpoint(out / "ckpt.pt", module, torch.optim.AdamW(module.parameters()), 1, [],
-                           recipe.schedule_of(cfg))
+                           recipe.schedule_of(cfg, files.weights_identity(roomy)))
     return out
 
 

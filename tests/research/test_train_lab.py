@@ -19,6 +19,7 @@ from test_train import (StubTok, TINY, adapter, guard_loading, error_line, fake_
 
 from support import cli, data, recipe
 import methods
+import eviction
 import train
 from baselines import full_answer
 from extensions import layer_budgets
@@ -256,8 +257,8 @@ def test_stage_train_only_reads_and_trains_on_the_rows_with_samples(model_dir, t
     files[0].unlink()  # its row is in data.jsonl, its sample not (yet)
     jsonl, left = (out / "data.jsonl").read_bytes(), {f: f.read_bytes() for f in files[1:]}
     monkeypatch.setattr(data, "make_training_prompts", lambda *a, **k: pytest.fail("no prompt may be made"))
-    read, load_batch = [], train.load_batch
-    monkeypatch.setattr(train, "load_batch", lambda paths, *a: (read.extend(paths), load_batch(paths, *a))[1])
+    read, get_batch = [], train.get_batch
+    monkeypatch.setattr(train, "get_batch", lambda paths, *a: (read.extend(paths), get_batch(paths, *a))[1])
     capsys.readouterr()
     train_lab.main(argv(model_dir, out, "--stage", "train", "--n-train", "9"))
     warned = re.findall(r"warning: [^\r\n]*", capsys.readouterr().err)  # a bar left by an earlier test moves the cursor
@@ -312,7 +313,7 @@ def test_grouped_prompts_share_one_prefill_and_give_each_its_own_sample(tmp_path
     for r, s in zip(rows, samples):
         path = data.sample_path(tmp_path, r["id"])
         assert data.sample_ok(path)
-        cache, gt, lengths = data.load_batch([path], "cpu", torch.float32)
+        cache, gt, lengths = train.get_batch([path], "cpu", torch.float32)
         assert lengths.tolist() == [s["target"].shape[-1]]
         assert torch.equal(torch.cat(cache.k), s["k"]) and torch.equal(gt[0][0], s["target"][0])
     data.prefix_path(tmp_path, "a").unlink()  # a member without its prefix file is not a whole sample
@@ -324,7 +325,7 @@ def test_roomy_cache_holds_what_a_plain_cache_holds():
     """RoomyCache: decoding writes into reserved room; the keys, values and validity it shows are a plain
     KVCache's, and past its room it goes on as a plain cache does."""
     model = tiny_model()
-    ids, pad = data.left_pad([rand_list(12, 1), rand_list(9, 2)], "cpu")
+    ids, pad = eviction.left_pad([rand_list(12, 1), rand_list(9, 2)], "cpu")
     cache = train.full_cache(model, ids, pad)[0]
     plain, roomy = cache.copy(), fast_data.RoomyCache(cache.copy(), 2)
     for t in range(4):  # two steps in the room, two past it
@@ -392,8 +393,9 @@ def test_data_and_train_rows_mistakes_stop_before_the_model_loads(model_dir, tmp
         if r["split"] == "train":
             data.sample_path(src, r["id"]).parent.mkdir(parents=True, exist_ok=True)
             data.sample_path(src, r["id"]).write_bytes(b"x")
-    monkeypatch.setattr(train, "sample_ok", lambda path: True)
+    monkeypatch.setattr(recipe, "sample_ok", lambda path: True)
     monkeypatch.setattr(cli, "load", no_model)
+    monkeypatch.setattr(train_lab, "load_model", no_model)
     before = {f: f.read_bytes() for f in src.rglob("*") if f.is_file()}
     extra = [str(src) if e == "DATA" else str(tmp_path / e) if e == "NOWHERE" else e for e in extra]
     said = said.replace("NOWHERE", str(tmp_path / "NOWHERE"))
