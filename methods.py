@@ -62,7 +62,11 @@ def parse_targets(text):
     """"q_proj,k_proj" -> the tuple; "all" -> all seven; "" or "none" -> () (no LoRA)."""
     if text.strip() == "all":
         return LookaheadModule.TARGETS
-    targets = tuple(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none")
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if "none" in names and len(names) > 1:  # "none,q_proj" contradicts itself
+        raise ValueError(f"--targets {text!r}: none (the embeddings alone) and LoRA targets together; "
+                         "give one or the other")
+    targets = tuple(t for t in names if t != "none")
     bad = [t for t in targets if t not in LookaheadModule.TARGETS]
     if bad:
         raise ValueError(f"--targets: unknown {', '.join(bad)}; use all, none, or any of "

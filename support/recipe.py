@@ -27,6 +27,7 @@ from support.metrics import answer_kls
 from support.data import sample_bytes, sample_ok, sample_path, unreadable_sample
 from lookaheadkv import LookaheadModule
 from model import ModelConfig, default_dtype
+from weights import checks
 from weights.checks import read_json
 
 STORE_DTYPES = ("bfloat16", "float16", "float32", "none")
@@ -177,6 +178,15 @@ def check_numbers(cfg):
         raise ValueError(f"--batch {cfg.batch} is not a whole number of micro-batches of {micro} "
                          f"(--micro-batch): each step would train on {step} samples; use --batch {step}, or a "
                          f"--micro-batch that divides {cfg.batch}")
+    if cfg.lr > 1:  # an AdamW step moves each parameter by about lr: past 1 the embeddings leave any usable scale
+        raise ValueError(f"--lr {cfg.lr:g}: an AdamW step moves each parameter by about lr, so the lookahead "
+                         "embeddings would leave any usable scale; use at most 1 (the recipes use 1e-3)")
+    if cfg.compare is not None:
+        longest = max(cfg.max_tokens, cfg.long_max if cfg.long_frac > 0 else 0)
+        if isinstance(cfg.compare, bool) or not 1 <= cfg.compare < longest:
+            raise ValueError(f"compare {cfg.compare}: the held-out comparison's C must be from 1 to below the "
+                             f"longest prompt ({longest} tokens: at C >= a prompt's length nothing is evicted and "
+                             "every method's answer KL is 0); drop the key for no comparison")
     if not -2**63 <= cfg.seed < 2**63:  # torch.manual_seed's range; past it, an OverflowError that named no flag
         raise ValueError(f"--seed {cfg.seed}: must be a whole number from -2**63 to 2**63 - 1")
 
@@ -262,6 +272,22 @@ def check_disk(cfg, model_cfg, rows):
         raise ValueError(f"--n-train {cfg.n_train}, --n-heldout {cfg.n_heldout}: the training samples and the held-out "
                          f"ground truth would take at least {least / 2**30:.1f} GiB on disk, over store_gb "
                          f"{cfg.store_gb}: raise it in the --config file, or use fewer prompts")
+    free = free_disk(Path(cfg.out))
+    if free is not None and least > free:  # store_gb is a cap, not the disk: found now, not after the stage
+        raise ValueError(f"--n-train {cfg.n_train}, --n-heldout {cfg.n_heldout}: the training samples and the held-out "
+                         f"ground truth would take at least {least / 2**30:.1f} GiB on disk, and {cfg.out} has "
+                         f"{free / 2**30:.1f} GiB free: free some space, or use fewer or shorter prompts")
+
+
+def free_disk(path):
+    """Bytes free on the file system that holds `path` (its nearest existing folder), or None if unknown."""
+    for folder in [path, *path.parents]:
+        if folder.exists():
+            try:
+                return shutil.disk_usage(folder).free
+            except OSError:
+                return None
+    return None
 
 
 def check_data_made(cfg, out, rows):
@@ -281,6 +307,10 @@ def check_store(cfg, model_cfg, rows, store, n_bytes=None):
         raise ValueError(f"the training samples would take {n_bytes / 2**30:.1f} GiB on disk, over store_gb "
                          f"{cfg.store_gb}: raise it in the --config file, or use fewer/shorter prompts "
                          "(--n-train, --max-tokens)")
+    free = free_disk(Path(cfg.out))
+    if free is not None and n_bytes > free:
+        raise ValueError(f"the training samples would take {n_bytes / 2**30:.1f} GiB on disk, and {cfg.out} has "
+                         f"{free / 2**30:.1f} GiB free: free some space, or use fewer/shorter prompts")
 
 
 def output_paths(cfg):
@@ -575,6 +605,12 @@ def save_adapter(module, dest):
     `error:` line), an adapter already there kept (keep_previous), saying where. check_adapter_dest refused,
     before the run, a dest that is not an adapter of ours."""
     check_adapter_dest("--adapter-out", dest)  # again: the file may have been put there while the run trained
+    state = module.state_dict()
+    try:  # the loader's own checks, before the adapter is called saved (an lr too high leaves huge numbers)
+        checks.check_adapter_tensors(dest, state, state, module.alpha, module.rank)
+    except ValueError as e:
+        raise ValueError(f"the trained adapter is not usable, so it was not saved ({e}); OUT/ckpt.pt keeps the "
+                         "run: lower --lr and train again") from None
     kept = keep_previous(dest)[1] if dest.exists() or dest.with_suffix(".json").exists() else None
     try:
         files.write_many([dest, dest.with_suffix(".json")], lambda tmp: module.save(tmp[0]))
