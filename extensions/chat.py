@@ -110,6 +110,8 @@ def stdin_turns(context=None):
 def stdin_lines(limit=None):
     """stdin's lines as bytes (a text stream without a buffer, as tests set it: its text, encoded back as it was
     decoded), each read at most limit + 1 bytes at a time; None for a line over `limit`, whose rest is dropped."""
+    if sys.stdin is None:  # closed by the shell (`--turns - <&-`): Python sets it to None
+        raise ValueError(cli.CLOSED_STDIN)
     stream = getattr(sys.stdin, "buffer", None)
 
     def read(n):
@@ -272,3 +274,7 @@ def checked(args, run):
     def chat(args, model, run):
         return chat_loop(args, model, run.tok, run.folder, turns, build=fresh)
     return chat
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    cli.not_a_script("extensions.chat", "it is generate.py's chat: python generate.py --turns FILE (or - for stdin)")

@@ -228,3 +228,10 @@ def read_cache(path):
     except (OSError, ValueError):
         return {}
     return known if isinstance(known, dict) else {}
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    from support import cli
+
+    cli.not_a_script("support.files",
+                     "the scripts use it to write their files: run generate.py, train.py or a research script")

@@ -213,3 +213,10 @@ def decode_utf8(raw, where):
     except UnicodeDecodeError as e:
         raise ValueError(f"{where} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): "
                          f"convert it, e.g. iconv -t utf-8") from None
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    from support import cli
+
+    cli.not_a_script("support.tokenizer",
+                     "the scripts read a model's tokenizer with it: run generate.py")

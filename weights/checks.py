@@ -491,3 +491,8 @@ def adapter_scale_problem(tensors, names, alpha, rank):
             return (f"its LoRA on layer {layer}'s {target} has gain (alpha / rank) |B| |A| = {gain:.3g}, past "
                     f"{SCALE_LIMIT:g} (a trained adapter's is about 10; is \"alpha\" {alpha} right?)")
     return None
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    raise SystemExit("error: weights/checks.py is not a script: the loaders call it; python weights/prepare.py "
+                     "prepares the default model")
