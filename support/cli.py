@@ -35,15 +35,16 @@ from support.tokenizer import Tokenizer, decode_utf8
 # One line per failure
 
 
-def run(fn, resume=None):
+def run(fn, resume=None, release=True):
     """Call fn(); library errors become one `error:` line and exit 1. resume: the command that continues
-    an interrupted run (said on Ctrl-C or SIGTERM), or None."""
+    an interrupted run (said on Ctrl-C or SIGTERM), or None. release=False: the output folders fn claimed stay
+    claimed until the process ends (lock.py), for a caller that goes on using them."""
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     if sys.stdin is None:  # the shell closed it (`<&-`): reading it is one line, not an AttributeError on None
         sys.stdin = ClosedStdin()
     try:
         return fn()
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:  # ImportError: a missing package, which it names
         if isinstance(e, BrokenPipeError):
             return quiet_exit()
         raise SystemExit(f"error: {one_line(e)}")
@@ -57,7 +58,8 @@ def run(fn, resume=None):
         raise SystemExit(f"interrupted: nothing saved so far is lost{again}") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
-        release_folders()  # the run's output folders are free for the next writer
+        if release:
+            release_folders()  # the run's output folders are free for the next writer
 
 
 class Parser(argparse.ArgumentParser):
@@ -370,6 +372,22 @@ def check_model_dir(path):
     if path is not None and not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"--model {path}: no config.json there; pass a Hugging Face folder (config.json, "
                                 f"*.safetensors, tokenizer.json), or leave --model out for the default model")
+
+
+def check_fit_context(flag, lengths, model=None):
+    """Token counts (--lengths, --tokens) within the context of --model, or of the default model where it is
+    prepared, read from config.json before the weights load: past it the work would fail only after loading
+    (or run on until killed). A config.json that cannot be read yet is said when the model loads."""
+    from weights.prepare import DEFAULT_DIR  # resolve_model's default, without preparing it
+
+    try:
+        cfg = ModelConfig.from_hf_config(Path(model) if model else DEFAULT_DIR)
+    except (ValueError, OSError):
+        return
+    for n in lengths:
+        if n > cfg.max_context:
+            raise ValueError(f"{flag} {n} is past the model's context of {context_words(cfg, ' tokens')}: use at "
+                             f"most {cfg.max_context}")
 
 
 # -----------------------------------------------------------------------------

@@ -46,6 +46,7 @@ class Tokenizer:
                    for name in ("tokenizer_config.json", "generation_config.json")}  # both optional
         template = chat_template(configs["tokenizer_config.json"], path, fix)
         vocab = self.tk.get_vocab(with_added_tokens=True)
+        fix = redo(path, damaged=False)  # from here on the files are whole but may not agree with one another
         if cfg is not None and vocab and max(vocab.values()) >= cfg.vocab_size:  # two files, one model: they agree
             raise ValueError(f"{path / 'tokenizer.json'} makes token ids up to {max(vocab.values())} but "
                              f"{path / 'config.json'} says vocab_size {cfg.vocab_size}: the two files come from "

@@ -49,11 +49,62 @@ def short_reason(e):
     return " ".join(str(e).split())[:200] or type(e).__name__
 
 
-def redo(path):
-    """What to do about a broken file in the model folder `path`."""
-    if (Path(path) / ".prepared").exists():  # made by weights/prepare.py
-        return f"delete the folder {path} and rerun python weights/prepare.py"
-    return "re-download the checkpoint"
+PREPARED = ".prepared"  # weights/prepare.py's marker: the GGUF's sha256, then the folder and the files it wrote
+
+
+def redo(path, damaged=True):
+    """What to do about a broken file in the model folder `path`. Deleting the folder is advised only where a
+    file is damaged in a folder weights/prepare.py made (its marker) as it made it: a folder without the marker,
+    a copy of a prepared one, or one whose files changed since is the user's, and the fix names what is wrong
+    with it without deleting anything. damaged=False: the files are whole but do not agree (a tokenizer of
+    another model): someone put them there, so deleting is never the fix."""
+    made = prepared_record(path)
+    if made is None:
+        return "re-download the checkpoint"
+    fresh = "or make a fresh copy with python weights/prepare.py --out NEW_FOLDER"
+    changed = changes_since_prepared(path, made)
+    if changed:
+        return f"{path} is not as weights/prepare.py made it ({changed}): put back the original files, {fresh}"
+    if not damaged:
+        return f"put back the files that came with these weights, {fresh}"
+    return f"delete the folder {path} and rerun python weights/prepare.py --out {path}"
+
+
+def prepared_record(path):
+    """What weights/prepare.py's marker in `path` records: None without one; {} for a marker of before
+    2026-12-06 (the GGUF's sha256 alone); else {"folder": where it wrote, "files": {name: [size, sha256 or
+    None]}}."""
+    marker = Path(path) / PREPARED
+    if not marker.is_file():
+        return None
+    lines = marker.read_text(errors="replace").splitlines()[1:]
+    try:
+        return json.loads(lines[0]) if lines else {}
+    except ValueError:
+        return {"folder": None, "files": {}}  # a marker we cannot read: nothing is known to be ours
+
+
+def changes_since_prepared(path, made):
+    """How the folder differs from what prepare.py recorded writing there (its place, each file's size and the
+    small files' sha256), in words; "" if it does not. Cheap: the weights are compared by size alone."""
+    if not made:
+        return ""
+    if made.get("folder") != str(Path(path).resolve()):
+        return f"it is a copy of {made.get('folder')}"
+    changed = []
+    for name, (size, digest) in made.get("files", {}).items():
+        f = Path(path) / name
+        if not f.is_file():
+            changed.append(f"{name} is missing")
+        elif f.stat().st_size != size or (digest and file_sha256(f) != digest):
+            changed.append(f"{name} changed")
+    return ", ".join(changed)
+
+
+def file_sha256(path):
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 class ConfigCheck:
@@ -321,7 +372,7 @@ def check_tensor_names(path, cfg, stored, params):
     names = set(stored) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     missing, unexpected = sorted(set(params) - names), sorted(names - set(params))
     if missing or unexpected:
-        raise ValueError(mismatch_message(path, cfg, missing, unexpected, stored, redo(path)))
+        raise ValueError(mismatch_message(path, cfg, missing, unexpected, stored, redo(path, damaged=False)))
 
 
 def mismatch_message(path, cfg, missing, unexpected, stored, fix):
