@@ -1087,6 +1087,22 @@ def check_same_weights(saved, weights_id, folder, path):
     return weights_id
 
 
+def check_same_adapters(saved, paths, folder, out):
+    """results.json's rows were made with these adapter files (the hashes run_settings records: "adapter", or
+    "adapter@<stem>" for several), or ValueError before the model loads, naming --out: a rerun with another
+    adapter would skip every row as done and report the old adapter's scores as the new one's."""
+    if len(paths) > 1:
+        now = {f"adapter@{p.stem}": files.file_identity(p) for p in paths}
+    else:
+        path = paths[0] if paths else cli.default_adapter_path(ModelConfig.from_hf_config(folder))
+        now = {"adapter": files.file_identity(path)} if path.is_file() else {}
+    for key, identity in now.items():
+        was = saved["settings"].get(key)
+        if was is not None and was != identity:
+            raise ValueError(f"--out {out} holds results made with another adapter ({key} {was}, this one's is "
+                             f"{identity}): pass another --out, e.g. --out {out}-{identity[:8]}")
+
+
 def drop_changed(saved, rows, prompts):
     """A row whose prompt changed under the same id (an edited --tasks file) is made again: its old results
     go, said in one line, and results.json keeps each row's prompt digest for the next resume."""
@@ -1209,6 +1225,12 @@ def check_methods(args, paths, budgets):
     bad = [m for m in methods if m not in known]
     if bad:
         raise ValueError(f"unknown method(s) {', '.join(bad)} for --mode {args.mode}; choose from {', '.join(known)}")
+    fixed = [m for m in methods if m in (PAPER_FORM, SHIPPED_FORM)
+             or (m != "full" and m in METHODS and issubclass(METHODS[m], Unpooled))]  # full: every table's baseline
+    if args.pool and args.methods is not None and fixed:  # named with --pool, which would not apply: refused,
+        # as generate.py refuses it (left to the default list, --pool applies to the methods that smooth)
+        raise ValueError(f"--pool {args.pool}: method {fixed[0]} selects by its own scores (or its own form's "
+                         f"rule) alone: a selection rule does not apply to it; drop --pool or drop {fixed[0]}")
     methods = list(dict.fromkeys(["full"] + methods + ([UNTRAINED] if args.untrained else [])))  # full first
     for form in (PAPER_FORM, SHIPPED_FORM):
         if len(paths) > 1 and form in methods:
@@ -1320,13 +1342,13 @@ def run_settings(args, model, modules, adapter_path, chat, paths=()):
     for p in paths if len(paths) > 1 else ():  # several adapters: each row's file and selection, keys of its own
         # (another adapter is a new row; a retrained one under the same name needs a new --out)
         if ADAPTER_ROW + p.stem in modules:
-            settings[f"adapter@{p.stem}"] = hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+            settings[f"adapter@{p.stem}"] = files.file_identity(p)
             settings[f"adapter_rule@{p.stem}"] = rule_key(modules[ADAPTER_ROW + p.stem].info)
     if modules and not any(m.startswith(ADAPTER_ROW) for m in modules):  # the adapter (the untrained row has its
         # shape and selects as it does): a retrained one needs a new --out
         like = modules.get("lookahead", modules.get(PAPER_FORM, modules.get(SHIPPED_FORM)))
         if like is not None:
-            settings["adapter"] = hashlib.sha256(adapter_path.read_bytes()).hexdigest()[:16]
+            settings["adapter"] = files.file_identity(adapter_path)
         settings["adapter_rule"] = rule_key((like or modules[UNTRAINED]).info)  # and another selection in its .json
     return settings
 
@@ -1376,6 +1398,8 @@ def evaluate(args):
     model_id = check_same_model(saved, model_identity(folder), folder, path)
     weights_id = check_same_weights(saved, files.weights_identity(folder, cache_dir=out), folder, path)
     files.keep_identity(folder, out, weights_id)  # hashed once: read back from --out by the next run on it
+    if any(m in ("lookahead", PAPER_FORM, SHIPPED_FORM) or m.startswith(ADAPTER_ROW) for m in methods):
+        check_same_adapters(saved, paths, folder, out)
 
     model, tok, folder = cli.load(folder, args.device)
     args.model = str(folder)

@@ -32,6 +32,7 @@ POSITION_LIMIT = 2**24
 # 1e-6 .. 1e-5; near 1 it swamps the mean square and every norm's output shrinks towards 0 (issue 53:
 # 1e30 answered nothing, with exit 0). 1e-2 leaves a wide margin above any real value.
 EPS_LIMIT = 1e-2
+THETA_FLOOR = 100  # the least rope_theta taken (check_rope)
 
 
 def read_json(file, fix):
@@ -214,13 +215,15 @@ def check_rope(check):
         raise ValueError(f"rope type {rope_type!r} in {check.file} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     rope_check = ConfigCheck(check.file, rope, prefix=rope_key + ".")
-    # theta > 1: RoPE's wavelengths 2 pi theta^(2i / head_dim) must grow along the channels; theta 1 makes them
-    # all equal, below 1 they shrink (real models: 1e4 .. 1e6)
-    why = "RoPE's wavelengths 2 pi theta^(2i / head_dim) grow along the channels only then; real models use 1e4 .. 1e6"
+    # RoPE's wavelengths 2 pi theta^(2i / head_dim) grow along the channels up to 2 pi theta: at theta <= 1 they do
+    # not grow, and at a small theta (1.5 answered "----") every position past a few hundred tokens looks like a
+    # nearer one. Real models use 1e4 .. 1e6; THETA_FLOOR leaves a wide margin below them
+    why = (f"its wavelengths reach 2 pi theta tokens, too short below {THETA_FLOOR:g} for positions to differ; "
+           "real models use 1e4 .. 1e6")
     if "rope_theta" in rope:
-        rope_check.positive("rope_theta", above=1, why=why)
+        rope_check.positive("rope_theta", above=THETA_FLOOR, why=why)
     else:
-        check.positive("rope_theta", required=False, above=1, why=why)
+        check.positive("rope_theta", required=False, above=THETA_FLOOR, why=why)
     if rope_type == "llama3":
         for k in ("factor", "low_freq_factor", "high_freq_factor"):
             rope_check.positive(k)
@@ -465,10 +468,15 @@ def read_adapter(path):
     from safetensors.torch import load_file
 
     path = Path(path)
-    if path.suffix != ".safetensors" or not path.is_file() or not path.with_suffix(".json").is_file():
+    meta_file = path.with_suffix(".json")
+    if path.suffix != ".safetensors" or not path.is_file():
         raise FileNotFoundError(f"adapter {path} (a .safetensors file and its .json) not found: "
                                 "train one with python train.py")
-    meta = read_json(path.with_suffix(".json"), "retrain the adapter")
+    if not meta_file.is_file():  # the tensors are there: name what is missing beside them, as it is
+        what = "is a folder" if meta_file.is_dir() else "is not a file" if meta_file.exists() else "is missing"
+        raise FileNotFoundError(f"adapter {path}: its metadata {meta_file} {what}: put the .json that train.py "
+                                "wrote beside it, or retrain the adapter")
+    meta = read_json(meta_file, "retrain the adapter")
     try:
         return meta, load_file(str(path))
     except Exception as e:
