@@ -234,6 +234,7 @@ def get_args(argv=None):
         cli.positive("--first", args.first)
     cli.check_threads("--threads", args.threads)  # at most the cores: above them every op waits
     cli.check_model_dir(args.model)
+    cli.check_not_root("--out", args.out)
     return args
 
 

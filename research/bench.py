@@ -588,7 +588,9 @@ def check_args(args):
     if args.quick:  # after the flags' own checks: the preset fills in what was not given
         quick(args)
     args.batches = cli.counts(args.batches, "--batches")
-    args.lengths = cli.counts(args.lengths, "--lengths") if args.lengths else DEFAULT_LENGTHS[args.mode][cuda]
+    # "" is a slip, not the default: counts() refuses it
+    args.lengths = (cli.counts(args.lengths, "--lengths") if args.lengths is not None
+                    else DEFAULT_LENGTHS[args.mode][cuda])
     if isinstance(args.methods, str) and not [m for m in args.methods.split(",") if m.strip()]:
         # "" is not "the default rows": it names none (an empty variable in a script), and was run as every default
         raise ValueError(f"--methods {args.methods!r} names no row: name some, or leave --methods out for the default")
@@ -610,7 +612,7 @@ def check_args(args):
     for flag, path in [("--adapter", args.adapter), ("--random-init", args.random_init)]:
         if path is not None:
             cli.input_file(flag, path)
-    if args.json:
+    if args.json is not None:  # "" is a slip, not "no --json"
         cli.output_file("--json", args.json, ".json")
         earlier_rows(Path(args.json))
     # the rows' own checks (budget against window and sinks, a rule a method refuses) before any model:

@@ -835,7 +835,7 @@ def run_heldout(args, budgets, paths):
     kept in its heldout.json, and each prompt's values as it is measured: the same command resumes)."""
     rows = heldout_rows(args.heldout, args.limit)
     folder = Path(args.heldout)
-    out = cli.output_folder("--out", args.out) if args.out else None
+    out = cli.output_folder("--out", args.out) if args.out is not None else None
     if out:
         cli.claim_folder("--out", out)
     cache = claim_heldout(folder)
@@ -1099,8 +1099,8 @@ def check_same_adapters(saved, paths, folder, out):
     for key, identity in now.items():
         was = saved["settings"].get(key)
         if was is not None and was != identity:
-            raise ValueError(f"--out {out} holds results made with another adapter ({key} {was}, this one's is "
-                             f"{identity}): pass another --out, e.g. --out {out}-{identity[:8]}")
+            raise ValueError(f"--out {out} was made with other settings: {key} {was} (now {identity}), another "
+                             f"adapter's results: pass another --out, e.g. --out {out}-{identity[:8]}")
 
 
 def drop_changed(saved, rows, prompts):
@@ -1127,6 +1127,8 @@ def check_args(args):
         if value is not None:
             cli.at_least(flag, value, lo)
     cli.check_threads("--threads", args.threads)  # at most the cores: above them every op waits
+    if args.out is not None:  # "" is the current folder: a slip, not the default (runs/eval)
+        cli.check_not_root("--out", args.out)
     budgets = list(dict.fromkeys(cli.counts(args.budgets, "--budgets")))
     lengths = cli.counts(args.lengths, "--lengths")
     if args.pool:
@@ -1227,10 +1229,11 @@ def check_methods(args, paths, budgets):
         raise ValueError(f"unknown method(s) {', '.join(bad)} for --mode {args.mode}; choose from {', '.join(known)}")
     fixed = [m for m in methods if m in (PAPER_FORM, SHIPPED_FORM)
              or (m != "full" and m in METHODS and issubclass(METHODS[m], Unpooled))]  # full: every table's baseline
-    if args.pool and args.methods is not None and fixed:  # named with --pool, which would not apply: refused,
-        # as generate.py refuses it (left to the default list, --pool applies to the methods that smooth)
-        raise ValueError(f"--pool {args.pool}: method {fixed[0]} selects by its own scores (or its own form's "
-                         f"rule) alone: a selection rule does not apply to it; drop --pool or drop {fixed[0]}")
+    if args.pool and fixed and len(fixed) == len([m for m in methods if m != "full"]):  # --pool would change no
+        # row: refused, as generate.py refuses it for its one method (where some rows take it, the tables'
+        # "selection:" line says each row's rule)
+        raise ValueError(f"--pool {args.pool}: the methods {', '.join(fixed)} select by their own scores (or their "
+                         "own form's rule) alone: a selection rule applies to none of them; drop --pool")
     methods = list(dict.fromkeys(["full"] + methods + ([UNTRAINED] if args.untrained else [])))  # full first
     for form in (PAPER_FORM, SHIPPED_FORM):
         if len(paths) > 1 and form in methods:
@@ -1389,7 +1392,8 @@ def evaluate(args):
     if args.heldout:
         return run_heldout(args, budgets, paths)
     conversation = args.mode == "conversation"
-    out = cli.output_folder("--out", args.out or {"prefill": "runs/eval"}.get(args.mode, f"runs/eval-{args.mode}"))
+    out = cli.output_folder("--out", args.out if args.out is not None else
+                            {"prefill": "runs/eval"}.get(args.mode, f"runs/eval-{args.mode}"))
     check_out_is_ours(out)
     cli.claim_folder("--out", out)  # two runs on one --out would overwrite each other's results.json
     path = out / "results.json"

@@ -572,5 +572,5 @@ def show_kept(tok, ids, keep_frac):
 
 
 if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    cli.not_a_script("support.cli",
+    not_a_script("support.cli",
                      "it is the scripts' front door: run generate.py, train.py or a research script")
