@@ -49,7 +49,7 @@ def run(fn, resume=None, release=True):
             return quiet_exit()
         raise SystemExit(f"error: {one_line(e)}")
     except Exception as e:  # a case no check foresaw: still one line, its type named, for a bug report
-        if os.environ.get("LOOKAHEADKV_TRACEBACK"):
+        if os.environ.get("LOOKAHEADKV_TRACEBACK") or not (isinstance(e, UNFORESEEN) or type(e) is Exception):
             raise
         raise SystemExit(f"error: {type(e).__name__}: {one_line(e)} (an unexpected failure: please report it "
                          f"with the command; LOOKAHEADKV_TRACEBACK=1 shows where it happened)") from None
@@ -60,6 +60,12 @@ def run(fn, resume=None, release=True):
         signal.signal(signal.SIGTERM, previous)
         if release:
             release_folders()  # the run's output folders are free for the next writer
+
+
+# what Python, torch and the tokenizers library raise where no check foresaw a case (torch's errors are
+# RuntimeErrors; tokenizers raises a bare Exception); a caller's own exception class passes through
+UNFORESEEN = (ArithmeticError, AssertionError, AttributeError, EOFError, LookupError, MemoryError, NameError,
+              RuntimeError, TypeError)
 
 
 class Parser(argparse.ArgumentParser):
@@ -324,7 +330,8 @@ def check_not_root(flag, path):
     system's root are refused, as a slip, not a place to write into. Returns path."""
     if not str(path).strip():
         raise ValueError(f"{flag} is empty: pass a folder (it is made if missing)")
-    if Path(path).resolve() == Path(Path(path).resolve().anchor):
+    whole = Path(os.path.abspath(path))  # not resolve(): a symlink loop is said later as what it is
+    if whole == Path(whole.anchor):
         raise ValueError(f"{flag} {path} is the file system's root: pass a folder of its own")
     return path
 
