@@ -233,8 +233,9 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     if args.first is not None:
         cli.positive("--first", args.first)
-    cli.positive("--threads", args.threads)
+    cli.check_threads("--threads", args.threads)  # at most the cores: above them every op waits
     cli.check_model_dir(args.model)
+    cli.check_not_root("--out", args.out)
     return args
 
 

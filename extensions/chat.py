@@ -111,6 +111,8 @@ def stdin_turns(context=None):
 def stdin_lines(limit=None):
     """stdin's lines as bytes (a text stream without a buffer, as tests set it: its text, encoded back as it was
     decoded), each read at most limit + 1 bytes at a time; None for a line over `limit`, whose rest is dropped."""
+    if sys.stdin is None:  # closed by the shell (`--turns - <&-`): Python sets it to None
+        raise ValueError(cli.CLOSED_STDIN)
     stream = getattr(sys.stdin, "buffer", None)
 
     def read(n):
@@ -268,3 +270,7 @@ def chat(args, model, tok, folder, turns, eviction, module):
         held = make_scorer(dataclasses.replace(eviction, budget=args.decode_budget or args.budget), module)
         return scorer, DecodeEviction(held, args.every if args.decode_budget is not None else None, args.window)
     return chat_loop(args, model, tok, folder, turns, build=fresh)
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    cli.not_a_script("extensions.chat", "it is generate.py's chat: python generate.py --turns FILE (or - for stdin)")

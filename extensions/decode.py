@@ -208,3 +208,10 @@ def forced_logprobs_evicting(model, cache, logits, next_pos, response, evictor):
     if not rows:
         return torch.zeros(0, logits.shape[-1], device=logits.device), sizes
     return torch.stack(rows, dim=1)[0].float().log_softmax(-1), sizes
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    from support import cli
+
+    cli.not_a_script("extensions.decode",
+                     "it is generate.py's --decode-budget (and evaluate.py's --mode decode): import DecodeEviction from it")

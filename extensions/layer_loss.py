@@ -54,3 +54,10 @@ def read_weights(path, n_layers):
         raise ValueError(f"--loss-weights {path}: {len(weights)} layer weights for a model of {n_layers} layers "
                          "(measured for another model)")
     return [w ** 2 for w in weights]
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    from support import cli
+
+    cli.not_a_script("extensions.layer_loss",
+                     "its loss is chosen with python -m research.train_lab --loss-weights ADAPTER")

@@ -260,3 +260,10 @@ class Spanned:
                              "scorer (prefill_and_score)")
         scores = self.rule.smooth(scores, states, prefilled.valid, prefilled.positions, self.scorer.window, budgets)
         return self.scorer.evict(scores, prefilled, budgets)
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    from support import cli
+
+    cli.not_a_script("extensions.span",
+                     "it is the span rule, chosen with --pool span:K or span:K:N in generate.py and research.evaluate")

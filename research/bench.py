@@ -273,12 +273,17 @@ def setup(args, config_path, lookahead):
     module = path = None
     args.text_from = None  # the folder whose tokenizer makes the overhead rows' text prompts (a checkpoint's)
     if config_path:
+        args.made_by = dict(weights_id=f"random {files.file_identity(config_path)}", adapter_id=None)
         model = random_model(config_path, args.device, dtype)
     else:
         folder = cli.resolve_model(args.model)
         args.model = str(folder)
         cfg = ModelConfig.from_hf_config(folder)
         path = adapter_path(cfg, args) if lookahead else None
+        # what the rows are made by, checked against --json's earlier rows of this model before the weights load
+        args.made_by = dict(weights_id=files.weights_identity(folder),
+                            adapter_id=files.file_identity(path) if path else None)
+        check_same_makers(args, cfg.name)
         if path:
             module = load_adapter(path, cfg)
             scorers_for(args, module)
@@ -583,7 +588,9 @@ def check_args(args):
     if args.quick:  # after the flags' own checks: the preset fills in what was not given
         quick(args)
     args.batches = cli.counts(args.batches, "--batches")
-    args.lengths = cli.counts(args.lengths, "--lengths") if args.lengths else DEFAULT_LENGTHS[args.mode][cuda]
+    # "" is a slip, not the default: counts() refuses it
+    args.lengths = (cli.counts(args.lengths, "--lengths") if args.lengths is not None
+                    else DEFAULT_LENGTHS[args.mode][cuda])
     if isinstance(args.methods, str) and not [m for m in args.methods.split(",") if m.strip()]:
         # "" is not "the default rows": it names none (an empty variable in a script), and was run as every default
         raise ValueError(f"--methods {args.methods!r} names no row: name some, or leave --methods out for the default")
@@ -605,7 +612,7 @@ def check_args(args):
     for flag, path in [("--adapter", args.adapter), ("--random-init", args.random_init)]:
         if path is not None:
             cli.input_file(flag, path)
-    if args.json:
+    if args.json is not None:  # "" is a slip, not "no --json"
         cli.output_file("--json", args.json, ".json")
         earlier_rows(Path(args.json))
     # the rows' own checks (budget against window and sinks, a rule a method refuses) before any model:
@@ -737,6 +744,22 @@ def earlier_rows(path):
     return [r if "torch" in r else {**r, "torch": old["torch"]} for r in old["rows"]]  # each row says its torch
 
 
+def check_same_makers(args, name):
+    """--json's earlier rows of the model `name` were made on these weights and this adapter (args.made_by), or
+    ValueError naming the file: rows of one name from two checkpoints (or two adapters) would sit side by side
+    in one table as if one model made them. Rows of other models (the --quick preset's two) stay welcome."""
+    if not args.json:
+        return
+    for row in earlier_rows(Path(args.json)):
+        if row.get("model") != name:
+            continue
+        for key, now in args.made_by.items():
+            if key in row and row[key] != now:
+                raise ValueError(f"--json {args.json} holds rows of {name} made with another "
+                                 f"{key.removesuffix('_id')} ({key} {row[key]}, this run's is {now}): pass "
+                                 "another --json, or move that one away")
+
+
 def add_row(path, row):
     """Add one row to --json: its rows are read again (another run may have added some since) and the whole
     written to a temporary file that then replaces it (os.replace, atomic): a kill mid-write leaves it whole."""
@@ -751,6 +774,7 @@ def run(args, jobs):
 
     def emit(row):
         row["torch"] = torch.__version__  # --json keeps the rows of several runs
+        row.update(getattr(args, "made_by", {}))  # and each says the weights and the adapter that made it
         rows.append(row)
         print_line([row.get(k) for k, _ in COLUMNS[args.mode]], args)
         if args.json:  # added at once: a killed run keeps what it measured

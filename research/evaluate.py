@@ -836,7 +836,7 @@ def run_heldout(args, budgets, paths):
     kept in its heldout.json, and each prompt's values as it is measured: the same command resumes)."""
     rows = heldout_rows(args.heldout, args.limit)
     folder = Path(args.heldout)
-    out = cli.output_folder("--out", args.out) if args.out else None
+    out = cli.output_folder("--out", args.out) if args.out is not None else None
     if out:
         cli.claim_folder("--out", out)
     cache = claim_heldout(folder)
@@ -1088,6 +1088,22 @@ def check_same_weights(saved, weights_id, folder, path):
     return weights_id
 
 
+def check_same_adapters(saved, paths, folder, out):
+    """results.json's rows were made with these adapter files (the hashes run_settings records: "adapter", or
+    "adapter@<stem>" for several), or ValueError before the model loads, naming --out: a rerun with another
+    adapter would skip every row as done and report the old adapter's scores as the new one's."""
+    if len(paths) > 1:
+        now = {f"adapter@{p.stem}": files.file_identity(p) for p in paths}
+    else:
+        path = paths[0] if paths else cli.default_adapter_path(ModelConfig.from_hf_config(folder))
+        now = {"adapter": files.file_identity(path)} if path.is_file() else {}
+    for key, identity in now.items():
+        was = saved["settings"].get(key)
+        if was is not None and was != identity:
+            raise ValueError(f"--out {out} was made with other settings: {key} {was} (now {identity}), another "
+                             f"adapter's results: pass another --out, e.g. --out {out}-{identity[:8]}")
+
+
 def drop_changed(saved, rows, prompts):
     """A row whose prompt changed under the same id (an edited --tasks file) is made again: its old results
     go, said in one line, and results.json keeps each row's prompt digest for the next resume."""
@@ -1112,6 +1128,8 @@ def check_args(args):
         if value is not None:
             cli.at_least(flag, value, lo)
     cli.check_threads("--threads", args.threads)  # at most the cores: above them every op waits
+    if args.out is not None:  # "" is the current folder: a slip, not the default (runs/eval)
+        cli.check_not_root("--out", args.out)
     budgets = list(dict.fromkeys(cli.counts(args.budgets, "--budgets")))
     lengths = cli.counts(args.lengths, "--lengths")
     if args.pool:
@@ -1210,6 +1228,13 @@ def check_methods(args, paths, budgets):
     bad = [m for m in methods if m not in known]
     if bad:
         raise ValueError(f"unknown method(s) {', '.join(bad)} for --mode {args.mode}; choose from {', '.join(known)}")
+    fixed = [m for m in methods if m in (PAPER_FORM, SHIPPED_FORM)
+             or (m != "full" and m in METHODS and issubclass(METHODS[m], Unpooled))]  # full: every table's baseline
+    if args.pool and fixed and len(fixed) == len([m for m in methods if m != "full"]):  # --pool would change no
+        # row: refused, as generate.py refuses it for its one method (where some rows take it, the tables'
+        # "selection:" line says each row's rule)
+        raise ValueError(f"--pool {args.pool}: the methods {', '.join(fixed)} select by their own scores (or their "
+                         "own form's rule) alone: a selection rule applies to none of them; drop --pool")
     methods = list(dict.fromkeys(["full"] + methods + ([UNTRAINED] if args.untrained else [])))  # full first
     for form in (PAPER_FORM, SHIPPED_FORM):
         if len(paths) > 1 and form in methods:
@@ -1321,13 +1346,13 @@ def run_settings(args, model, modules, adapter_path, chat, paths=()):
     for p in paths if len(paths) > 1 else ():  # several adapters: each row's file and selection, keys of its own
         # (another adapter is a new row; a retrained one under the same name needs a new --out)
         if ADAPTER_ROW + p.stem in modules:
-            settings[f"adapter@{p.stem}"] = hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+            settings[f"adapter@{p.stem}"] = files.file_identity(p)
             settings[f"adapter_rule@{p.stem}"] = rule_key(modules[ADAPTER_ROW + p.stem].info)
     if modules and not any(m.startswith(ADAPTER_ROW) for m in modules):  # the adapter (the untrained row has its
         # shape and selects as it does): a retrained one needs a new --out
         like = modules.get("lookahead", modules.get(PAPER_FORM, modules.get(SHIPPED_FORM)))
         if like is not None:
-            settings["adapter"] = hashlib.sha256(adapter_path.read_bytes()).hexdigest()[:16]
+            settings["adapter"] = files.file_identity(adapter_path)
         settings["adapter_rule"] = rule_key((like or modules[UNTRAINED]).info)  # and another selection in its .json
     return settings
 
@@ -1368,7 +1393,8 @@ def evaluate(args):
     if args.heldout:
         return run_heldout(args, budgets, paths)
     conversation = args.mode == "conversation"
-    out = cli.output_folder("--out", args.out or {"prefill": "runs/eval"}.get(args.mode, f"runs/eval-{args.mode}"))
+    out = cli.output_folder("--out", args.out if args.out is not None else
+                            {"prefill": "runs/eval"}.get(args.mode, f"runs/eval-{args.mode}"))
     check_out_is_ours(out)
     cli.claim_folder("--out", out)  # two runs on one --out would overwrite each other's results.json
     path = out / "results.json"
@@ -1377,6 +1403,8 @@ def evaluate(args):
     model_id = check_same_model(saved, model_identity(folder), folder, path)
     weights_id = check_same_weights(saved, files.weights_identity(folder, cache_dir=out), folder, path)
     files.keep_identity(folder, out, weights_id)  # hashed once: read back from --out by the next run on it
+    if any(m in ("lookahead", PAPER_FORM, SHIPPED_FORM) or m.startswith(ADAPTER_ROW) for m in methods):
+        check_same_adapters(saved, paths, folder, out)
 
     model, tok, folder = cli.load(folder, args.device)
     args.model = str(folder)

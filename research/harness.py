@@ -318,3 +318,10 @@ def size_panel(ax, results, budgets):
     ax.set_ylabel("KV slots per (layer, KV head)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    from support import cli
+
+    cli.not_a_script("research.harness",
+                     "it is the held-out check: python -m research.evaluate --heldout RUN")

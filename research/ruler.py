@@ -394,3 +394,10 @@ def score(task_or_metric, prediction, answers):
     # RULER's postprocess_pred: strip, control characters become newlines
     prediction = re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
     return METRICS[name](prediction, answers)
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    from support import cli
+
+    cli.not_a_script("research.ruler",
+                     "RULER's tasks run through python -m research.evaluate --suite ruler")

@@ -8,12 +8,14 @@ in support/generate_checks.py).
         return cli.run(lambda: work(get_args(argv)), resume="python train.py ... --resume")
 
 Every bad input ends in exit status 1 and one line "error: <what is wrong>: <what to do>", before a
-model loads wherever the check needs none. Ctrl-C (or SIGTERM) says how to resume; a closed pipe
-(`| head`) ends quietly.
+model loads wherever the check needs none; an exception no check foresaw is one line too (its type named;
+LOOKAHEADKV_TRACEBACK=1 shows where it came from). Ctrl-C (or SIGTERM) says how to resume; a closed pipe
+(`| head`) ends quietly. A library module run as a script says how it is run instead (not_a_script).
 """
 import argparse
 import json
 import math
+import numbers
 import os
 import signal
 import sys
@@ -33,25 +35,40 @@ from support.tokenizer import Tokenizer, decode_utf8
 # One line per failure
 
 
-def run(fn, resume=None):
+def run(fn, resume=None, release=True):
     """Call fn(); library errors become one `error:` line and exit 1. resume: the command that continues
-    an interrupted run (said on Ctrl-C or SIGTERM), or None. Its output is flushed here, so a reader that
-    went away (`| head`) is a quiet exit, as Unix tools make it, not a traceback."""
+    an interrupted run (said on Ctrl-C or SIGTERM), or None. release=False: the output folders fn claimed stay
+    claimed until the process ends (lock.py), for a caller that goes on using them. Its output is flushed
+    here, so a reader that went away (`| head`) is a quiet exit, as Unix tools make it, not a traceback."""
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    if sys.stdin is None:  # the shell closed it (`<&-`): reading it is one line, not an AttributeError on None
+        sys.stdin = ClosedStdin()
     try:
         out = fn()
         sys.stdout.flush()
         return out
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:  # ImportError: a missing package, which it names
         if isinstance(e, BrokenPipeError):
             return quiet_exit()
         raise SystemExit(f"error: {one_line(e)}")
+    except Exception as e:  # a case no check foresaw: still one line, its type named, for a bug report
+        if os.environ.get("LOOKAHEADKV_TRACEBACK") or not (isinstance(e, UNFORESEEN) or type(e) is Exception):
+            raise
+        raise SystemExit(f"error: {type(e).__name__}: {one_line(e)} (an unexpected failure: please report it "
+                         f"with the command; LOOKAHEADKV_TRACEBACK=1 shows where it happened)") from None
     except KeyboardInterrupt:
         again = f"; continue with: {resume}" if resume else ""
         raise SystemExit(f"interrupted: nothing saved so far is lost{again}") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
-        release_folders()  # the run's output folders are free for the next writer
+        if release:
+            release_folders()  # the run's output folders are free for the next writer
+
+
+# what Python, torch and the tokenizers library raise where no check foresaw a case (torch's errors are
+# RuntimeErrors; tokenizers raises a bare Exception); a caller's own exception class passes through
+UNFORESEEN = (ArithmeticError, AssertionError, AttributeError, EOFError, LookupError, MemoryError, NameError,
+              RuntimeError, TypeError)
 
 
 class Parser(argparse.ArgumentParser):
@@ -63,6 +80,32 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise ValueError(f"{message} (python {self.prog} --help)")
+
+
+def not_a_script(module, how):
+    """`python -m module` on a library module: say how it is used (one error line, exit 1), rather than
+    exit 0 having done nothing."""
+    raise SystemExit(f"error: {module} is not a script: {how}")
+
+
+CLOSED_STDIN = "stdin is closed (the shell ran this with <&-): pipe the text in, or pass a file"
+
+
+class ClosedStdin:
+    """sys.stdin under run() when the shell closed it (Python then sets it to None): any read is a ValueError
+    saying so, which run() turns into one line."""
+
+    @property
+    def buffer(self):
+        return self
+
+    def read(self, *_):
+        raise ValueError(CLOSED_STDIN)
+
+    readline = read
+
+    def isatty(self):
+        return False
 
 
 def one_line(e):
@@ -90,18 +133,36 @@ def quiet_exit():
 # Flags, checked before any long work
 
 
+def as_number(value, whole=False):
+    """value as a Python float (or int, whole=True) where it is a real number: Python's, numpy's (np.float32(0.9))
+    or a 0-d torch tensor (torch.tensor(128)), which a user who computed it holds; None otherwise (a bool, a
+    string, an array, a float where a whole number is wanted)."""
+    if torch.is_tensor(value):
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+            return None
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's bool_ is no Real either
+        return None
+    if whole:
+        return int(value) if isinstance(value, numbers.Integral) else None
+    return float(value)
+
+
 def at_least(flag, value, lo):
-    if value is None or not math.isfinite(value) or value < lo:
+    number = as_number(value)
+    if number is None or not math.isfinite(number) or number < lo:
         raise ValueError(f"{flag} {value}: must be a number >= {lo}")
 
 
 def positive(flag, value):
-    if value is None or not math.isfinite(value) or not value > 0:
+    number = as_number(value)
+    if number is None or not math.isfinite(number) or not number > 0:
         raise ValueError(f"{flag} {value}: must be a finite number > 0")
 
 
 def fraction(flag, value):
-    if value is None or not math.isfinite(value) or not 0 <= value <= 1:
+    number = as_number(value)
+    if number is None or not math.isfinite(number) or not 0 <= number <= 1:
         raise ValueError(f"{flag} {value}: must be a fraction between 0 and 1")
 
 
@@ -244,7 +305,7 @@ def universal_newlines(text):
 def output_folder(flag, path):
     """A folder we will write into: made if missing; ValueError if it is a file (or a device, a symlink loop: said
     as what it is, files.kind_of) or not writable."""
-    p = Path(path)
+    p = Path(check_not_root(flag, path))
     kind = files.kind_of(p)
     if kind not in ("a folder", "missing"):
         raise ValueError(f"{flag} {path} is {kind}, not a folder: pass a folder (it is made if missing)")
@@ -255,6 +316,17 @@ def output_folder(flag, path):
     if not os.access(p, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {path}: this folder is not writable: pass another")
     return p
+
+
+def check_not_root(flag, path):
+    """An output path that names a place of its own: "" (Path("") is the current folder) and the file
+    system's root are refused, as a slip, not a place to write into. Returns path."""
+    if not str(path).strip():
+        raise ValueError(f"{flag} is empty: pass a folder (it is made if missing)")
+    whole = Path(os.path.abspath(path))  # not resolve(): a symlink loop is said later as what it is
+    if whole == Path(whole.anchor):
+        raise ValueError(f"{flag} {path} is the file system's root: pass a folder of its own")
+    return path
 
 
 # one writer per output folder (lock.py: weights/prepare.py takes it too, and cli.py imports prepare.py)
@@ -300,6 +372,22 @@ def check_model_dir(path):
     if path is not None and not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"--model {path}: no config.json there; pass a Hugging Face folder (config.json, "
                                 f"*.safetensors, tokenizer.json), or leave --model out for the default model")
+
+
+def check_fit_context(flag, lengths, model=None):
+    """Token counts (--lengths, --tokens) within the context of --model, or of the default model where it is
+    prepared, read from config.json before the weights load: past it the work would fail only after loading
+    (or run on until killed). A config.json that cannot be read yet is said when the model loads."""
+    from weights.prepare import DEFAULT_DIR  # resolve_model's default, without preparing it
+
+    try:
+        cfg = ModelConfig.from_hf_config(Path(model) if model else DEFAULT_DIR)
+    except (ValueError, OSError):
+        return
+    for n in lengths:
+        if n > cfg.max_context:
+            raise ValueError(f"{flag} {n} is past the model's context of {context_words(cfg, ' tokens')}: use at "
+                             f"most {cfg.max_context}")
 
 
 # -----------------------------------------------------------------------------
@@ -468,3 +556,8 @@ def show_kept(tok, ids, keep_frac):
             fg = 16 if grey > 246 else 255
             out.append(f"\x1b[48;5;{grey}m\x1b[38;5;{fg}m{text}\x1b[0m")
     return "".join(out)
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    not_a_script("support.cli",
+                     "it is the scripts' front door: run generate.py, train.py or a research script")

@@ -199,6 +199,12 @@ def weights_identity(folder, cache_dir=None):
     return h.hexdigest()[:16]
 
 
+def file_identity(path):
+    """A digest (16 hex) of every byte of one file (an adapter's .safetensors): the key a result is made by."""
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()[:16]
+
+
 def keep_identity(folder, cache_dir, identity):
     """weights_identity's answer kept in cache_dir/.weights-id.json for the next run on that folder (a cache: one
     that cannot be written is left out, and the next run hashes again)."""
@@ -228,3 +234,10 @@ def read_cache(path):
     except (OSError, ValueError):
         return {}
     return known if isinstance(known, dict) else {}
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    from support import cli
+
+    cli.not_a_script("support.files",
+                     "the scripts use it to write their files: run generate.py, train.py or a research script")

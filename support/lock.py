@@ -72,3 +72,10 @@ def alive(pid):
     except PermissionError:  # it exists, under another user
         return True
     return True
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    from support import cli
+
+    cli.not_a_script("support.lock",
+                     "the scripts lock their output folders with it: run generate.py, train.py or a research script")

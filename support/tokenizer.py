@@ -46,6 +46,7 @@ class Tokenizer:
                    for name in ("tokenizer_config.json", "generation_config.json")}  # both optional
         template = chat_template(configs["tokenizer_config.json"], path, fix)
         vocab = self.tk.get_vocab(with_added_tokens=True)
+        fix = redo(path, damaged=False)  # from here on the files are whole but may not agree with one another
         if cfg is not None and vocab and max(vocab.values()) >= cfg.vocab_size:  # two files, one model: they agree
             raise ValueError(f"{path / 'tokenizer.json'} makes token ids up to {max(vocab.values())} but "
                              f"{path / 'config.json'} says vocab_size {cfg.vocab_size}: the two files come from "
@@ -213,3 +214,10 @@ def decode_utf8(raw, where):
     except UnicodeDecodeError as e:
         raise ValueError(f"{where} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): "
                          f"convert it, e.g. iconv -t utf-8") from None
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    from support import cli
+
+    cli.not_a_script("support.tokenizer",
+                     "the scripts read a model's tokenizer with it: run generate.py")

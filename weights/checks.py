@@ -32,6 +32,7 @@ POSITION_LIMIT = 2**24
 # 1e-6 .. 1e-5; near 1 it swamps the mean square and every norm's output shrinks towards 0 (issue 53:
 # 1e30 answered nothing, with exit 0). 1e-2 leaves a wide margin above any real value.
 EPS_LIMIT = 1e-2
+THETA_FLOOR = 100  # the least rope_theta taken (check_rope)
 
 
 def read_json(file, fix):
@@ -49,11 +50,62 @@ def short_reason(e):
     return " ".join(str(e).split())[:200] or type(e).__name__
 
 
-def redo(path):
-    """What to do about a broken file in the model folder `path`."""
-    if (Path(path) / ".prepared").exists():  # made by weights/prepare.py
-        return f"delete the folder {path} and rerun python weights/prepare.py"
-    return "re-download the checkpoint"
+PREPARED = ".prepared"  # weights/prepare.py's marker: the GGUF's sha256, then the folder and the files it wrote
+
+
+def redo(path, damaged=True):
+    """What to do about a broken file in the model folder `path`. Deleting the folder is advised only where a
+    file is damaged in a folder weights/prepare.py made (its marker) as it made it: a folder without the marker,
+    a copy of a prepared one, or one whose files changed since is the user's, and the fix names what is wrong
+    with it without deleting anything. damaged=False: the files are whole but do not agree (a tokenizer of
+    another model): someone put them there, so deleting is never the fix."""
+    made = prepared_record(path)
+    if made is None:
+        return "re-download the checkpoint"
+    fresh = "or make a fresh copy with python weights/prepare.py --out NEW_FOLDER"
+    changed = changes_since_prepared(path, made)
+    if changed:
+        return f"{path} is not as weights/prepare.py made it ({changed}): put back the original files, {fresh}"
+    if not damaged:
+        return f"put back the files that came with these weights, {fresh}"
+    return f"delete the folder {path} and rerun python weights/prepare.py --out {path}"
+
+
+def prepared_record(path):
+    """What weights/prepare.py's marker in `path` records: None without one; {} for a marker of before
+    2026-12-06 (the GGUF's sha256 alone); else {"folder": where it wrote, "files": {name: [size, sha256 or
+    None]}}."""
+    marker = Path(path) / PREPARED
+    if not marker.is_file():
+        return None
+    lines = marker.read_text(errors="replace").splitlines()[1:]
+    try:
+        return json.loads(lines[0]) if lines else {}
+    except ValueError:
+        return {"folder": None, "files": {}}  # a marker we cannot read: nothing is known to be ours
+
+
+def changes_since_prepared(path, made):
+    """How the folder differs from what prepare.py recorded writing there (its place, each file's size and the
+    small files' sha256), in words; "" if it does not. Cheap: the weights are compared by size alone."""
+    if not made:
+        return ""
+    if made.get("folder") != str(Path(path).resolve()):
+        return f"it is a copy of {made.get('folder')}"
+    changed = []
+    for name, (size, digest) in made.get("files", {}).items():
+        f = Path(path) / name
+        if not f.is_file():
+            changed.append(f"{name} is missing")
+        elif f.stat().st_size != size or (digest and file_sha256(f) != digest):
+            changed.append(f"{name} changed")
+    return ", ".join(changed)
+
+
+def file_sha256(path):
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 class ConfigCheck:
@@ -163,13 +215,15 @@ def check_rope(check):
         raise ValueError(f"rope type {rope_type!r} in {check.file} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     rope_check = ConfigCheck(check.file, rope, prefix=rope_key + ".")
-    # theta > 1: RoPE's wavelengths 2 pi theta^(2i / head_dim) must grow along the channels; theta 1 makes them
-    # all equal, below 1 they shrink (real models: 1e4 .. 1e6)
-    why = "RoPE's wavelengths 2 pi theta^(2i / head_dim) grow along the channels only then; real models use 1e4 .. 1e6"
+    # RoPE's wavelengths 2 pi theta^(2i / head_dim) grow along the channels up to 2 pi theta: at theta <= 1 they do
+    # not grow, and at a small theta (1.5 answered "----") every position past a few hundred tokens looks like a
+    # nearer one. Real models use 1e4 .. 1e6; THETA_FLOOR leaves a wide margin below them
+    why = (f"its wavelengths reach 2 pi theta tokens, too short below {THETA_FLOOR:g} for positions to differ; "
+           "real models use 1e4 .. 1e6")
     if "rope_theta" in rope:
-        rope_check.positive("rope_theta", above=1, why=why)
+        rope_check.positive("rope_theta", above=THETA_FLOOR, why=why)
     else:
-        check.positive("rope_theta", required=False, above=1, why=why)
+        check.positive("rope_theta", required=False, above=THETA_FLOOR, why=why)
     if rope_type == "llama3":
         for k in ("factor", "low_freq_factor", "high_freq_factor"):
             rope_check.positive(k)
@@ -321,7 +375,7 @@ def check_tensor_names(path, cfg, stored, params):
     names = set(stored) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     missing, unexpected = sorted(set(params) - names), sorted(names - set(params))
     if missing or unexpected:
-        raise ValueError(mismatch_message(path, cfg, missing, unexpected, stored, redo(path)))
+        raise ValueError(mismatch_message(path, cfg, missing, unexpected, stored, redo(path, damaged=False)))
 
 
 def mismatch_message(path, cfg, missing, unexpected, stored, fix):
@@ -414,10 +468,15 @@ def read_adapter(path):
     from safetensors.torch import load_file
 
     path = Path(path)
-    if path.suffix != ".safetensors" or not path.is_file() or not path.with_suffix(".json").is_file():
+    meta_file = path.with_suffix(".json")
+    if path.suffix != ".safetensors" or not path.is_file():
         raise FileNotFoundError(f"adapter {path} (a .safetensors file and its .json) not found: "
                                 "train one with python train.py")
-    meta = read_json(path.with_suffix(".json"), "retrain the adapter")
+    if not meta_file.is_file():  # the tensors are there: name what is missing beside them, as it is
+        what = "is a folder" if meta_file.is_dir() else "is not a file" if meta_file.exists() else "is missing"
+        raise FileNotFoundError(f"adapter {path}: its metadata {meta_file} {what}: put the .json that train.py "
+                                "wrote beside it, or retrain the adapter")
+    meta = read_json(meta_file, "retrain the adapter")
     try:
         return meta, load_file(str(path))
     except Exception as e:
@@ -491,3 +550,8 @@ def adapter_scale_problem(tensors, names, alpha, rank):
             return (f"its LoRA on layer {layer}'s {target} has gain (alpha / rank) |B| |A| = {gain:.3g}, past "
                     f"{SCALE_LIMIT:g} (a trained adapter's is about 10; is \"alpha\" {alpha} right?)")
     return None
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    raise SystemExit("error: weights/checks.py is not a script: the loaders call it; python weights/prepare.py "
+                     "prepares the default model")

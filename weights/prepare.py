@@ -36,7 +36,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"]
 CACHE_WAIT_S = 900  # how long a run waits for another one fetching into the shared download cache
-MARKER = ".prepared"  # holds the sha256 of the GGUF the folder was made from
+MARKER = ".prepared"  # the sha256 of the GGUF the folder was made from, then what was written (stamp)
 
 # GGUF tensor name (inside blk.N.) -> HF name (inside model.layers.N.)
 LAYER_NAMES = {
@@ -194,7 +194,7 @@ def not_whole(out_dir):
     tokenizer.json is checked for truncation (support.tokenizer.Tokenizer reads it in full, naming the fix)."""
     out_dir = Path(out_dir)
     marker = out_dir / MARKER
-    if not marker.is_file() or marker.read_text().strip() != GGUF_SHA256:
+    if not marker.is_file() or marker.read_text().split("\n")[0].strip() != GGUF_SHA256:
         return "not prepared"  # never finished, or made from another GGUF
     for f in FILES:
         if not (out_dir / f).is_file():
@@ -221,6 +221,14 @@ def not_whole(out_dir):
             except ValueError:
                 return f"{f} is not valid JSON"
     return None
+
+
+def stamp(out_dir):
+    """The marker's text: the GGUF's sha256, then what was written where (weights/checks.prepared_record reads
+    it), so that a fix that deletes this folder is advised for it alone, not for a copy or a folder changed since."""
+    files = {f: [(out_dir / f).stat().st_size, None if f.endswith(".safetensors") else sha256(out_dir / f)]
+             for f in FILES}
+    return f"{GGUF_SHA256}\n{json.dumps(dict(folder=str(out_dir.resolve()), files=files))}\n"
 
 
 def is_ready(out_dir):
@@ -306,6 +314,11 @@ def prepare(out_dir=DEFAULT_DIR, quiet=False, flag="--out"):
     if theirs and not (out_dir / MARKER).exists():  # files another tool or a download put there: not ours to replace
         raise ValueError(f"--out {out_dir} holds {', '.join(theirs)} that weights/prepare.py did not write (no "
                          f"{MARKER} file): pass a new or empty folder, or move those files away first")
+    others = sorted(p.name for p in out_dir.iterdir() if p.name not in (MARKER, ".lock")) \
+        if out_dir.is_dir() and not (out_dir / MARKER).exists() else []
+    if others:  # a folder of other things (the repository, a home folder): a model's files would land among them
+        raise ValueError(f"{flag} {out_dir} holds {', '.join(others[:3])}{', ...' * (len(others) > 3)} and is no "
+                         "folder weights/prepare.py made: pass a new or empty folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     claim(flag, out_dir)  # two runs converting into one folder would interleave their files
     why = not_whole(out_dir)  # a run that held the folder until now may have finished it
@@ -317,7 +330,7 @@ def prepare(out_dir=DEFAULT_DIR, quiet=False, flag="--out"):
     gguf_path = fetch_gguf(log)
     log(f"converting {gguf_path.name} -> {out_dir}")
     n_params = convert_gguf(gguf_path, out_dir)
-    (out_dir / MARKER).write_text(GGUF_SHA256 + "\n")  # written last: a crash leaves the folder "not ready"
+    (out_dir / MARKER).write_text(stamp(out_dir))  # written last: a crash leaves the folder "not ready"
     log(f"wrote {n_params / 1e6:.1f}M params + {', '.join(FILES)}")
     return out_dir
 
@@ -342,21 +355,26 @@ def ensure_default(out_dir=DEFAULT_DIR, quiet=False):
 
 
 def get_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    parser.add_argument("--out", type=Path, default=DEFAULT_DIR, help="output folder (default: %(default)s)")
-    return parser.parse_args(argv)
+    from support import cli  # the repo's: run as a script, __main__ below puts the repo root on sys.path
+
+    parser = cli.Parser("weights/prepare.py", description=__doc__.split("\n\n")[0].strip())
+    parser.add_argument("--out", default=DEFAULT_DIR, help="output folder (default: %(default)s)")
+    args = parser.parse_args(argv)
+    args.out = Path(cli.check_not_root("--out", args.out))  # "" is the current folder: a slip, not a place
+    return args
 
 
 def main(argv=None):
-    try:
+    from support import cli
+
+    def work():
         out = get_args(argv).out
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} is a file: pass a folder for the converted model")
         print(f"ready: {prepare(out)}")
-    except (ValueError, OSError, ImportError) as e:  # one line that says what to do, no traceback
-        raise SystemExit(f"error: {e}")
+    cli.run(work, release=False)  # every failure one line; the folder stays claimed until this process ends
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(WEIGHTS_DIR.parent))  # `python weights/prepare.py`: the repo's lock.py
+    sys.path.insert(0, str(WEIGHTS_DIR.parent))  # `python weights/prepare.py`: the repo's support/
     main()

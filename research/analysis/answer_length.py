@@ -22,17 +22,26 @@ from lookaheadkv import answer_attention, kl_loss  # noqa: E402
 from train import get_batch  # noqa: E402
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    return cli.run(lambda: measure(argv))
+
+
+def measure(argv):
+    p = cli.Parser("research/analysis/answer_length.py", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="a train.py run's folder (data.jsonl + samples/)")
     p.add_argument("--tokens", default="64", help="comma list of answer lengths N")
     p.add_argument("--model", default=None)
     p.add_argument("--limit", type=int, default=None, help="at most this many rows")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    lengths = cli.counts(a.tokens, "--tokens")  # every flag and file checked before the model loads
+    if a.limit is not None:
+        cli.at_least("--limit", a.limit, 1)
+    cli.input_file("--out (its data.jsonl)", Path(a.out) / "data.jsonl")
+    cli.check_model_dir(a.model)
     model, _, _ = cli.load(a.model, "cpu", torch.float32)
     rows = [r for r in data.read_jsonl(Path(a.out) / "data.jsonl", required=("id", "response_ids")) if r.get("split") == "train"
             and data.sample_ok(data.sample_path(a.out, r["id"]))][:a.limit]
-    lengths = [int(t) for t in a.tokens.split(",")]
     kls, uni = {n: [] for n in lengths}, []
     for r in rows:  # each row's sample read once, for every N
         longer = [n for n in lengths if len(r["response_ids"]) > n]

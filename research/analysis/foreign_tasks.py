@@ -28,6 +28,9 @@ import random
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from support import cli  # noqa: E402
+
 LICENCES = Path("/usr/share/common-licenses")
 LICENCE_FILES = ("GPL-2", "GPL-3", "LGPL-2.1", "MPL-1.1", "MPL-2.0", "GFDL-1.3", "Apache-2.0", "LGPL-2")
 LICENCE_ASKS = (
@@ -122,8 +125,22 @@ def build_facts(n=12, max_chars=7500, min_chars=6000, seed=0):
     return rows
 
 
+def ours(path):
+    """Whether path holds rows as this script writes them (an earlier run's, which a new one may replace)."""
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (ValueError, OSError):
+        return False
+    return bool(rows) and all(isinstance(r, dict) and {"id", "task", "prompt"} <= set(r) for r in rows)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return cli.run(lambda: write_tasks(argv))
+
+
+def write_tasks(argv):
+    p = cli.Parser("research/analysis/foreign_tasks.py", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/foreign/tasks.jsonl")
     p.add_argument("--per-kind", type=int, default=8, help="prompts per kind of document")
     p.add_argument("--max-chars", type=int, default=7500, help="document length cap (about 1.5-2K tokens)")
@@ -133,12 +150,13 @@ def main(argv=None):
     for flag, value in (("--per-kind", args.per_kind), ("--max-chars", args.max_chars), ("--n-facts", args.n_facts)):
         if value < 1:
             sys.exit(f"error: {flag} {value}: must be at least 1")
-    if Path(args.out).is_dir():
-        sys.exit(f"error: --out {args.out} is a folder: pass a file name, e.g. {Path(args.out) / 'tasks.jsonl'}")
+    cli.output_file("--out", args.out, ".jsonl")
+    if Path(args.out).exists() and not ours(Path(args.out)):  # a file of the user's under the same name stays
+        raise ValueError(f"--out {args.out} exists and is not a task file this script wrote: move it away or pass "
+                         "another --out")
     rows = build_facts(args.n_facts, args.max_chars) if args.facts else build(args.per_kind, args.max_chars)
     if not rows:
         sys.exit("error: no documents found: this needs Python's pydoc_data or /usr/share/common-licenses")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from research.harness import mean_of, task_means  # noqa: E402
+from support import cli  # noqa: E402
 from support.metrics import gap_closed  # noqa: E402
 
 ADAPTER_ROW = "lookahead@"  # evaluate.py's row of one adapter among several: lookahead@<file stem>
@@ -134,17 +135,21 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return cli.run(lambda: report(argv))
+
+
+def report(argv):
+    p = cli.Parser("research/analysis/learning_curve.py", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heldout", required=True, help="the --out folder of an evaluate.py --heldout run (heldout.json)")
     p.add_argument("--foreign", default=None, help="the --out folder of an evaluate.py --tasks run with --adapters")
     p.add_argument("--ruler", default=None, help="the --out folder of an evaluate.py --suite ruler run with --adapters")
     p.add_argument("--budget", type=int, default=128, help="C of the foreign and RULER columns (default 128)")
     p.add_argument("--out", default=None, help="image to write (needs matplotlib); the table is always printed")
     args = p.parse_args(argv)
-    if args.out and not args.out.endswith(".png"):
-        sys.exit(f"error: --out {args.out}: the name must end in .png")
-    if args.out and not Path(args.out).resolve().parent.is_dir():
-        sys.exit(f"error: --out {args.out}: its folder does not exist: make it, or pass another path")
+    cli.at_least("--budget", args.budget, 1)
+    if args.out:
+        cli.output_file("--out", args.out, ".png")
     rows = curve(args)
     if any(n is None for _, n, _ in rows):
         sys.exit("error: an adapter's .json has no train_data.n_train: pass adapters that train.py wrote")

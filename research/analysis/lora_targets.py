@@ -31,26 +31,38 @@ def rows_of(folder, limit):
     return [r for r in rows if r["split"] == "heldout"][:limit]
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    return cli.run(lambda: measure(argv))
+
+
+def measure(argv):
+    p = cli.Parser("research/analysis/lora_targets.py", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heldout", required=True)
     p.add_argument("--adapters", required=True, help="label=path,...; labels qk-* and all-* are paired")
     p.add_argument("--budgets", default="64,128,256")
     p.add_argument("--limit", type=int, default=64)
     p.add_argument("--out", required=True)
     p.add_argument("--threads", type=int, default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    budgets = cli.counts(args.budgets, "--budgets")  # every flag and file checked before the model loads
+    cli.at_least("--limit", args.limit, 1)
+    cli.check_threads("--threads", args.threads)
+    cli.input_file("--heldout", args.heldout)
+    adapters = [item.partition("=") for item in args.adapters.split(",")]
+    for label, eq, path in adapters:
+        if not (label and eq and path):
+            raise ValueError(f"--adapters {args.adapters}: write label=path,..., e.g. qk-1=a.safetensors")
+        cli.input_file(f"--adapters {label}", path)
+    cli.output_file("--out", args.out, ".jsonl")
     if args.threads:
         torch.set_num_threads(args.threads)
-    budgets = [int(b) for b in args.budgets.split(",")]
     model, _, _ = cli.load(None, "cpu", None, tokenizer=False)
     scorers = {"snapkv": make_scorer(EvictConfig("snapkv", max(budgets)))}
-    for item in args.adapters.split(","):
-        label, path = item.split("=")
+    for label, _, path in adapters:
         scorers[label] = make_scorer(EvictConfig("lookahead", max(budgets), options=dict(one_pass=False)),
                                      load_adapter(path, model.config))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     rows = rows_of(args.heldout, args.limit)
     for i, row in enumerate(tqdm(rows, desc="held-out prompts")):

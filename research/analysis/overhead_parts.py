@@ -75,14 +75,24 @@ def parts(model, tok, module, S, calls):
     return full, out
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    return cli.run(lambda: measure(argv))
+
+
+def measure(argv):
+    p = cli.Parser("research/analysis/overhead_parts.py", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="2048", help="prompt lengths, comma-separated (default 2048)")
     p.add_argument("--calls", type=int, default=9, help="calls per piece; the fastest counts (default 9)")
     p.add_argument("--model", default=None, help="HF folder (default: the prepared SmolLM2)")
     p.add_argument("--adapter", default=None, help="adapter (default: the one shipped for the model)")
-    args = p.parse_args()
-    lengths = cli.counts(args.lengths, "--lengths")
+    args = p.parse_args(argv)
+    lengths = cli.counts(args.lengths, "--lengths")  # every flag checked before the model loads
+    cli.check_fit_context("--lengths", lengths, args.model)
+    cli.at_least("--calls", args.calls, 1)
+    cli.check_model_dir(args.model)
+    if args.adapter is not None:
+        cli.input_file("--adapter", args.adapter)
     torch.set_num_threads(1)
     model, tok, _ = cli.load(args.model)
     module = load_adapter(args.adapter or cli.default_adapter_path(model.config), model.config)
@@ -98,4 +108,4 @@ def main():
                 print(f"  sum, {form:53s} {common + ms:7.1f} ms  {100 * (common + ms) / full:5.2f}%")
 
 if __name__ == "__main__":
-    cli.run(main)
+    main()

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from support import cli  # noqa: E402
 from support.metrics import gap_closed  # noqa: E402
 
 DRAWS, SEED = 10_000, 0
@@ -100,7 +101,12 @@ def compare(run, by_key, a, b):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return cli.run(lambda: report(argv))
+
+
+def report(argv):
+    p = cli.Parser("research/analysis/paired_heldout.py", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heldout", required=True, help="the --out folder of an evaluate.py --heldout --answer-kl run")
     p.add_argument("--a", required=True, help="one adapter of that run (its path as given to --adapters)")
     p.add_argument("--b", required=True, help="another adapter of that run: the differences are b - a")

@@ -18,6 +18,9 @@ import random
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from support import cli  # noqa: E402
+
 DRAWS, SEED = 10_000, 0
 
 
@@ -60,7 +63,12 @@ def compare(a, b, lower_is_better):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return cli.run(lambda: report(argv))
+
+
+def report(argv):
+    p = cli.Parser("research/analysis/paired_runs.py", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--a", required=True, help="FOLDER:METHOD, one evaluate.py --out folder and the row's method")
     p.add_argument("--b", required=True, help="FOLDER:METHOD, the other: the differences are b - a")
     p.add_argument("--metric", default="accuracy", help="accuracy (default; higher is better) or answer_kl, "

@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from research.harness import plot_results, results_table  # noqa: E402
+from support import cli  # noqa: E402
 
 TABLES = {"answer_kl": ("answer KL: mean KL(FullKV || method) along FullKV's answer, nats", "{:.4f}"),
           "recall": ("recall@C against the true future attention", "{:.3f}"),
@@ -40,13 +41,20 @@ def read_run(folder):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return cli.run(lambda: merge(argv))
+
+
+def merge(argv):
+    p = cli.Parser("research/analysis/plot_eval.py", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="DIR or DIR:METHOD[=LABEL],...")
     p.add_argument("--out", default=None, help="image to write")
     p.add_argument("--tables", action="store_true", help="print markdown tables of the merged rows")
     args = p.parse_args(argv)
     if not args.out and not args.tables:
         sys.exit("error: nothing to do: give --out IMAGE, --tables or both")
+    if args.out:
+        cli.output_file("--out", args.out, Path(args.out).suffix or ".png")
     results, methods, budgets = [], [], set()
     for spec in args.runs:
         folder, _, picks = spec.partition(":")

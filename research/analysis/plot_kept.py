@@ -16,7 +16,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-import matplotlib
 import torch
 
 from support import cli
@@ -35,26 +34,46 @@ def token_span(tok, ids, text, start, end):
     return covered[0], covered[-1] + 1
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    return cli.run(lambda: plot(argv))
+
+
+def plot(argv):
+    p = cli.Parser("research/analysis/plot_kept.py", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", default="examples/needle.txt", help="a text file with one planted 'magic number'")
     p.add_argument("--budget", type=int, default=128, help="C: KV slots kept per (layer, KV head)")
     p.add_argument("--out", default="research/figures/kept.png")
     p.add_argument("--max-new-tokens", type=int, default=64, help="length of the FullKV answer (the future)")
     p.add_argument("--methods", default=ALL, help=f"comma-separated, from {ALL}")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    prompt_file = cli.input_file("--prompt", args.prompt)  # every flag checked before the model loads
+    cli.at_least("--budget", args.budget, 1)
+    cli.at_least("--max-new-tokens", args.max_new_tokens, 1)
+    cli.output_file("--out", args.out, ".png")
+    unknown = [m for m in args.methods.split(",") if m not in ALL.split(",")]
+    if unknown:
+        raise ValueError(f"--methods {','.join(unknown)}: not a method here; choose from {ALL}")
+    prompt = cli.read_text(prompt_file.read_bytes(), f"--prompt {args.prompt}").strip()
+    # the needle: the planted sentence (the first that mentions the magic number); the question: the last line
+    needle = re.search(r"[A-Z][^.?!A-Z]*magic number[^.?!]*[.?!]", prompt)
+    if needle is None:
+        raise ValueError(f"--prompt {args.prompt}: no sentence with a planted 'magic number' (the needle drawn): "
+                         "pass a prompt like examples/needle.txt")
+    try:  # the figure's library, before the model loads
+        import matplotlib
+    except ImportError:
+        raise ValueError("research/analysis/plot_kept.py needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")  # draw to a file, no display
     torch.set_grad_enabled(False)
     model, tok, _ = cli.load(None)
     answer_ids = lambda *state: greedy(model, *state, args.max_new_tokens, tok.stop_ids)[0]
-    prompt = cli.input_file("--prompt", args.prompt).read_text().strip()
     text = tok.chat(prompt)
     ids = tok.encode(text)
     ids_t = torch.tensor([ids])  # (1, S)
     if len(ids) <= args.budget:
         raise SystemExit(f"error: the prompt ({len(ids)} tokens) fits in --budget {args.budget}: nothing to evict")
-    # the needle: the planted sentence (the first that mentions the magic number); the question: the last line
-    needle = re.search(r"[A-Z][^.?!A-Z]*magic number[^.?!]*[.?!]", prompt).group(0)
+    needle = needle.group(0)
     question = prompt.splitlines()[-1].strip()
     spans = {name: token_span(tok, ids, text, text.index(s), text.index(s) + len(s))
              for name, s in (("needle", needle), ("question", question))}
@@ -113,4 +132,4 @@ def draw(rows, spans, words, cfg, args):
 
 
 if __name__ == "__main__":
-    cli.run(main)  # a bad flag or a missing adapter: one `error:` line
+    main()

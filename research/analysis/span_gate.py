@@ -86,15 +86,25 @@ def kept_share(got, want):
 
 
 @torch.no_grad()
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    return cli.run(lambda: measure(argv))
+
+
+def measure(argv):
+    p = cli.Parser("research/analysis/span_gate.py", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--first", default="256,1024", help="comma-separated N of the gates span:8:N (default 256,1024)")
     p.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
     p.add_argument("--model", default=None, help="HF folder (default: the prepared SmolLM2)")
     p.add_argument("--adapter", default=None, help="adapter (default: the one shipped for the model)")
     p.add_argument("--probe", action="store_true", help="also fit and test a linear probe of log Z (slower)")
-    args = p.parse_args()
-    firsts = [int(x) for x in args.first.split(",")]
+    args = p.parse_args(argv)
+    firsts = cli.counts(args.first, "--first")  # every flag checked before the model loads
+    cli.at_least("--tokens", args.tokens, 2)  # the first token, then the end of the prompt
+    cli.check_fit_context("--tokens", [args.tokens], args.model)
+    cli.check_model_dir(args.model)
+    if args.adapter is not None:
+        cli.input_file("--adapter", args.adapter)
     torch.set_num_threads(1)
     model, tok, _ = cli.load(args.model)
     module = load_adapter(args.adapter or cli.default_adapter_path(model.config), model.config)

@@ -42,17 +42,25 @@ def interval(diffs, draws=10_000, seed=0):
     return means[int(0.025 * draws)], means[int(0.975 * draws)]
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    return cli.run(lambda: measure(argv))
+
+
+def measure(argv):
+    p = cli.Parser("research/analysis/weighted_oracle.py", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="a train.py data stage's folder (data.jsonl + samples/)")
     p.add_argument("--rows", type=int, default=64, help="its first N training rows")
     p.add_argument("--budgets", default="64,128,256")
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=2)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if not (Path(a.data) / "data.jsonl").is_file():
         sys.exit(f"error: --data {a.data}: no data.jsonl there: pass the --out folder of a train.py data stage")
-    budgets = [int(c) for c in a.budgets.split(",")]
+    budgets = cli.counts(a.budgets, "--budgets")  # every flag checked before the model loads
+    cli.at_least("--rows", a.rows, 1)
+    cli.check_threads("--threads", a.threads)
+    cli.check_model_dir(a.model)
     torch.set_num_threads(a.threads)
     model, _, _ = cli.load(a.model, "cpu", torch.float32, tokenizer=False)
     rows, _ = aw.source_rows(Path(a.data), model.config, None)
