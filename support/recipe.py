@@ -440,8 +440,8 @@ def resume_keys(Config):
 
 def schedule_of(cfg, weights_id=None):
     """The settings a checkpoint is only good for (--resume with others would train a mix of two runs and record
-    one of them in the adapter's .json): every config field but MAY_CHANGE's, checked (check_run) first, and the
-    identity of the base model's weights (files.weights_identity, set by check_run): --model may move, the weights
+    one of them in the adapter's .json): every config field but MAY_CHANGE's, checked (check) first, and the
+    identity of the base model's weights (files.weights_identity, which check returns): --model may move, the weights
     may not (a copy with the same config and other tensors resumed without a word)."""
     return Schedule({k: getattr(cfg, k) for k in resume_keys(type(cfg))}, weights_id)
 

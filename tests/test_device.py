@@ -213,7 +213,7 @@ def ids_on(B, T, seed=0):
 
 
 def left_padded(lengths, seed=0):
-    ids, mask = data.left_pad([torch.randint(1, V, (n,), generator=torch.Generator().manual_seed(seed + n)).tolist()
+    ids, mask = ev.left_pad([torch.randint(1, V, (n,), generator=torch.Generator().manual_seed(seed + n)).tolist()
                                 for n in lengths], DEV)
     return ids, mask
 
