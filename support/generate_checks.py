@@ -118,7 +118,7 @@ def check_flags(args):
         raise ValueError(f"method {args.method} selects by its own scores alone: a selection rule (--pool "
                          f"{args.pool}) does not apply to it")
     if args.method == "oracle":  # its Scorer is made once its answer is known: its config is checked now
-        make_scorer(EvictConfig(args.method, args.budget, window=args.window, rule=args.pool),
+        make_scorer(EvictConfig(args.method, args.budget, window=args.window),  # no rule: refused above
                     response=torch.zeros(1, 1, dtype=torch.long))
     cli.check_generate_flags(args)  # --show with --json, --show/--no-chat in a chat: refused, not dropped
     cli.check_device(args.device)

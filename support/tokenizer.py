@@ -35,7 +35,7 @@ class Tokenizer:
         path = Path(path)
         if not (path / "tokenizer.json").exists():
             raise FileNotFoundError(f"no tokenizer.json in {path}: use a Hugging Face model folder that has one")
-        fix = redo(path)
+        fix = Advice(path)  # what to do about a broken file, made only if a message needs it
         try:
             self.tk = HFTokenizer.from_file(str(path / "tokenizer.json"))
             self.tk.encode("a probe, 42 \u00e9")  # some damage (an unk token not in the vocab) shows at encode only
@@ -46,7 +46,7 @@ class Tokenizer:
                    for name in ("tokenizer_config.json", "generation_config.json")}  # both optional
         template = chat_template(configs["tokenizer_config.json"], path, fix)
         vocab = self.tk.get_vocab(with_added_tokens=True)
-        fix = redo(path, damaged=False)  # from here on the files are whole but may not agree with one another
+        fix = Advice(path, damaged=False)  # from here on the files are whole but may not agree
         if cfg is not None and vocab and max(vocab.values()) >= cfg.vocab_size:  # two files, one model: they agree
             raise ValueError(f"{path / 'tokenizer.json'} makes token ids up to {max(vocab.values())} but "
                              f"{path / 'config.json'} says vocab_size {cfg.vocab_size}: the two files come from "
@@ -140,6 +140,17 @@ def special_name(value):
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) and value else None
+
+
+class Advice:
+    """weights/checks.redo's advice for a model folder, as text only when a message is made: redo reads the
+    folder's marker and hashes its files, which a tokenizer that loads fine never needs."""
+
+    def __init__(self, path, damaged=True):
+        self.path, self.damaged = path, damaged
+
+    def __str__(self):
+        return redo(self.path, damaged=self.damaged)
 
 
 def check_serves(path, vocab, cfg, configs, fix):
