@@ -5,15 +5,14 @@ Generate with a compressed KV cache, as the paper does: load -> prefill -> score
 
 finds a number hidden in a speech of 878 tokens, keeping 128 KV slots per (layer, KV head) with
 LookaheadKV in the paper's form (the shipped adapter's M = 32 rows, max-pool 7, C in every layer),
-streams the answer, then the stats: "prefill" is the prompt's forward pass (the M rows ride in it),
-"eviction" all the method adds after it (scores, pooling, top C, gather), "ttft" the prefill's start
-to the first token.
+and streams the answer, then the stats: "prefill" (the M rows ride in it), "eviction" (all the
+method adds after it: scores, pooling, top C, gather), "ttft" (the prefill's start to the first
+token).
 
     python generate.py --prompt examples/needle.txt --method snapkv --show   # the kept tokens, lit
     echo "What is 2+2?" | python generate.py --prompt - --method full --json  # one JSON object
 
-Beyond the paper, each only when its flag asks: --pool span:8:1024, --layer-budgets,
---decode-budget,
+Beyond the paper, only when their flags ask: --pool span:8:1024, --layer-budgets, --decode-budget,
 --turns (a chat). --model takes any HF Llama, Mistral, Qwen2 or Qwen3 folder. Every flag and file is
 checked before the weights load (support/generate_checks.py): a bad one is one `error:` line.
 """
@@ -72,9 +71,8 @@ def get_args(argv=None):
 
 
 def sampler(args):
-    """decode()'s pick for --temperature/--top-p, seeded by --seed: None (greedy, the paper's) at
-    temperature 0, else a draw from the softmax at that temperature, cut to the nucleus of mass
-    top_p."""
+    """decode()'s pick for --temperature/--top-p, seeded by --seed: None (greedy) at temperature 0,
+    else a draw from the softmax at that temperature, cut to the nucleus of mass top_p."""
     if args.temperature <= 0:
         return None
     generator = torch.Generator(device=args.device).manual_seed(args.seed)

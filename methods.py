@@ -63,15 +63,13 @@ def parse_targets(text):
     if text.strip() == "all":
         return LookaheadModule.TARGETS
     names = [t.strip() for t in text.split(",") if t.strip()]
-    if "none" in names and len(names) > 1:  # "none,q_proj" contradicts itself
-        raise ValueError(f"--targets {text!r}: none (the embeddings alone) and LoRA targets together; "
-                         "give one or the other")
-    targets = tuple(t for t in names if t != "none")
-    bad = [t for t in targets if t not in LookaheadModule.TARGETS]
+    bad = [t for t in names if t not in LookaheadModule.TARGETS + ("none",)]
     if bad:
         raise ValueError(f"--targets: unknown {', '.join(bad)}; use all, none, or any of "
                          f"{', '.join(LookaheadModule.TARGETS)}")
-    return targets
+    if "none" in names and len(names) > 1:  # "none,q_proj" contradicts itself
+        raise ValueError(f"--targets {text}: none (no LoRA) and LoRA targets: give one of them")
+    return tuple(t for t in names if t != "none")
 
 
 def untrained(model, seed, like=None, **shape):

@@ -93,8 +93,7 @@ def parser(prog="train.py", stages=("data", "train", "all")):
     return recipe_parser(prog, __doc__, TrainConfig(), stages)
 
 
-def get_args(argv=None, Config=TrainConfig, p=None):
-    """The run's config: flag > --config file > default."""
+def get_args(argv=None, Config=TrainConfig, p=None):  # flag > --config file > default
     return (p or parser()).config(argv, Config)
 
 
@@ -271,14 +270,15 @@ def optimizer_step(module, opt, model, micro, n_samples, clip, world=1, loss=Non
         if p.grad is not None:  # None: the last layer's v/o/MLP LoRA (LookaheadModule says why)
             dist.all_reduce(p.grad)  # a sum (gloo has no average)
             p.grad /= world
-    norm = torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
-    if not torch.isfinite(norm):  # a bad sample, too high a rate: the last good checkpoint stays
+    try:  # a nan or inf (a bad sample, too high a rate): stop with the last good checkpoint
+        torch.nn.utils.clip_grad_norm_(module.parameters(), clip, error_if_nonfinite=True)
+    except RuntimeError as e:
+        if "non-finite" not in str(e):
+            raise
         opt.zero_grad(set_to_none=True)
         raise ValueError("the training loss or its gradient is not finite (nan or inf): stopped "
-                         "before this step, nothing saved from it (OUT/ckpt.pt keeps the last good "
-                         "checkpoint); check --init's adapter and its .json, and the data, or "
-                         "lower --lr, then rerun "
-                         "with --resume")
+                         "before this step (OUT/ckpt.pt keeps the last good checkpoint); check the "
+                         "data or --init's adapter, or lower --lr; then --resume") from None
     opt.step()
     opt.zero_grad(set_to_none=True)
     return total

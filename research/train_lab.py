@@ -87,6 +87,12 @@ def read_adapter(cfg, model_cfg):
     training_loss(cfg, model_cfg)
     if not (cfg.stage == "budgets" or cfg.init):
         return None
+    if cfg.init:  # the adapter's own M, rank, alpha and targets train on: other settings are said, not used
+        D = LabConfig()
+        given = [k for k in ("n_tokens", "rank", "alpha", "targets") if getattr(cfg, k) != getattr(D, k)]
+        if given:
+            cli.warn(f"--init {cfg.init} trains the adapter's own M, rank, alpha and targets: "
+                     f"{', '.join(f'{k} {getattr(cfg, k)}' for k in given)} not used")
     path = cfg.init or cli.default_adapter_path(model_cfg)
     adapter = methods.load_adapter(cli.input_file("--init", path) if cfg.init else path, model_cfg)
     adapter.info["path"] = str(path)

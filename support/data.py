@@ -26,7 +26,6 @@ import hashlib, json, os, random, re, string, subprocess, sys, sysconfig, zipfil
 from collections import Counter, namedtuple
 from pathlib import Path
 
-from model import KVCache  # load_batch builds one
 from support.tokenizer import decode_utf8  # files are read as prompts are read
 
 Document = namedtuple("Document", "source name text")

@@ -247,7 +247,7 @@ def check_data_dtype(cfg, src, rows):
     """One data folder, one dtype: the answers and targets there are the base model's in the dtype it ran in, and
     its held-out ground truth is kept in that dtype; a run in another dtype (--dtype, or the device's default) is
     refused rather than mixing two models' data or failing at its first held-out check. --stage budgets reads the
-    samples alone (load_batch casts their cache to the model's dtype): an adapter measured on another machine's data."""
+    samples alone (train.get_batch casts their cache to the model's dtype): an adapter measured on another machine's data."""
     if cfg.stage == "budgets":
         return
     for made, where in data_dtypes(src, rows):

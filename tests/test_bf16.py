@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 import lookaheadkv as lk
 import train
+from support import data
 from eviction import EvictConfig, Pool, prefill_and_score
 from extensions.span import SpanRule, token_surprisal
 from lookaheadkv import LookaheadModule, lookahead_pass
@@ -93,14 +94,14 @@ def bf16_samples(models, tmp_path_factory):
     for i, s in enumerate(samples):
         assert s["k"].dtype == BF16 and torch.isfinite(s["target"]).all() and s["target"].sum() > 0
         paths.append(folder / f"{i}.safetensors")
-        train.save_sample(paths[-1], s, BF16)
+        data.save_sample(paths[-1], s, BF16)
     return paths
 
 
 def train_step(model, module, paths):
     """One training step's forward and backward on the saved samples: (module copy, loss, gradients)."""
     m = copy.deepcopy(module).requires_grad_(True)
-    cache, gt, lengths = train.load_batch(paths, "cpu", model.lm_head.weight.dtype)
+    cache, gt, lengths = train.get_batch(paths, "cpu", model.lm_head.weight.dtype)
     pred = lookahead_pass(model, m, cache, lengths, per_query_head=True)
     loss = lk.kl_loss(gt, pred)
     loss.backward()

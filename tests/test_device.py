@@ -371,8 +371,8 @@ def test_data_stage_answer_and_target_then_save(tmp_path, check):
         on_device(s["k"], s["v"], s["target"])
         assert s["k"].shape == (L, Hkv, len(p), D) and s["target"].shape == (L, H, len(p))
         path = tmp_path / f"{len(p)}.safetensors"
-        train.save_sample(path, s, BF16)
-        assert train.sample_ok(path)  # a whole file: its header and its length agree
+        data.save_sample(path, s, BF16)
+        assert data.sample_ok(path)  # a whole file: its header and its length agree
 
 
 def new_module_on_device(model):
@@ -389,14 +389,14 @@ def write_samples(tmp_path, lengths, cfg, seed=0):
         s = dict(k=torch.randn(L, Hkv, n, D, generator=g), v=torch.randn(L, Hkv, n, D, generator=g),
                  target=torch.rand(L, H, n, generator=g))
         paths.append(tmp_path / f"s{i}.safetensors")
-        train.save_sample(paths[-1], s, BF16)
+        data.save_sample(paths[-1], s, BF16)
     return paths
 
 
 def training_step(model, module, opt, paths):
     """train.py's own optimiser step (train.optimizer_step: batch_loss, backward, clip, AdamW) over one
     micro-batch loaded as train.py loads it; then the prediction again, for the checks."""
-    cache, gt, lengths = train.load_batch(paths, DEV, model.lm_head.weight.dtype)
+    cache, gt, lengths = train.get_batch(paths, DEV, model.lm_head.weight.dtype)
     loss = train.optimizer_step(module, opt, model, [(cache, gt, lengths)], len(paths), clip=1.0)
     loss.item()  # train.py logs it: a host read
     with torch.no_grad():
@@ -537,7 +537,7 @@ def test_planted_cpu_tensor_in_the_backward(tmp_path, monkeypatch):
     module = device_module(model.config)
     paths = write_samples(tmp_path, (10, 7), model.config)
     with OneDevice():
-        cache, gt, lengths = train.load_batch(paths, DEV, BF16)
+        cache, gt, lengths = train.get_batch(paths, DEV, BF16)
         loss = lk.kl_loss(gt, lookahead_pass(model, module, cache, lengths, per_query_head=True))  # forward: fine
         with pytest.raises(DeviceMismatch, match="mm.* cpu and meta"):
             loss.backward()

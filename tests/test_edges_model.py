@@ -127,12 +127,12 @@ def test_max_position_embeddings_past_float32_positions_is_refused(folder):
 
 
 def test_values_at_the_bounds_load(folder):
-    """Valid input stays accepted: eps at its bound, a theta just above 1."""
+    """Valid input stays accepted: eps at its bound, a theta just above its floor (checks.THETA_FLOOR)."""
     d = json.loads((folder / "config.json").read_text())
-    d["rms_norm_eps"], d["rope_parameters"]["rope_theta"] = 1e-2, 1.5
+    d["rms_norm_eps"], d["rope_parameters"]["rope_theta"] = 1e-2, 100.5
     (folder / "config.json").write_text(json.dumps(d))
     m = load_model(folder)
-    assert (m.config.rms_norm_eps, m.config.rope_theta) == (1e-2, 1.5)
+    assert (m.config.rms_norm_eps, m.config.rope_theta) == (1e-2, 100.5)
 
 
 def test_a_refusal_is_one_error_line_through_cli(folder):

@@ -1028,3 +1028,46 @@ def test_answer_weights_mistakes_are_one_line(model_dir, tmp_path, stub_prompts,
     with pytest.raises(SystemExit) as e:
         aw.main([x for k, v in flags.items() for x in (f"--{k}", v)] + ["--model", str(model_dir)])
     assert re.search(said, error_line(e))
+
+
+@pytest.mark.parametrize("recipe_values, flags, says", [
+    (dict(), ["--lr", "1e30"], "--lr 1e+30: an AdamW step moves each parameter by about lr"),  # saved, then refused
+    (dict(compare=10**9), [], "compare 1000000000: the held-out comparison's C must be from 1 to below the longest"),
+    (dict(compare=0), [], "compare 0: the held-out comparison's C must be from 1"),  # skipped without a word
+    (dict(), ["--targets", "none,q_proj"], "--targets none,q_proj: none (no LoRA) and LoRA targets"),  # 'none' dropped
+], ids=["lr-overflows", "compare-past-every-prompt", "compare-0", "targets-contradict"])
+def test_recipe_values_that_cannot_train_are_refused_before_work(model_dir, tmp_path, monkeypatch, recipe_values,
+                                                                flags, says):
+    """Issue 66: a value that trains into an artifact nothing can use, or a comparison of zeros, is one `error:`
+    line before the model loads; OUT is left as it was."""
+    out = tmp_path / "o"
+    write_data(out, model_dir)
+    before = {f: f.read_bytes() for f in out.rglob("*") if f.is_file()}
+    guard_loading(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        train.main(argv(model_dir, out, *flags, **recipe_values))
+    assert says in error_line(e)
+    assert {f: f.read_bytes() for f in out.rglob("*") if f.is_file()} == before
+
+
+def test_a_data_stage_past_the_free_disk_is_refused_before_work(model_dir, tmp_path, monkeypatch):
+    """Issue 66: the disk check compared with store_gb only; a full disk was found after the data stage."""
+    out = tmp_path / "o"
+    write_data(out, model_dir)
+    guard_loading(monkeypatch)
+    monkeypatch.setattr(recipe, "free_disk", lambda path: 1024)  # 1 KiB free
+    with pytest.raises(SystemExit) as e:
+        train.main(argv(model_dir, out, "--n-train", "8"))
+    assert "GiB on disk, and" in error_line(e) and "GiB free: free some space" in error_line(e)
+
+
+def test_an_adapter_the_loader_would_refuse_is_not_saved(tmp_path):
+    """Issue 66: lr 1e30 trained, said it saved an adapter, and generate.py refused it; now the loader's checks
+    run before it is called saved, and nothing is written."""
+    module = LookaheadModule(ModelConfig(**TINY), n_tokens=2, rank=1)
+    with torch.no_grad():
+        module.embeddings.fill_(1e30)
+    dest = tmp_path / "a.safetensors"
+    with pytest.raises(ValueError, match="the trained adapter is not usable, so it was not saved .*embeddings reach"):
+        recipe.save_adapter(module, dest)
+    assert not dest.exists() and not dest.with_suffix(".json").exists()

@@ -10,8 +10,8 @@ generate.py: `--prompt examples/needle.txt --budget 128` (the README's command; 
 learner's recipe (research/configs/train-quick.json) on a small run, 8 training and 2 held-out prompts, two
 optimiser steps of 4 samples, in a temporary folder. A function counts once with its whole `def` (a nested
 one inside a counted one is not counted again). Beside the path, each executed function is one of:
-- a check (it only raises): its name starts with "check", or it is in support/generate_checks.py or
-  weights/checks.py;
+- a check (it only raises): its name starts with "check" or is in CHECK_FUNCTIONS, or it is in
+  support/generate_checks.py or weights/checks.py;
 - what a learner may skip (issue 64's support/: file I/O, locks and hashing, the tokenizer and chat formats,
   the training text sources and prompt tasks, the flags' parser and the error wrapper, the stats block's
   formatting): SKIP_FILES, and SKIP_FUNCTIONS by name in the other files;
@@ -31,6 +31,10 @@ sys.path.insert(0, str(ROOT))
 READING_PATH = ["model.py", "eviction.py", "lookaheadkv.py", "baselines.py", "methods.py", "train.py",
                 "generate.py"]
 CHECK_FILES = ("support/generate_checks.py", "weights/checks.py")
+# they raise; rule_parts and number (support/selection.py) run in the default commands only to check the
+# adapter .json's recommended rule as text (--pool would make them build one)
+CHECK_FUNCTIONS = {"at_least", "positive", "fraction", "as_number", "flag_value", "counts", "rule_parts",
+                   "number"}
 SKIP_FILES = ("support/files.py", "support/lock.py", "support/tokenizer.py", "support/data.py",
               "weights/prepare.py", "research/analysis/reading_trace.py", "support/__init__.py")
 SKIP_FUNCTIONS = {  # file -> function names: I/O, the flags' parser, the error wrapper, formatting
@@ -90,17 +94,19 @@ def line_counts(seen):
         spans = def_spans(ROOT / rel)
         ran = sorted((a, *spans[a]) for a in firsts if a in spans)
         read = skip = checks = 0
+        names = []
         for i, (a, b, name) in enumerate(ran):
             if any(a0 < a and b <= b0 for a0, b0, _ in ran[:i]):  # inside a counted def
                 continue
             n = b - a + 1
-            if name.startswith("check") or rel in CHECK_FILES:
+            if name.startswith("check") or name in CHECK_FUNCTIONS or rel in CHECK_FILES:
                 checks += n
             elif rel in SKIP_FILES or name in SKIP_FUNCTIONS.get(rel, ()):
                 skip += n
             else:
                 read += n
-        out[rel] = (read, skip, checks)
+                names.append(name)
+        out[rel] = (read, skip, checks, names)
     return out
 
 
@@ -121,9 +127,10 @@ def report(name, counts):
     rest = {f: c for f, c in counts.items() if f not in READING_PATH}
     print(f"\n{name}: the path's files (wc -l), and beside them the lines of the functions that run")
     for f in READING_PATH:
-        print(f"  path  {f:<34s} {path[f]:5d} lines ({sum(counts.get(f, (0, 0, 0))):5d} of them run)")
-    for f, (read, skip, checks) in sorted(rest.items()):
-        print(f"  beside {f:<33s} {read:5d} to read  {skip:5d} may skip  {checks:5d} checks (raise)")
+        print(f"  path  {f:<34s} {path[f]:5d} lines ({sum(counts.get(f, (0,) * 3)[:3]):5d} of them run)")
+    for f, (read, skip, checks, names) in sorted(rest.items()):
+        print(f"  beside {f:<33s} {read:5d} to read  {skip:5d} may skip  {checks:5d} checks (raise)"
+              + (f"  to read: {', '.join(names)}" if names else ""))
     total, opened = sum(path.values()), sum(c[0] for c in rest.values())
     skipped, checked = sum(c[1] for c in rest.values()), sum(c[2] for c in rest.values())
     print(f"  path {total} + what a learner must open beside it {opened} = {total + opened} lines "

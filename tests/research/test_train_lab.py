@@ -437,3 +437,16 @@ def test_answer_weights_folder_trains_like_its_source_and_never_changes_it(model
     assert "(0 made now" in capsys.readouterr().out
     theirs.unlink()  # a sample whose cache is gone is not whole
     assert not data.sample_ok(mine)
+
+
+def test_init_says_the_module_settings_it_does_not_use(model_dir, tmp_path, capsys):
+    """Issue 66: --init overrode --targets, rank and M with no word; now each that differs is said (the init
+    adapter's shape trains: test_init_continues_an_adapter_and_keeps_its_untrained_reference)."""
+    path = tmp_path / "init.safetensors"
+    LookaheadModule(ModelConfig.from_hf_config(model_dir), n_tokens=8).save(path)
+    cfg = train_lab.LabConfig(init=str(path), stage="train", targets="q_proj", rank=4, device="cpu")
+    module = train_lab.read_adapter(cfg, ModelConfig.from_hf_config(model_dir))
+    said = capsys.readouterr().err
+    assert module.n_tokens == 8 and module.rank == 8  # the adapter's own shape
+    assert f"--init {path} trains the adapter's own M, rank, alpha and targets" in said
+    assert "rank 4" in said and "targets q_proj" in said and "not used" in said
