@@ -15,7 +15,8 @@ one inside a counted one is not counted again). Beside the path, each executed f
 - what a learner may skip (issue 64's support/: file I/O, locks and hashing, the tokenizer and chat formats,
   the training text sources and prompt tasks, the flags' parser and the error wrapper, the stats block's
   formatting): SKIP_FILES, and SKIP_FUNCTIONS by name in the other files;
-- what a learner must open: everything else (e.g. a function that builds a scorer or computes a metric).
+- the measurement the learner's run ends with (MEASURE_FUNCTIONS: the held-out answer KL), listed apart;
+- what a learner must open: everything else (e.g. a function that builds a scorer or the batch).
 Lines of code outside functions (a dataclass's fields, imports) are in the path's `wc -l` only.
 """
 import argparse
@@ -34,14 +35,18 @@ CHECK_FILES = ("support/generate_checks.py", "weights/checks.py")
 # they raise; rule_parts and number (support/selection.py) run in the default commands only to check the
 # adapter .json's recommended rule as text (--pool would make them build one)
 CHECK_FUNCTIONS = {"at_least", "positive", "fraction", "as_number", "flag_value", "counts", "rule_parts",
-                   "number"}
+                   "number", "data_folder", "data_dtypes", "output_paths", "free_disk"}
+# the learner's run ends with a measurement of what it bought (recipe.compare: held-out answer KL beside
+# SnapKV's); it judges the method, it is not the method: listed apart, as the checks are
+MEASURE_FUNCTIONS = {"compare", "answer_kls", "forced_logprobs", "answer_kl"}
 SKIP_FILES = ("support/files.py", "support/lock.py", "support/tokenizer.py", "support/data.py",
               "weights/prepare.py", "research/analysis/reading_trace.py", "support/__init__.py")
 SKIP_FUNCTIONS = {  # file -> function names: I/O, the flags' parser, the error wrapper, formatting
     "support/cli.py": {"run", "quiet_exit", "one_line", "__init__", "error", "input_file", "read_text",
                        "printable", "resolve_model", "claim_folder", "release_folders", "warn",
                        "output_folder", "output_file", "print_stats", "show_kept", "why_empty",
-                       "free_memory_gib", "universal_newlines", "default_adapter_path"},
+                       "free_memory_gib", "universal_newlines", "default_adapter_path",
+                       "context_words"},
     "support/recipe.py": {"config", "read_config", "parser", "flag_of", "rows", "read_rows",
                           "append_rows", "sample_path", "save_sample", "read_sample", "missing_samples",
                           "check_disk", "resume", "save_checkpoint", "append_log", "save_adapter",
@@ -93,7 +98,7 @@ def line_counts(seen):
     for rel, firsts in seen.items():
         spans = def_spans(ROOT / rel)
         ran = sorted((a, *spans[a]) for a in firsts if a in spans)
-        read = skip = checks = 0
+        read = skip = checks = measure = 0
         names = []
         for i, (a, b, name) in enumerate(ran):
             if any(a0 < a and b <= b0 for a0, b0, _ in ran[:i]):  # inside a counted def
@@ -103,10 +108,12 @@ def line_counts(seen):
                 checks += n
             elif rel in SKIP_FILES or name in SKIP_FUNCTIONS.get(rel, ()):
                 skip += n
+            elif name in MEASURE_FUNCTIONS:
+                measure += n
             else:
                 read += n
                 names.append(name)
-        out[rel] = (read, skip, checks, names)
+        out[rel] = (read, skip, checks, measure, names)
     return out
 
 
@@ -127,15 +134,17 @@ def report(name, counts):
     rest = {f: c for f, c in counts.items() if f not in READING_PATH}
     print(f"\n{name}: the path's files (wc -l), and beside them the lines of the functions that run")
     for f in READING_PATH:
-        print(f"  path  {f:<34s} {path[f]:5d} lines ({sum(counts.get(f, (0,) * 3)[:3]):5d} of them run)")
-    for f, (read, skip, checks, names) in sorted(rest.items()):
+        print(f"  path  {f:<34s} {path[f]:5d} lines ({sum(counts.get(f, (0,) * 4)[:4]):5d} of them run)")
+    for f, (read, skip, checks, measure, names) in sorted(rest.items()):
         print(f"  beside {f:<33s} {read:5d} to read  {skip:5d} may skip  {checks:5d} checks (raise)"
+              + (f"  {measure:5d} measurement" if measure else "")
               + (f"  to read: {', '.join(names)}" if names else ""))
     total, opened = sum(path.values()), sum(c[0] for c in rest.values())
     skipped, checked = sum(c[1] for c in rest.values()), sum(c[2] for c in rest.values())
+    measured = sum(c[3] for c in rest.values())
     print(f"  path {total} + what a learner must open beside it {opened} = {total + opened} lines "
-          f"(apart: {skipped} they may skip, {checked} of checks)")
-    return dict(path=total, must_open=opened, may_skip=skipped, checks=checked)
+          f"(apart: {skipped} they may skip, {checked} of checks, {measured} of the closing measurement)")
+    return dict(path=total, must_open=opened, may_skip=skipped, checks=checked, measurement=measured)
 
 
 def main():
