@@ -62,6 +62,10 @@ SCRIPTS = {
         "--heldout": "file", "--budgets": "counts", "--limit": "count", "--threads": "threads", "--out": "out-file"}),
     "research/analysis/overhead_parts.py": ("research/analysis/overhead_parts.py", [], {
         "--lengths": "counts", "--calls": "count", "--model": "model", "--adapter": "file"}),
+    "research/analysis/prefill_profile.py": ("research/analysis/prefill_profile.py", [], {
+        "--length": "tokens", "--budget": "count", "--rounds": "count", "--top": "count", "--threads": "threads",
+        "--model": "model", "--adapter": "file", "--json": "out-file"}),
+    "research/analysis/reading_trace.py": ("research/analysis/reading_trace.py", [], {"--only": "count"}),
     "research/analysis/paired_heldout.py": ("research/analysis/paired_heldout.py", ["--a", "x", "--b", "y"], {
         "--heldout": "folder"}),
     "research/analysis/paired_runs.py": ("research/analysis/paired_runs.py", ["--b", "{tmp}/a-folder:full"], {

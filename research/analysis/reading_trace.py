@@ -29,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from support import cli  # noqa: E402
 READING_PATH = ["model.py", "eviction.py", "lookaheadkv.py", "baselines.py", "methods.py", "train.py",
                 "generate.py"]
 CHECK_FILES = ("support/generate_checks.py", "weights/checks.py")
@@ -147,10 +148,18 @@ def report(name, counts):
     return dict(path=total, must_open=opened, may_skip=skipped, checks=checked, measurement=measured)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    return cli.run(lambda: work(get_args(argv)))
+
+
+def get_args(argv=None):
+    p = cli.Parser("research/analysis/reading_trace.py", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=["generate", "train"], default=None)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def work(args):
     import os
     os.chdir(ROOT)
     results, merged = {}, defaultdict(set)
