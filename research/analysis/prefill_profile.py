@@ -15,6 +15,7 @@ the difference is what the method adds. --adapter: the shipped one by default.
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -42,6 +43,8 @@ def get_args(argv=None):
     p.add_argument("--budget", type=int, default=128, help="C")
     p.add_argument("--rounds", type=int, default=5, help="profiled rounds per method (after one warm-up)")
     p.add_argument("--top", type=int, default=20, help="ops listed")
+    p.add_argument("--plain", type=int, default=0, help="also this many unprofiled rounds per method, in "
+                   "turn: the paired differences of user and system CPU time (the profiler adds time per op)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None, help="also write every op's times here (a new file)")
     return p.parse_args(argv)
@@ -50,7 +53,7 @@ def get_args(argv=None):
 def check(args):
     """Every flag and file before the model loads: (model folder, its config, adapter path)."""
     for flag, value, lo in (("--length", args.length, 64), ("--budget", args.budget, 1),
-                            ("--rounds", args.rounds, 1), ("--top", args.top, 1)):
+                            ("--rounds", args.rounds, 1), ("--top", args.top, 1), ("--plain", args.plain, 0)):
         cli.at_least(flag, value, lo)
     cli.check_threads("--threads", args.threads)
     cli.check_model_dir(args.model)
@@ -95,6 +98,21 @@ def profile_rounds(model, ids, scorers, rounds):
     return {n: (walls[n], ops[n]) for n in scorers}
 
 
+@torch.inference_mode()
+def plain_rounds(model, ids, scorers, rounds):
+    """{name: {"user": [ms], "system": [ms]}} over `rounds` unprofiled compress() calls each, the order
+    rotated every round; paired by round."""
+    names, out = list(scorers), {n: {"user": [], "system": []} for n in scorers}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            t0 = os.times()
+            compress(model, ids, scorers[n])
+            t1 = os.times()
+            out[n]["user"].append((t1.user - t0.user) * 1e3)
+            out[n]["system"].append((t1.system - t0.system) * 1e3)
+    return out
+
+
 def main(argv=None):
     return cli.run(lambda: work(get_args(argv)))
 
@@ -117,6 +135,14 @@ def work(args):
     print(f"ops by the time LookaheadKV adds (ms per prefill; total {sum(diff.values()):+.1f}):")
     for op, d in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:args.top]:
         print(f"  {d:+9.2f}  {op:<40s} full {full.get(op, 0.0):9.2f}  lookahead {look.get(op, 0.0):9.2f}")
+    if args.plain:
+        plain = plain_rounds(model, ids, scorers, args.plain)
+        print(f"{args.plain} unprofiled rounds each, paired: LookaheadKV minus FullKV, median (ms per prefill)")
+        for kind in ("user", "system"):
+            d = [a - b for a, b in zip(plain["lookahead"][kind], plain["full"][kind])]
+            base = statistics.median(plain["full"]["user"])
+            print(f"  {kind:<6s} CPU {statistics.median(d):+8.1f} ms  ({100 * statistics.median(d) / base:+.2f}% "
+                  f"of FullKV's user time {base:.0f} ms)")
     if args.json is not None:
         files.write_atomic(Path(args.json), json.dumps(dict(length=args.length, budget=args.budget, rounds=args.rounds,
                                                    threads=args.threads, full=full, lookahead=look,
