@@ -101,8 +101,7 @@ def generate(model, tok, ids, scorer, args, pick=None, evictor=None):
     if not torch.isfinite(logits).all():  # a bad tensor in the checkpoint: said, not an empty text
         folder = args.model or f"weights/{model.config.name}"
         raise ValueError(f"the model in {folder} gives NaN or inf logits: a weight holds NaN or "
-                         "inf; "
-                         f"delete the folder {folder} and download the checkpoint again")
+                         f"inf; delete the folder {folder} and download the checkpoint again")
     kv_kept = [int(k.shape[2]) for k in cache.k], cache.nbytes()  # per-layer budgets vary them
     # 4. decode: positions go on from S whatever the cache holds; --decode-budget evicts as it grows
     watch = {} if evictor is None else dict(hook=evictor.hook, after_step=evictor.after_step)
@@ -175,7 +174,7 @@ def answer(args):
         response = torch.tensor(response, device=args.device)
     scorer = make_scorer(eviction, module, response)
 
-    answer, printed, last, cache, kept, (per_layer, kv_bytes), timing = generate(
+    answer_ids, printed, last, cache, kept, (per_layer, kv_bytes), timing = generate(
         model, tok, ids, scorer, args, pick, evictor)
     if response is not None:
         timing["evict_ms"], timing["ttft_ms"] = (round(timing[k] + oracle_ms, 1)
@@ -185,7 +184,7 @@ def answer(args):
     cfg, (rule, budgets) = model.config, selection_of(scorer)
     stats = dict(method=args.method, rule=rule, budgets=budgets, budget=args.budget,
                  prompt_tokens=len(ids), kept_tokens=round(sum(per_layer) / len(per_layer)),
-                 kept_range=[min(per_layer), max(per_layer)], text=tok.decode(answer), **timing,
+                 kept_range=[min(per_layer), max(per_layer)], text=tok.decode(answer_ids), **timing,
                  kv_bytes_full=2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
                  * len(ids) * model.lm_head.weight.element_size(), kv_bytes_kept=kv_bytes)
     info = module.info if module is not None else {}  # beyond the paper: said, not applied
