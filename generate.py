@@ -156,7 +156,7 @@ def answer(args):
                            options=options, budgets=budgets)  # rule: text, e.g. "max:7"
     if args.turns is not None:  # beyond the paper: a chat, evicted to --budget at every turn
         chat = extension("chat", "--turns").chat
-        return chat(args, model, tok, folder, text, eviction, module)
+        return chat(args, model, tok, folder, text, eviction, module, pick)
     evictor = None
     if args.decode_budget is not None:  # beyond the paper: the cache held while decoding
         held = make_scorer(EvictConfig(**{**vars(eviction), "budget": args.decode_budget}), module)

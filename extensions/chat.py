@@ -24,7 +24,6 @@ import torch
 from support import cli
 from eviction import compress, decode
 from extensions.decode import DecodeEviction, add_turn
-from generate import sampler
 from methods import make_scorer
 
 # -----------------------------------------------------------------------------
@@ -171,11 +170,10 @@ class Conversation:
 
 
 @torch.no_grad()
-def chat_loop(args, model, tok, folder, turns, build):
+def chat_loop(args, model, tok, folder, turns, build, pick=None):
     """The chat of generate.py's flags (args) over `turns`. build() makes the prompt's Scorer and the
-    DecodeEviction that holds the cache to --budget from turn 2 on (None: FullKV), once per conversation.
-    Returns the turns' stats."""
-    pick = sampler(args)  # one generator for the whole chat
+    DecodeEviction that holds the cache to --budget from turn 2 on (None: FullKV), once per conversation;
+    pick: generate.py's sampler, one generator for the whole chat (None: greedy). Returns the turns' stats."""
     talk, out = Conversation(), []
     for text in turns:
         if text.strip() == "/reset":
@@ -260,7 +258,7 @@ def report_turn(args, tok, st, printed, last):
 # generate.py --turns: what generate.py calls once the model is loaded (turns_of checked the turns before)
 
 
-def chat(args, model, tok, folder, turns, eviction, module):
+def chat(args, model, tok, folder, turns, eviction, module, pick=None):
     """The chat of generate.py's flags over `turns` (turns_of's), each conversation with its own Scorer
     of `eviction` (module: the adapter) and DecodeEviction: the turns' stats."""
     def fresh():
@@ -269,7 +267,7 @@ def chat(args, model, tok, folder, turns, eviction, module):
             return scorer, None
         held = make_scorer(dataclasses.replace(eviction, budget=args.decode_budget or args.budget), module)
         return scorer, DecodeEviction(held, args.every if args.decode_budget is not None else None, args.window)
-    return chat_loop(args, model, tok, folder, turns, build=fresh)
+    return chat_loop(args, model, tok, folder, turns, build=fresh, pick=pick)
 
 
 if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing

@@ -237,7 +237,5 @@ def read_cache(path):
 
 
 if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    from support import cli
-
-    cli.not_a_script("support.files",
+    raise SystemExit("error: support.files is not a script: "
                      "the scripts use it to write their files: run generate.py, train.py or a research script")

@@ -75,7 +75,5 @@ def alive(pid):
 
 
 if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    from support import cli
-
-    cli.not_a_script("support.lock",
+    raise SystemExit("error: support.lock is not a script: "
                      "the scripts lock their output folders with it: run generate.py, train.py or a research script")

@@ -142,6 +142,5 @@ def check_scorer(scorer):
 
 
 if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    from support import cli
-
-    cli.not_a_script("support.selection", "it reads --pool's rule: python generate.py --pool RULE")
+    raise SystemExit("error: support.selection is not a script: "
+                     "it reads --pool's rule: python generate.py --pool RULE")

@@ -228,7 +228,5 @@ def decode_utf8(raw, where):
 
 
 if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    from support import cli
-
-    cli.not_a_script("support.tokenizer",
+    raise SystemExit("error: support.tokenizer is not a script: "
                      "the scripts read a model's tokenizer with it: run generate.py")

@@ -23,7 +23,7 @@ Three things need care when going GGUF -> HF:
      adjacent pairs (x0,x1),(x2,x3)...; HF rotates halves (x_i, x_{i+d/2}). We undo it;
   3. the tokenizer lives in GGUF metadata (tokens, merges, types) and must be rebuilt.
 """
-import argparse, hashlib, json, subprocess, sys, zipfile, zlib
+import argparse, hashlib, json, os, subprocess, sys, zipfile, zlib
 from pathlib import Path
 
 import numpy as np
@@ -354,27 +354,36 @@ def ensure_default(out_dir=DEFAULT_DIR, quiet=False):
     return out_dir
 
 
-def get_args(argv=None):
-    from support import cli  # the repo's: run as a script, __main__ below puts the repo root on sys.path
+class Parser(argparse.ArgumentParser):
+    """A bad flag is one `error:` line through main(), as support/cli.py's Parser makes it: this file stays
+    below support/cli.py, which imports it to prepare the default model."""
 
-    parser = cli.Parser("weights/prepare.py", description=__doc__.split("\n\n")[0].strip())
+    def error(self, message):
+        raise ValueError(f"{message} (python weights/prepare.py --help)")
+
+
+def get_args(argv=None):
+    parser = Parser(prog="weights/prepare.py", description=__doc__.split("\n\n")[0].strip())
     parser.add_argument("--out", default=DEFAULT_DIR, help="output folder (default: %(default)s)")
     args = parser.parse_args(argv)
-    args.out = Path(cli.check_not_root("--out", args.out))  # "" is the current folder: a slip, not a place
+    if not str(args.out).strip():  # "" is the current folder: a slip, not a place
+        raise ValueError("--out is empty: pass a folder (it is made if missing)")
+    if Path(os.path.abspath(args.out)) == Path(Path(os.path.abspath(args.out)).anchor):
+        raise ValueError(f"--out {args.out} is the file system's root: pass a folder of its own")
+    args.out = Path(args.out)
     return args
 
 
 def main(argv=None):
-    from support import cli
-
-    def work():
+    try:
         out = get_args(argv).out
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} is a file: pass a folder for the converted model")
-        print(f"ready: {prepare(out)}")
-    cli.run(work, release=False)  # every failure one line; the folder stays claimed until this process ends
+        print(f"ready: {prepare(out)}")  # the folder stays claimed until this process ends
+    except (ValueError, OSError, ImportError) as e:  # one line that says what to do, no traceback
+        raise SystemExit(f"error: {' '.join(str(e).split())}") from None
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(WEIGHTS_DIR.parent))  # `python weights/prepare.py`: the repo's support/
+    sys.path.insert(0, str(WEIGHTS_DIR.parent))  # `python weights/prepare.py`: the repo's lock.py
     main()
