@@ -24,7 +24,7 @@ class EvictConfig:
     method: str = "full"
     budget: int = 128  # C: KV slots kept per (layer, KV head), protected tokens included
     window: int = 32  # snapkv/pyramidkv/h2o/laq: the last `window` prompt tokens are always kept
-    rule: object = None  # a Pool, or a rule that wraps the method; None: the method's default_rule
+    rule: object = None  # a Pool, a wrapping rule, or its text ("max:7"); None: the method's
     budgets: object = None  # (C, n_layers, S, least) -> slots per layer; None: default_budgets
     chunk_size: int = 4096  # prefill in chunks of this many tokens (bounded activations at 32K)
     options: dict = field(default_factory=dict)  # the method's own (its default_options only)

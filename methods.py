@@ -22,7 +22,8 @@ METHODS = {"full": FullKV, "streaming": StreamingLLM, "random": RandomKV, "snapk
 
 def make_scorer(eviction, module=None, response=None):
     """The Scorer of eviction.method (module: the adapter; response: the oracle's answer), its
-    config checked (ValueError). A rule that wraps gets the method unpooled and wraps it."""
+    config checked (ValueError). A rule's text ("max:7") is read here (support/selection.py); a
+    rule that wraps gets the method unpooled and wraps it."""
     if eviction.method not in METHODS:
         raise ValueError(f"unknown method {eviction.method!r}; choose from {', '.join(METHODS)}")
     method = METHODS[eviction.method]
