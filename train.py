@@ -152,7 +152,7 @@ def build_dataset(model, tok, cfg, folder, rows, out_of_time=lambda: False):
     todo = prompts_to_answer(tok, rows, cfg.n_train, cfg.n_heldout, **{k: getattr(cfg, k) for k in (
         "copy_frac", "seed", "min_tokens", "max_tokens", "long_frac", "long_max")})
     store = None if cfg.store_dtype == "none" else getattr(torch, cfg.store_dtype)
-    folder.check_disk(cfg, model.config, rows + todo, store)  # the whole disk, before any work
+    folder.check_store(cfg, model.config, rows + todo, store)  # the whole disk, before any work
     dev = model.lm_head.weight.device
     for r in tqdm(folder.missing_samples(rows), desc="samples from data.jsonl"):
         cache, _, next_pos = full_cache(model, *left_pad([r["prompt_ids"]], dev))

@@ -302,7 +302,7 @@ def build_dataset(model, tok, cfg, folder, rows, out_of_time=lambda: False):
             missing.append(r)
     for p in todo:
         p["prompt_ids"] = tok.encode(tok.chat(p["prompt"]))
-    folder.check_disk(cfg, model.config, rows + todo, store, stored_bytes(cfg, model.config, rows + todo, store))
+    folder.check_store(cfg, model.config, rows + todo, store, stored_bytes(cfg, model.config, rows + todo, store))
     for r in tqdm(missing, desc="samples from data.jsonl", disable=not missing):
         cache, gt, _ = harness.ground_truth(model, r["prompt_ids"], r["response_ids"])
         save_sample(sample_path(out, r["id"]), dict(k=torch.cat(cache.k), v=torch.cat(cache.v),

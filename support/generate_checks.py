@@ -42,9 +42,11 @@ def check(args):
             cli.warn(note)
     tok = Tokenizer(folder, cfg)
     adapter = check_adapter(args, cfg, folder)
+    # the method's budget, window and rule as make_scorer checks them (the oracle's: check_flags); its
+    # options are the flags' --two-pass and --seed, which generate.py passes only to methods that have them
     eviction = EvictConfig(args.method, args.budget, window=args.window, rule=args.pool,
-                           options=method_options(args), budgets=uniform_budgets if args.uniform_budgets else None)
-    if args.method != "oracle":  # the method's config as make_scorer checks it (the oracle's: check_flags)
+                           budgets=uniform_budgets if args.uniform_budgets else None)
+    if args.method != "oracle":
         make_scorer(eviction, adapter)
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(args.device)
     cli.check_fits_memory(cfg, dtype, args.device, f"the model in {folder} needs a machine (or device) with "
@@ -54,12 +56,6 @@ def check(args):
         return folder, chat.turns_of(args, tok, cfg.max_context)
     prompt_ids(args, tok, text, cfg.max_context)
     return folder, text
-
-
-def method_options(args):
-    """The flags that set a method's own options (generate.eviction_of reads them the same way)."""
-    flags = dict(one_pass=not args.two_pass, seed=args.seed)
-    return {k: v for k, v in flags.items() if k in METHODS[args.method].default_options}
 
 
 # -----------------------------------------------------------------------------

@@ -272,11 +272,17 @@ def check_disk(cfg, model_cfg, rows):
         raise ValueError(f"--n-train {cfg.n_train}, --n-heldout {cfg.n_heldout}: the training samples and the held-out "
                          f"ground truth would take at least {least / 2**30:.1f} GiB on disk, over store_gb "
                          f"{cfg.store_gb}: raise it in the --config file, or use fewer prompts")
+    check_free(cfg, least, f"--n-train {cfg.n_train}, --n-heldout {cfg.n_heldout}: the training samples and the "
+               "held-out ground truth would take at least")
+
+
+def check_free(cfg, n_bytes, what):
+    """store_gb is a cap, not the disk: the bytes a data stage is about to write against the free space of
+    OUT's file system, found now, not after the stage."""
     free = free_disk(Path(cfg.out))
-    if free is not None and least > free:  # store_gb is a cap, not the disk: found now, not after the stage
-        raise ValueError(f"--n-train {cfg.n_train}, --n-heldout {cfg.n_heldout}: the training samples and the held-out "
-                         f"ground truth would take at least {least / 2**30:.1f} GiB on disk, and {cfg.out} has "
-                         f"{free / 2**30:.1f} GiB free: free some space, or use fewer or shorter prompts")
+    if free is not None and n_bytes > free:
+        raise ValueError(f"{what} {n_bytes / 2**30:.1f} GiB on disk, and {cfg.out} has {free / 2**30:.1f} GiB free: "
+                         "free some space, or use fewer or shorter prompts")
 
 
 def free_disk(path):
@@ -307,10 +313,9 @@ def check_store(cfg, model_cfg, rows, store, n_bytes=None):
         raise ValueError(f"the training samples would take {n_bytes / 2**30:.1f} GiB on disk, over store_gb "
                          f"{cfg.store_gb}: raise it in the --config file, or use fewer/shorter prompts "
                          "(--n-train, --max-tokens)")
-    free = free_disk(Path(cfg.out))
-    if free is not None and n_bytes > free:
-        raise ValueError(f"the training samples would take {n_bytes / 2**30:.1f} GiB on disk, and {cfg.out} has "
-                         f"{free / 2**30:.1f} GiB free: free some space, or use fewer/shorter prompts")
+    new = sum(sample_bytes(model_cfg, len(r["prompt_ids"]), store) for r in rows  # not yet on disk
+              if r["split"] == "train" and not sample_path(Path(cfg.out), r["id"]).exists())
+    check_free(cfg, min(new, n_bytes), "the training samples still to write would take")
 
 
 def output_paths(cfg):
@@ -731,7 +736,7 @@ class RunFolder:
                 print(f"training sample {sample_path(self.out, r['id'])} is unreadable (cut short?): made again")
         return missing
 
-    def check_disk(self, cfg, model_cfg, rows, store, n_bytes=None):
+    def check_store(self, cfg, model_cfg, rows, store, n_bytes=None):  # the samples' disk, now made
         check_store(cfg, model_cfg, rows, store, n_bytes)
 
     def check_data_made(self, cfg, rows):

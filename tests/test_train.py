@@ -1071,3 +1071,20 @@ def test_an_adapter_the_loader_would_refuse_is_not_saved(tmp_path):
     with pytest.raises(ValueError, match="the trained adapter is not usable, so it was not saved .*embeddings reach"):
         recipe.save_adapter(module, dest)
     assert not dest.exists() and not dest.with_suffix(".json").exists()
+
+
+def test_samples_already_on_disk_do_not_count_against_the_free_space(tmp_path, monkeypatch):
+    """A resumed data stage compares with the free space only what it has still to write: the samples made
+    before the kill are on the disk already (counting them refused a resume that fits)."""
+    cfg = train.TrainConfig(out=str(tmp_path))
+    rows = [dict(id=f"r{i}", split="train", prompt_ids=list(range(64))) for i in range(4)]
+    one = data.sample_bytes(ModelConfig(**TINY), 64, torch.bfloat16)
+    for r in rows[:3]:  # three of the four made before the kill
+        data.sample_path(tmp_path, r["id"]).parent.mkdir(parents=True, exist_ok=True)
+        data.sample_path(tmp_path, r["id"]).write_bytes(b"x")
+    monkeypatch.setattr(recipe, "free_disk", lambda path: 2 * one)
+    recipe.check_store(cfg, ModelConfig(**TINY), rows, torch.bfloat16)  # one still to write: it fits
+    data.sample_path(tmp_path, rows[0]["id"]).unlink()
+    data.sample_path(tmp_path, rows[1]["id"]).unlink()
+    with pytest.raises(ValueError, match="the training samples still to write would take"):
+        recipe.check_store(cfg, ModelConfig(**TINY), rows, torch.bfloat16)  # three: they do not
