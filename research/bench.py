@@ -24,6 +24,10 @@ Rows (--methods): full, snapkv, h2o, laq, and
     lookahead-2pass      as shipped, scored by a second forward of the M rows (the training form)
     lookahead-exact      as shipped, but span:8 with the exact surprisal (what the shortlist gate saves)
     full-1chunk          the prefill in one chunk instead of chunks of --chunk-size (a diagnostic)
+    full+M               the floor of the one-pass form: the prompt's M next tokens of the same text ride in
+                         its last chunk as the lookahead rows do (M more rows through every layer, their K/V
+                         dropped after), through SDPA, with no LoRA, no scores, no eviction (floor_prefill);
+                         lookahead minus full+M is what the method adds beyond its floor
 (pyramidkv, streaming and random may be named too.) A model without an adapter (--random-init) times
 an untrained module of the same shapes (timing does not depend on training) selecting by the shipped
 adapter's rule. The run's first lines say which adapter, rule and budgets the lookahead rows use.
@@ -69,14 +73,14 @@ import torch
 from tqdm import tqdm
 
 from support import cli, files
-from eviction import EvictConfig, Pool, compress, decode, uniform_budgets
+from eviction import EvictConfig, Pool, compress, decode, prefill, uniform_budgets
 from extensions.decode import DECODE_METHODS, DecodeEviction
 from extensions.span import SpanRule
 from lookaheadkv import LookaheadHook, answer_attention, kl_loss, lookahead_pass, untrained_module
 import methods
 from methods import METHODS, load_adapter, make_scorer
 from support.selection import adapter_selection, parse_rule
-from model import ModelConfig, Transformer, default_dtype
+from model import KVCache, ModelConfig, Transformer, default_dtype
 from support.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
@@ -94,6 +98,8 @@ VARIANTS = {
     # the span rule with the exact surprisal (every LM-head row), the adapter's budgets: what the gate saves
     "lookahead-exact": dict(method="lookahead", rule=SpanRule(8), budgets="adapter"),
     "full-1chunk": dict(method="full", chunk_size=1 << 30),  # prefill in one chunk (a diagnostic)
+    # the one-pass form's floor (issue 68): M more tokens in the last chunk, no LoRA, no scores (floor_prefill)
+    "full+M": dict(method="full"),
 }
 OVERHEAD_ROWS = "full,snapkv,h2o,laq,lookahead,lookahead-shipped,lookahead-unpooled,lookahead-2pass"
 DEFAULT_METHODS = {"overhead": OVERHEAD_ROWS, "decode": "snapkv", "decode-cost": ",".join(DECODE_METHODS)}
@@ -382,20 +388,36 @@ def print_line(values, args):
 # Modes: each passes its rows (one dict per table line) to emit()
 
 
+def floor_prefill(model, ids, M, chunk_size):
+    """The full+M row: the prompt ids[:, :-M] prefilled as FullKV's, its M next tokens riding in the last chunk
+    as the one-pass form's lookahead rows do (eviction.prefill's tail), their K/V dropped after: what M more
+    rows cost by themselves, through the same linear layers and SDPA, without a LoRA, a score or an eviction."""
+    S = ids.shape[1] - M
+    cache = KVCache(model.config.num_hidden_layers)
+    positions = torch.arange(S + M, device=ids.device).expand(ids.shape[0], -1)
+    prefill(model, model.model.embed_tokens(ids), positions, cache, chunk_size=chunk_size, logits_at=S - 1, tail=M)
+    cache.truncate(S)
+    return cache
+
+
 @torch.inference_mode()
 def run_overhead(model, module, scorers, args, lengths, emit):
     skip = [S for S in lengths if "h2o" in args.methods and args.h2o_max_len and S > args.h2o_max_len]
     describe(model, args, module, scorers, note=skip and f"h2o skipped at S = {skip} (> --h2o-max-len): it scores "
              "with every prompt query, S x S work in row chunks, several times the prefill at such lengths")
     tok = Tokenizer(args.text_from, model.config) if args.text_from else None
+    M = lookahead_tokens(args, model.config, bool(args.random_init))  # the full+M row's extra tokens
     for S in lengths:
-        ids = text_ids(model, tok, S)
+        ids = text_ids(model, tok, S + M)  # the prompt, then the M tokens only full+M reads
         fns = {}
         for name in scorers:  # full first: the baseline of every row
             if name == "h2o" and S in skip:
                 continue
             # the returned cache is freed at once: only the eviction's work is timed
-            fns[name] = lambda s=scorers[name]: compress(model, ids, s)[0].nbytes()
+            if name == "full+M":
+                fns[name] = lambda: floor_prefill(model, ids, M, scorers["full"].eviction.chunk_size).nbytes()
+            else:
+                fns[name] = lambda s=scorers[name]: compress(model, ids[:, :S], s)[0].nbytes()
         times, peak, kv = time_rounds(fns, args.repeats, args.device, f"overhead S={S}", args.clock)
         prefill = med(times["full"])
         for name in [m for m in fns if m in args.methods]:
@@ -689,7 +711,8 @@ def lookahead_tokens(args, cfg, random_init):
     untrained_m = inspect.signature(untrained_module).parameters["n_tokens"].default
     if args.mode == "train-cost":
         return untrained_m
-    if args.mode == "prefill-vs-hf" or not any(row_config(m, args).method == "lookahead" for m in args.methods):
+    if args.mode == "prefill-vs-hf" or not any(row_config(m, args).method == "lookahead" or m == "full+M"
+                                               for m in args.methods):
         return 0
     path = None if random_init else adapter_path(cfg, args)
     if path is None:

@@ -1,4 +1,5 @@
-"""Where LookaheadKV's cost goes, part by part (RESULTS.md, section 5).
+"""Where LookaheadKV's cost goes, part by part (its tables: research/LOG.md 11; RESULTS.md section 5 reads the
+whole prefill against its floor, bench.py's full+M row, timed in the same rounds).
 
 bench.py times the whole against FullKV's, and on a shared CPU its rounds scatter by a few % of a 10 s
 prefill: more than the method costs. This script times each piece the one-pass form adds on its own,
@@ -12,7 +13,8 @@ on the real model, the fastest of several calls (a piece's work is fixed; noise 
   and its per-layer budgets).
 
 The norms, RoPE and SiLU of the M rows are left out (M / S of a few % of the prefill). The sum is a
-floor for what bench.py's overhead rows measure, with no noise in it.
+floor for what bench.py's overhead rows measure, with no noise in it; on this CPU the whole is above it, as
+FullKV on 32 more tokens (full+M) is above its share of the arithmetic (RESULTS.md section 5).
 
     python research/analysis/overhead_parts.py --lengths 2048,4096
 """

@@ -7,9 +7,17 @@ DIR/heldout-prompts.jsonl, each prompt's values per module); it runs no model:
         --b runs/curve/n5040-lw.safetensors
 
 Per budget C: each adapter's mean answer KL and the share of the SnapKV-to-oracle gap it closes (that run's
-SnapKV and oracle, on the same prompts), the difference b - a in gap closed with a 95% paired bootstrap
-interval (the prompts drawn with replacement, the same draw for a, b, SnapKV and the oracle; 10,000 draws,
-seed 0), and on how many prompts b's answer KL is the lower.
+SnapKV and oracle, on the same prompts), the difference b - a in gap closed and in answer KL, each with a 95%
+paired bootstrap interval (the prompts drawn with replacement, the same draw for a, b, SnapKV and the oracle;
+10,000 draws, seed 0), and on how many prompts b's answer KL is the lower.
+
+--a and --b may each name several adapters, comma-separated (the seeds of one recipe): per prompt, the mean
+of their answer KL. --row picks the selection compared: lookahead (as each adapter's .json says, the default)
+or lookahead-paper (the paper's form: max-pool 7, C in every layer, measured for every adapter):
+
+    python research/analysis/paired_heldout.py --heldout runs/length/judge-2k --row lookahead-paper \
+        --a runs/length/train-1k-s0/adapter.safetensors,runs/length/train-1k-s1/adapter.safetensors \
+        --b runs/length/train-2k-s0/adapter.safetensors,runs/length/train-2k-s1/adapter.safetensors
 
 The prompt log names each module by a digest of its weights and settings, which heldout.json does not hold:
 each heldout.json row is matched to the one digest whose prompts' means give that row's answer KL at every C.
@@ -63,7 +71,8 @@ def prompts_of(by_key, metrics, name, budgets, what):
 
 
 def row_of(run, adapter):
-    rows = [r for r in run["rows"][1:] if r["adapter"] == adapter or Path(r["adapter"]).name == Path(adapter).name]
+    rows = ([r for r in run["rows"][1:] if r["adapter"] == adapter]  # its path as given, else its file name
+            or [r for r in run["rows"][1:] if Path(r["adapter"]).name == Path(adapter).name])
     if len(rows) != 1:
         names = ", ".join(r["adapter"] for r in run["rows"][1:])
         sys.exit(f"error: {adapter}: not one of this run's adapters ({names})")
@@ -77,26 +86,39 @@ def gap(values, prompts, C, method):
                       lower_is_better=True)
 
 
-def compare(run, by_key, a, b):
-    """[(C, a's mean KL, a's gap, b's mean KL, b's gap, (low, high) of b - a, prompts where b is lower, n)]."""
+def averaged(run, by_key, adapters, row, budgets):
+    """{prompt: {answer_kl_lookahead@C: the mean over `adapters` (one, or a recipe's seeds) of their `row`}}."""
+    each = [prompts_of(by_key, row_of(run, a)["metrics"], f"answer_kl_{row}", budgets, a) for a in adapters]
+    prompts = set.intersection(*(set(e) for e in each))
+    return {p: {f"answer_kl_lookahead@{C}": sum(e[p][f"answer_kl_{row}@{C}"] for e in each) / len(each)
+                for C in budgets} for p in prompts}
+
+
+def interval(diffs):
+    diffs = sorted(diffs)
+    return diffs[int(0.025 * len(diffs))], diffs[int(0.975 * len(diffs)) - 1]
+
+
+def compare(run, by_key, a, b, row="lookahead"):
+    """[(C, a's mean KL, a's gap, b's mean KL, b's gap, (low, high) of b - a in gap closed, prompts where b is
+    lower, n, (low, high) of b - a in answer KL)]; a, b: lists of adapters (each averaged per prompt)."""
     budgets = run["budgets"]
     values = dict(base=prompts_of(by_key, run["rows"][0]["metrics"], "answer_kl_snapkv", budgets, "the baselines"),
-                  a=prompts_of(by_key, row_of(run, a)["metrics"], "answer_kl_lookahead", budgets, a),
-                  b=prompts_of(by_key, row_of(run, b)["metrics"], "answer_kl_lookahead", budgets, b))
+                  a=averaged(run, by_key, a, row, budgets), b=averaged(run, by_key, b, row, budgets))
     prompts = sorted(set(values["base"]) & set(values["a"]) & set(values["b"]))
     rng = random.Random(SEED)
     out = []
     for C in budgets:
-        diffs = []
+        kl = lambda m, ps: sum(values[m][p][f"answer_kl_lookahead@{C}"] for p in ps) / len(ps)  # noqa: E731
+        gaps, kls = [], []
         for _ in range(DRAWS):
             draw = rng.choices(prompts, k=len(prompts))
-            diffs.append(gap(values, draw, C, "b") - gap(values, draw, C, "a"))
-        diffs.sort()
-        mean = lambda m: sum(values[m][p][f"answer_kl_lookahead@{C}"] for p in prompts) / len(prompts)  # noqa: E731
+            gaps.append(gap(values, draw, C, "b") - gap(values, draw, C, "a"))
+            kls.append(kl("b", draw) - kl("a", draw))
         lower = sum(values["b"][p][f"answer_kl_lookahead@{C}"] < values["a"][p][f"answer_kl_lookahead@{C}"]
                     for p in prompts)
-        out.append((C, mean("a"), gap(values, prompts, C, "a"), mean("b"), gap(values, prompts, C, "b"),
-                    (diffs[int(0.025 * DRAWS)], diffs[int(0.975 * DRAWS) - 1]), lower, len(prompts)))
+        out.append((C, kl("a", prompts), gap(values, prompts, C, "a"), kl("b", prompts), gap(values, prompts, C, "b"),
+                    interval(gaps), lower, len(prompts), interval(kls)))
     return out
 
 
@@ -108,18 +130,25 @@ def report(argv):
     p = cli.Parser("research/analysis/paired_heldout.py", description=__doc__,
                    formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heldout", required=True, help="the --out folder of an evaluate.py --heldout --answer-kl run")
-    p.add_argument("--a", required=True, help="one adapter of that run (its path as given to --adapters)")
-    p.add_argument("--b", required=True, help="another adapter of that run: the differences are b - a")
+    p.add_argument("--a", required=True, help="adapters of that run (their paths as given to --adapters), "
+                   "comma-separated: averaged per prompt")
+    p.add_argument("--b", required=True, help="others of that run, the same way: the differences are b - a")
+    p.add_argument("--row", default="lookahead", choices=["lookahead", "lookahead-paper"],
+                   help="lookahead: as each adapter's .json selects; lookahead-paper: the paper's form")
     args = p.parse_args(argv)
+    a, b = ([x.strip() for x in v.split(",") if x.strip()] for v in (args.a, args.b))
+    if not a or not b:
+        raise ValueError(f"--{'a' if not a else 'b'} names no adapter")
     run, by_key = read_run(args.heldout)
-    rows = compare(run, by_key, args.a, args.b)
-    a, b = Path(args.a).stem, Path(args.b).stem
-    print(f"| C | {a}: answer KL (gap closed) | {b} | {b} - {a}, gap closed [95% paired bootstrap] | "
-          f"prompts where {b} is lower |")
-    print("|---|---|---|---|---|")
-    for C, ka, ga, kb, gb, (lo, hi), lower, n in rows:
-        print(f"| {C} | {ka:.3f} ({ga:.0%}) | {kb:.3f} ({gb:.0%}) | {gb - ga:+.1%} [{lo:+.1%}, {hi:+.1%}] | "
-              f"{lower} of {n} |")
+    rows = compare(run, by_key, a, b, args.row)
+    name = lambda xs: Path(xs[0]).stem if len(xs) == 1 else f"mean of {len(xs)} ({Path(xs[0]).parent.name}, ...)"  # noqa: E731
+    a, b = name(a), name(b)
+    print(f"| C | a = {a}: answer KL (gap closed) | b = {b} | b - a, answer KL [95% paired bootstrap] | "
+          f"b - a, gap closed [95%] | prompts where b is lower |")
+    print("|---|---|---|---|---|---|")
+    for C, ka, ga, kb, gb, (lo, hi), lower, n, (klo, khi) in rows:
+        print(f"| {C} | {ka:.3f} ({ga:.0%}) | {kb:.3f} ({gb:.0%}) | {kb - ka:+.3f} [{klo:+.3f}, {khi:+.3f}] | "
+              f"{gb - ga:+.1%} [{lo:+.1%}, {hi:+.1%}] | {lower} of {n} |")
     return rows
 
 

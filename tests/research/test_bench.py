@@ -83,6 +83,24 @@ def test_overhead_skips_h2o_above_limit(tiny_config, capsys):
     assert "h2o skipped at S = [96]" in capsys.readouterr().out
 
 
+def test_the_floor_row_runs_m_more_tokens_in_the_last_chunk(tiny_config, monkeypatch):
+    """full+M (issue 68): the prompt and its M next tokens (M: the adapter's, here the untrained module's 32), with
+    or without a lookahead row in the run; the M rows ride in the last chunk as the lookahead rows do (a prompt of
+    several chunks too) and are dropped after: S slots, none evicted. Every other row reads the first S tokens."""
+    seen, chunks = [], []
+    real_compress, real_model = bench.compress, Transformer.forward
+    monkeypatch.setattr(bench, "compress", lambda model, ids, s: seen.append(ids) or real_compress(model, ids, s))
+    monkeypatch.setattr(Transformer, "forward", lambda self, *a, **k: chunks.append(
+        (k.get("inputs_embeds") if k.get("inputs_embeds") is not None else a[0]).shape[1]) or real_model(self, *a, **k))
+    for methods in ("full+M,lookahead", "full+M"):
+        seen.clear()
+        rows = {r["method"]: r for r in run(tiny_config, "--lengths", "64", "--methods", methods)}
+        assert rows["full+M"]["kv_mib"] * 2**20 == kv_bytes(64) and {x.shape[1] for x in seen} == {64}
+    chunks.clear()
+    run(tiny_config, "--lengths", "80", "--methods", "full+M", "--chunk-size", "64")
+    assert {16, 64, 64 + 32} <= set(chunks)  # FullKV's chunks: 16, then 64; full+M's: 16, then 64 + 32
+
+
 def test_overhead_spread_brackets_the_median(tiny_config):
     """Several rounds: the printed middle half (25th..75th percentile of the rounds' differences) holds the median."""
     [row] = run(tiny_config, "--lengths", "64", "--methods", "snapkv", "--repeats", "4")

@@ -179,13 +179,19 @@ def test_paired_heldout_matches_modules_by_their_means_and_bootstraps_the_differ
     lines = [json.dumps(dict(key=k, row=p, values=src[p])) for k, src in (("k0", base), ("ka", a), ("kb", b),
                                                                          ("kx", other)) for p in prompts]
     (tmp_path / "heldout-prompts.jsonl").write_text("\n".join(lines) + "\n")
-    [(C, ka, ga, kb, gb, (lo, hi), lower, n)] = paired.main(["--heldout", str(tmp_path), "--a", "runs/a.safetensors",
+    [(C, ka, ga, kb, gb, (lo, hi), lower, n, (klo, khi))] = paired.main(["--heldout", str(tmp_path), "--a", "runs/a.safetensors",
                                                               "--b", "b.safetensors"])
     snap, oracle = mean(base, "answer_kl_snapkv@128"), mean(base, "answer_kl_oracle@128")
     assert ka == pytest.approx(mean(a, "answer_kl_lookahead@128"))
     assert gb == pytest.approx((snap - kb) / (snap - oracle)) and gb > ga
     assert 0 < lo <= gb - ga <= hi and (C, lower, n) == (128, 20, 20)
+    assert klo <= kb - ka <= khi < 0  # b's answer KL lower on every prompt: the interval below 0
     assert "| 128 | " in capsys.readouterr().out
+    # two adapters per side (a recipe's seeds): per prompt, their mean; a against itself is 0 exactly
+    [(_, ka2, _, kb2, _, _, _, n2, (klo2, khi2))] = paired.main(
+        ["--heldout", str(tmp_path), "--a", "runs/a.safetensors,runs/b.safetensors", "--b", "runs/a.safetensors"])
+    assert ka2 == pytest.approx((ka + kb) / 2) and kb2 == pytest.approx(ka) and n2 == 20
+    assert klo2 <= kb2 - ka2 <= khi2 and khi2 > 0
     (tmp_path / "heldout-prompts.jsonl").write_text("\n".join(lines[:20]) + "\n")  # the baselines alone
     with pytest.raises(SystemExit, match="^error: runs/a.safetensors: 0 modules of the prompt log match"):
         paired.main(["--heldout", str(tmp_path), "--a", "runs/a.safetensors", "--b", "runs/b.safetensors"])
