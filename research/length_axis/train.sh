@@ -3,16 +3,31 @@
 # run on its length's data stage (python -m research.train_lab --data: the data is only read), resumable:
 #   bash research/length_axis/train.sh         (each run ~64 steps; a kill: the same command goes on)
 #   LENGTHS="1k 2k" bash research/length_axis/train.sh     (only those lengths, e.g. while 4K's data is made)
+#   SIDE_BY_SIDE=1 LENGTHS=4k bash research/length_axis/train.sh   (a length's two seeds at once, one thread each)
+# A --data folder admits one run at a time (support/recipe.RunFolder.claim: a data stage may still be appending),
+# so side by side, seed 1 reads a hard-linked copy of the folder: the same files, no more disk.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+train() {  # train LENGTH SEED DATA
+    local out=runs/length/train-$1-s$2
+    [ -e "$out/adapter.safetensors" ] && return 0
+    resume=(); [ -e "$out/ckpt.pt" ] && resume=(--resume)
+    python -m research.train_lab --config runs/length/train-$1.json --stage train \
+        --data "$3" --out "$out" --seed "$2" "${resume[@]}"
+}
 for L in ${LENGTHS:-1k 2k 4k}; do
-    for seed in 0 1; do
-        out=runs/length/train-$L-s$seed
-        [ -e "$out/adapter.safetensors" ] && continue
-        resume=(); [ -e "$out/ckpt.pt" ] && resume=(--resume)
-        python -m research.train_lab --config runs/length/train-$L.json --stage train \
-            --data runs/length/train-$L --out "$out" --seed "$seed" "${resume[@]}"
-    done
+    data=runs/length/train-$L
+    if [ -n "${SIDE_BY_SIDE:-}" ]; then
+        [ -e "$data-s1-data" ] || cp -al "$data" "$data-s1-data"
+        train "$L" 0 "$data" > "runs/length-train-$L-s0.log" 2>&1 &
+        train "$L" 1 "$data-s1-data" > "runs/length-train-$L-s1.log" 2>&1 &
+        for _ in 1 2; do  # both, and stop at the first that fails
+            wait -n || { echo "error: a ~$L run failed: runs/length-train-$L-s*.log"; kill $(jobs -p) 2>/dev/null; exit 1; }
+        done
+    else
+        train "$L" 0 "$data"
+        train "$L" 1 "$data"
+    fi
 done
 echo "length-axis training: done"
