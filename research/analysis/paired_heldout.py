@@ -12,12 +12,18 @@ paired bootstrap interval (the prompts drawn with replacement, the same draw for
 10,000 draws, seed 0), and on how many prompts b's answer KL is the lower.
 
 --a and --b may each name several adapters, comma-separated (the seeds of one recipe): per prompt, the mean
-of their answer KL. --row picks the selection compared: lookahead (as each adapter's .json says, the default)
-or lookahead-paper (the paper's form: max-pool 7, C in every layer, measured for every adapter):
+of their answer KL. --row picks the selection compared: lookahead (as each adapter's .json says, the default),
+lookahead-paper (the paper's form: max-pool 7, C in every layer, measured for every adapter):
 
     python research/analysis/paired_heldout.py --heldout runs/length/judge-2k --row lookahead-paper \
         --a runs/length/train-1k-s0/adapter.safetensors,runs/length/train-1k-s1/adapter.safetensors \
         --b runs/length/train-2k-s0/adapter.safetensors,runs/length/train-2k-s1/adapter.safetensors
+
+or lookahead-unpooled (the top C of the unpooled scores). --b-row gives b a selection of its own: the same
+adapters under two selections, paired (the paper's max-pool 7 against no pooling):
+
+    python research/analysis/paired_heldout.py --heldout runs/length/judge-4k --a A --b A \
+        --row lookahead-paper --b-row lookahead-unpooled
 
 The prompt log names each module by a digest of its weights and settings, which heldout.json does not hold:
 each heldout.json row is matched to the one digest whose prompts' means give that row's answer KL at every C.
@@ -99,12 +105,13 @@ def interval(diffs):
     return diffs[int(0.025 * len(diffs))], diffs[int(0.975 * len(diffs)) - 1]
 
 
-def compare(run, by_key, a, b, row="lookahead"):
+def compare(run, by_key, a, b, row="lookahead", b_row=None):
     """[(C, a's mean KL, a's gap, b's mean KL, b's gap, (low, high) of b - a in gap closed, prompts where b is
-    lower, n, (low, high) of b - a in answer KL)]; a, b: lists of adapters (each averaged per prompt)."""
+    lower, n, (low, high) of b - a in answer KL)]; a, b: lists of adapters (each averaged per prompt), a's
+    selection `row`, b's `b_row` (default: the same; another: two selections of the same adapters)."""
     budgets = run["budgets"]
     values = dict(base=prompts_of(by_key, run["rows"][0]["metrics"], "answer_kl_snapkv", budgets, "the baselines"),
-                  a=averaged(run, by_key, a, row, budgets), b=averaged(run, by_key, b, row, budgets))
+                  a=averaged(run, by_key, a, row, budgets), b=averaged(run, by_key, b, b_row or row, budgets))
     prompts = sorted(set(values["base"]) & set(values["a"]) & set(values["b"]))
     rng = random.Random(SEED)
     out = []
@@ -133,16 +140,21 @@ def report(argv):
     p.add_argument("--a", required=True, help="adapters of that run (their paths as given to --adapters), "
                    "comma-separated: averaged per prompt")
     p.add_argument("--b", required=True, help="others of that run, the same way: the differences are b - a")
-    p.add_argument("--row", default="lookahead", choices=["lookahead", "lookahead-paper"],
-                   help="lookahead: as each adapter's .json selects; lookahead-paper: the paper's form")
+    selections = ["lookahead", "lookahead-paper", "lookahead-unpooled"]
+    p.add_argument("--row", default="lookahead", choices=selections, help="lookahead: as each adapter's .json selects; "
+                   "lookahead-paper: the paper's form; lookahead-unpooled: the top C of the unpooled scores")
+    p.add_argument("--b-row", default=None, choices=selections, help="--b's selection, if not --row's (--a and --b may "
+                   "then name the same adapters: one selection against another, paired)")
     args = p.parse_args(argv)
     a, b = ([x.strip() for x in v.split(",") if x.strip()] for v in (args.a, args.b))
     if not a or not b:
         raise ValueError(f"--{'a' if not a else 'b'} names no adapter")
     run, by_key = read_run(args.heldout)
-    rows = compare(run, by_key, a, b, args.row)
+    rows = compare(run, by_key, a, b, args.row, args.b_row)
     name = lambda xs: Path(xs[0]).stem if len(xs) == 1 else f"mean of {len(xs)} ({Path(xs[0]).parent.name}, ...)"  # noqa: E731
     a, b = name(a), name(b)
+    if args.b_row and args.b_row != args.row:
+        a, b = f"{a}, {args.row}", f"{b}, {args.b_row}"
     print(f"| C | a = {a}: answer KL (gap closed) | b = {b} | b - a, answer KL [95% paired bootstrap] | "
           f"b - a, gap closed [95%] | prompts where b is lower |")
     print("|---|---|---|---|---|---|")

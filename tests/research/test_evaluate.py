@@ -197,6 +197,39 @@ def test_paired_heldout_matches_modules_by_their_means_and_bootstraps_the_differ
         paired.main(["--heldout", str(tmp_path), "--a", "runs/a.safetensors", "--b", "runs/b.safetensors"])
 
 
+def test_paired_heldout_pairs_two_selections_of_one_adapter(tmp_path, capsys):
+    """--b-row: the same adapter under two selections (the paper's max-pool 7 against the unpooled top C), each
+    side matched by its own row's means; b - a is the per-prompt difference of the two rows."""
+    spec = importlib.util.spec_from_file_location("paired", ROOT / "research" / "analysis" / "paired_heldout.py")
+    paired = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(paired)
+    paired.DRAWS = 500
+    rng = random.Random(2)
+    prompts = [f"p{i}" for i in range(12)]
+    base = {p: {"answer_kl_snapkv@64": 1.0 + rng.random(), "answer_kl_oracle@64": 0.1 * rng.random()} for p in prompts}
+    a = {}
+    for p in prompts:
+        pooled = 0.5 + 0.3 * rng.random()
+        a[p] = {"answer_kl_lookahead-paper@64": pooled, "answer_kl_lookahead-unpooled@64": pooled - 0.1 * (1 + rng.random())}
+    mean = lambda src, k: sum(v[k] for v in src.values()) / len(src)  # noqa: E731
+    rows = [dict(label="untrained", adapter=None, metrics={k: mean(base, k) for k in base["p0"]}),
+            dict(label="a", adapter="runs/a.safetensors", metrics={k: mean(a, k) for k in a["p0"]})]
+    (tmp_path / "heldout.json").write_text(json.dumps(dict(budgets=[64], answer_kl=True, rows=rows)))
+    lines = [json.dumps(dict(key=k, row=p, values=src[p])) for k, src in (("k0", base), ("ka", a)) for p in prompts]
+    (tmp_path / "heldout-prompts.jsonl").write_text("\n".join(lines) + "\n")
+    [(C, ka, _, kb, _, _, lower, n, (klo, khi))] = paired.main(
+        ["--heldout", str(tmp_path), "--a", "runs/a.safetensors", "--b", "runs/a.safetensors",
+         "--row", "lookahead-paper", "--b-row", "lookahead-unpooled"])
+    assert ka == pytest.approx(mean(a, "answer_kl_lookahead-paper@64"))
+    assert kb == pytest.approx(mean(a, "answer_kl_lookahead-unpooled@64"))
+    assert (C, lower, n) == (64, 12, 12) and -0.2 <= klo <= kb - ka <= khi <= -0.1  # every prompt 0.1-0.2 lower
+    assert "a, lookahead-paper" in capsys.readouterr().out
+    # without --b-row both sides are the same row: a against itself, 0 on every draw
+    [(_, ka2, _, kb2, _, _, lower2, _, (klo2, khi2))] = paired.main(
+        ["--heldout", str(tmp_path), "--a", "runs/a.safetensors", "--b", "runs/a.safetensors", "--row", "lookahead-paper"])
+    assert kb2 == ka2 and (klo2, khi2, lower2) == (0, 0, 0)
+
+
 def test_paired_runs_pairs_one_methods_rows_by_prompt(tmp_path, capsys):
     """research/analysis/paired_runs.py: the prompts both runs hold, per budget both have; b - a with an interval that
     holds it; better/worse counted by the metric's direction (answer KL: lower); other prompts are refused."""
