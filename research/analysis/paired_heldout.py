@@ -25,6 +25,9 @@ adapters under two selections, paired (the paper's max-pool 7 against no pooling
     python research/analysis/paired_heldout.py --heldout runs/length/judge-4k --a A --b A \
         --row lookahead-paper --b-row lookahead-unpooled
 
+--a may also name a baseline (snapkv, pyramidkv, h2o, streaming): its own row, which the run measured with its
+first module, against b's adapters on the same prompts (`--a h2o --b A --row lookahead-paper`).
+
 The prompt log names each module by a digest of its weights and settings, which heldout.json does not hold:
 each heldout.json row is matched to the one digest whose prompts' means give that row's answer KL at every C.
 """
@@ -40,6 +43,7 @@ from support import cli  # noqa: E402
 from support.metrics import gap_closed  # noqa: E402
 
 DRAWS, SEED = 10_000, 0
+BASELINES = ("snapkv", "pyramidkv", "h2o", "streaming")  # rows of the run's first module, given by name
 
 
 def read_run(folder):
@@ -93,11 +97,17 @@ def gap(values, prompts, C, method):
 
 
 def averaged(run, by_key, adapters, row, budgets):
-    """{prompt: {answer_kl_lookahead@C: the mean over `adapters` (one, or a recipe's seeds) of their `row`}}."""
-    each = [prompts_of(by_key, row_of(run, a)["metrics"], f"answer_kl_{row}", budgets, a) for a in adapters]
-    prompts = set.intersection(*(set(e) for e in each))
-    return {p: {f"answer_kl_lookahead@{C}": sum(e[p][f"answer_kl_{row}@{C}"] for e in each) / len(each)
-                for C in budgets} for p in prompts}
+    """{prompt: {answer_kl_lookahead@C: the mean over `adapters` (one, or a recipe's seeds) of their `row`}};
+    a baseline's name (BASELINES) stands for its own row, which the run measured with its first module."""
+    def prompts(a):  # {prompt: values} of the module whose row `a` is, and the key of a's answer KL there
+        if a in BASELINES:
+            return prompts_of(by_key, run["rows"][0]["metrics"], "answer_kl_snapkv", budgets, "the baselines"), a
+        return prompts_of(by_key, row_of(run, a)["metrics"], f"answer_kl_{row}", budgets, a), row
+
+    each = [prompts(a) for a in adapters]
+    common = set.intersection(*(set(e) for e, _ in each))
+    return {p: {f"answer_kl_lookahead@{C}": sum(e[p][f"answer_kl_{r}@{C}"] for e, r in each) / len(each)
+                for C in budgets} for p in common}
 
 
 def interval(diffs):
@@ -138,7 +148,7 @@ def report(argv):
                    formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heldout", required=True, help="the --out folder of an evaluate.py --heldout --answer-kl run")
     p.add_argument("--a", required=True, help="adapters of that run (their paths as given to --adapters), "
-                   "comma-separated: averaged per prompt")
+                   f"comma-separated: averaged per prompt; or a baseline's row: {', '.join(BASELINES)}")
     p.add_argument("--b", required=True, help="others of that run, the same way: the differences are b - a")
     selections = ["lookahead", "lookahead-paper", "lookahead-unpooled"]
     p.add_argument("--row", default="lookahead", choices=selections, help="lookahead: as each adapter's .json selects; "

@@ -199,7 +199,8 @@ def test_paired_heldout_matches_modules_by_their_means_and_bootstraps_the_differ
 
 def test_paired_heldout_pairs_two_selections_of_one_adapter(tmp_path, capsys):
     """--b-row: the same adapter under two selections (the paper's max-pool 7 against the unpooled top C), each
-    side matched by its own row's means; b - a is the per-prompt difference of the two rows."""
+    side matched by its own row's means; b - a is the per-prompt difference of the two rows. A baseline's name
+    on a side is its row of the first module."""
     spec = importlib.util.spec_from_file_location("paired", ROOT / "research" / "analysis" / "paired_heldout.py")
     paired = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(paired)
@@ -228,6 +229,11 @@ def test_paired_heldout_pairs_two_selections_of_one_adapter(tmp_path, capsys):
     [(_, ka2, _, kb2, _, _, lower2, _, (klo2, khi2))] = paired.main(
         ["--heldout", str(tmp_path), "--a", "runs/a.safetensors", "--b", "runs/a.safetensors", "--row", "lookahead-paper"])
     assert kb2 == ka2 and (klo2, khi2, lower2) == (0, 0, 0)
+    # a baseline's name on a side: its own row of the first module, against the adapter on the same prompts
+    [(_, ka3, _, kb3, _, _, lower3, _, (klo3, khi3))] = paired.main(
+        ["--heldout", str(tmp_path), "--a", "snapkv", "--b", "runs/a.safetensors", "--row", "lookahead-paper"])
+    assert ka3 == pytest.approx(mean(base, "answer_kl_snapkv@64")) and kb3 == pytest.approx(ka)
+    assert lower3 == 12 and klo3 <= kb3 - ka3 <= khi3 < 0  # SnapKV's 1-2 nats against the adapter's 0.5-0.8
 
 
 def test_paired_runs_pairs_one_methods_rows_by_prompt(tmp_path, capsys):
