@@ -21,7 +21,15 @@ json.dump({k: v for k, v in meta.items() if k not in ("rule", "layer_weights")},
 PY
 fi
 adapters=$(ls runs/length/train-*-s*/adapter.safetensors | paste -sd,),$shipped
+stamp=$(date +%Y%m%d-%H%M%S)
 for H in 2k 4k; do
+    # an earlier run's tables (fewer adapters) are kept under another name: evaluate.py refuses to write over them,
+    # and its prompt log keeps every module's prompts, so only the new adapters are measured
+    for f in heldout.json heldout.md; do
+        if [ -e "runs/length/judge-$H/$f" ]; then
+            mv "runs/length/judge-$H/$f" "runs/length/judge-$H/${f%.*}-before-$stamp.${f##*.}"
+        fi
+    done
     python -m research.evaluate --heldout runs/length/heldout-$H --adapters "$adapters" \
         --budgets 64,128,256 --answer-kl --threads "$OMP_NUM_THREADS" --out runs/length/judge-$H
 done
