@@ -3,7 +3,9 @@
 # run on its length's data stage (python -m research.train_lab --data: the data is only read), resumable:
 #   bash research/length_axis/train.sh         (each run ~64 steps; a kill: the same command goes on)
 #   LENGTHS="1k 2k" bash research/length_axis/train.sh     (only those lengths, e.g. while 4K's data is made)
-#   SIDE_BY_SIDE=1 LENGTHS=4k bash research/length_axis/train.sh   (a length's two seeds at once, one thread each)
+#   SIDE_BY_SIDE=1 LENGTHS=2k bash research/length_axis/train.sh   (a length's two seeds at once, one thread each)
+# Memory: a ~4K run holds ~14 GB (its 16 held-out prompts' caches and a micro-batch of 8 at 4K), so ~4K's two seeds
+# side by side were killed for memory on a 24 GB machine: there, run ~4K's one after the other (the default).
 # A --data folder admits one run at a time (support/recipe.RunFolder.claim: a data stage may still be appending),
 # so side by side, seed 1 reads a hard-linked copy of the folder: the same files, no more disk.
 set -euo pipefail
@@ -20,11 +22,12 @@ for L in ${LENGTHS:-1k 2k 4k}; do
     data=runs/length/train-$L
     if [ -n "${SIDE_BY_SIDE:-}" ]; then
         [ -e "$data-s1-data" ] || cp -al "$data" "$data-s1-data"
-        train "$L" 0 "$data" > "runs/length-train-$L-s0.log" 2>&1 &
-        train "$L" 1 "$data-s1-data" > "runs/length-train-$L-s1.log" 2>&1 &
-        for _ in 1 2; do  # both, and stop at the first that fails
-            wait -n || { echo "error: a ~$L run failed: runs/length-train-$L-s*.log"; kill $(jobs -p) 2>/dev/null; exit 1; }
-        done
+        train "$L" 0 "$data" > "runs/length-train-$L-s0.log" 2>&1 & s0=$!
+        train "$L" 1 "$data-s1-data" > "runs/length-train-$L-s1.log" 2>&1 & s1=$!
+        failed=""  # each run goes on to its end whatever the other does (a kill loses a run's steps since its last save)
+        wait "$s0" || failed+=" runs/length-train-$L-s0.log"
+        wait "$s1" || failed+=" runs/length-train-$L-s1.log"
+        [ -z "$failed" ] || { echo "error: a ~$L run failed (the same command resumes it):$failed"; exit 1; }
     else
         train "$L" 0 "$data"
         train "$L" 1 "$data"
