@@ -8,6 +8,7 @@
 # 2. The learner's recipe (research/configs/train-quick.json: 256 prompts, 16 held-out, answers up to 64 tokens,
 #    the same tasks and seed) with its prompt lengths moved: 1K = 768-1024, 2K = 1536-2048, 4K = 3072-4096 tokens
 #    (each band [3/4 L, L]; long_frac 0 as the learner's). A 4K sample is ~94 MB (bf16): ~24 GB for 4K's 256.
+# 3. The answer length: ~1K's recipe with answers up to 256 tokens (runs/length/train-1k-a256, ~6 GB).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p runs/length
@@ -27,4 +28,6 @@ run heldout-4k '{"n_train": 1, "n_heldout": 48, "min_tokens": 3072, "max_tokens"
 run train-1k '{"min_tokens": 768, "max_tokens": 1024}'
 run train-2k '{"min_tokens": 1536, "max_tokens": 2048}'
 run train-4k '{"min_tokens": 3072, "max_tokens": 4096}'
+# 3. The answer length: ~1K's recipe (the same prompts: same seed and band) with answers up to 256 tokens, not 64.
+run train-1k-a256 '{"min_tokens": 768, "max_tokens": 1024, "max_new_tokens": 256}'
 echo "length-axis data: done"
