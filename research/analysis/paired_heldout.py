@@ -96,12 +96,12 @@ def gap(values, prompts, C, method):
                       lower_is_better=True)
 
 
-def averaged(run, by_key, adapters, row, budgets):
+def averaged(run, by_key, adapters, row, budgets, base):
     """{prompt: {answer_kl_lookahead@C: the mean over `adapters` (one, or a recipe's seeds) of their `row`}};
-    a baseline's name (BASELINES) stands for its own row, which the run measured with its first module."""
+    a baseline's name (BASELINES) stands for its own row in `base`, the prompts of the run's first module."""
     def prompts(a):  # {prompt: values} of the module whose row `a` is, and the key of a's answer KL there
         if a in BASELINES:
-            return prompts_of(by_key, run["rows"][0]["metrics"], "answer_kl_snapkv", budgets, "the baselines"), a
+            return base, a
         return prompts_of(by_key, row_of(run, a)["metrics"], f"answer_kl_{row}", budgets, a), row
 
     each = [prompts(a) for a in adapters]
@@ -120,8 +120,9 @@ def compare(run, by_key, a, b, row="lookahead", b_row=None):
     lower, n, (low, high) of b - a in answer KL)]; a, b: lists of adapters (each averaged per prompt), a's
     selection `row`, b's `b_row` (default: the same; another: two selections of the same adapters)."""
     budgets = run["budgets"]
-    values = dict(base=prompts_of(by_key, run["rows"][0]["metrics"], "answer_kl_snapkv", budgets, "the baselines"),
-                  a=averaged(run, by_key, a, row, budgets), b=averaged(run, by_key, b, b_row or row, budgets))
+    base = prompts_of(by_key, run["rows"][0]["metrics"], "answer_kl_snapkv", budgets, "the baselines")
+    values = dict(base=base, a=averaged(run, by_key, a, row, budgets, base),
+                  b=averaged(run, by_key, b, b_row or row, budgets, base))
     prompts = sorted(set(values["base"]) & set(values["a"]) & set(values["b"]))
     rng = random.Random(SEED)
     out = []

@@ -12,9 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 train() {  # train LENGTH SEED DATA
-    local out=runs/length/train-$1-s$2
+    local out=runs/length/train-$1-s$2 resume=()
     [ -e "$out/adapter.safetensors" ] && return 0
-    resume=(); [ -e "$out/ckpt.pt" ] && resume=(--resume)
+    [ -e "$out/ckpt.pt" ] && resume=(--resume)
     python -m research.train_lab --config runs/length/train-$1.json --stage train \
         --data "$3" --out "$out" --seed "$2" "${resume[@]}"
 }

@@ -157,14 +157,27 @@ def test_learning_curve_gathers_heldout_foreign_and_ruler_runs(tmp_path, monkeyp
         curve.main(["--heldout", str(tmp_path / "held")])
 
 
-def test_paired_heldout_matches_modules_by_their_means_and_bootstraps_the_difference(tmp_path, capsys):
-    """research/analysis/paired_heldout.py: each heldout.json row is found in the prompt log by its means (another module's
-    lines in the log are ignored), the gap closed is the run's, and the paired interval holds the difference;
-    b better on every prompt gives an interval above 0. A log that matches no row is one error line."""
+def paired_heldout():
+    """research/analysis/paired_heldout.py as a module (a script, not a package member), with fewer draws."""
     spec = importlib.util.spec_from_file_location("paired", ROOT / "research" / "analysis" / "paired_heldout.py")
     paired = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(paired)
     paired.DRAWS = 500
+    return paired
+
+
+def write_heldout(folder, budgets, rows, logs):
+    """What evaluate.py --heldout --answer-kl --out keeps: heldout.json (rows) and the prompt log ({key: {prompt: values}})."""
+    (folder / "heldout.json").write_text(json.dumps(dict(budgets=budgets, answer_kl=True, rows=rows)))
+    lines = [json.dumps(dict(key=k, row=p, values=v)) for k, src in logs.items() for p, v in src.items()]
+    (folder / "heldout-prompts.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_paired_heldout_matches_modules_by_their_means_and_bootstraps_the_difference(tmp_path, capsys):
+    """research/analysis/paired_heldout.py: each heldout.json row is found in the prompt log by its means (another module's
+    lines in the log are ignored), the gap closed is the run's, and the paired interval holds the difference;
+    b better on every prompt gives an interval above 0. A log that matches no row is one error line."""
+    paired = paired_heldout()
     rng = random.Random(1)
     prompts = [f"p{i}" for i in range(20)]
     base = {p: {"answer_kl_snapkv@128": 1.0 + rng.random(), "answer_kl_oracle@128": 0.1 * rng.random()} for p in prompts}
@@ -175,10 +188,7 @@ def test_paired_heldout_matches_modules_by_their_means_and_bootstraps_the_differ
     rows = [dict(label="untrained", adapter=None, metrics={k: mean(base, k) for k in base["p0"]})] + [
         dict(label=n, adapter=n, metrics={"answer_kl_lookahead@128": mean(src, "answer_kl_lookahead@128")})
         for n, src in (("runs/a.safetensors", a), ("runs/b.safetensors", b))]
-    (tmp_path / "heldout.json").write_text(json.dumps(dict(budgets=[128], answer_kl=True, rows=rows)))
-    lines = [json.dumps(dict(key=k, row=p, values=src[p])) for k, src in (("k0", base), ("ka", a), ("kb", b),
-                                                                         ("kx", other)) for p in prompts]
-    (tmp_path / "heldout-prompts.jsonl").write_text("\n".join(lines) + "\n")
+    write_heldout(tmp_path, [128], rows, dict(k0=base, ka=a, kb=b, kx=other))
     [(C, ka, ga, kb, gb, (lo, hi), lower, n, (klo, khi))] = paired.main(["--heldout", str(tmp_path), "--a", "runs/a.safetensors",
                                                               "--b", "b.safetensors"])
     snap, oracle = mean(base, "answer_kl_snapkv@128"), mean(base, "answer_kl_oracle@128")
@@ -192,7 +202,7 @@ def test_paired_heldout_matches_modules_by_their_means_and_bootstraps_the_differ
         ["--heldout", str(tmp_path), "--a", "runs/a.safetensors,runs/b.safetensors", "--b", "runs/a.safetensors"])
     assert ka2 == pytest.approx((ka + kb) / 2) and kb2 == pytest.approx(ka) and n2 == 20
     assert klo2 <= kb2 - ka2 <= khi2 and khi2 > 0
-    (tmp_path / "heldout-prompts.jsonl").write_text("\n".join(lines[:20]) + "\n")  # the baselines alone
+    write_heldout(tmp_path, [128], rows, dict(k0=base))  # the baselines alone in the log
     with pytest.raises(SystemExit, match="^error: runs/a.safetensors: 0 modules of the prompt log match"):
         paired.main(["--heldout", str(tmp_path), "--a", "runs/a.safetensors", "--b", "runs/b.safetensors"])
 
@@ -201,10 +211,7 @@ def test_paired_heldout_pairs_two_selections_of_one_adapter(tmp_path, capsys):
     """--b-row: the same adapter under two selections (the paper's max-pool 7 against the unpooled top C), each
     side matched by its own row's means; b - a is the per-prompt difference of the two rows. A baseline's name
     on a side is its row of the first module."""
-    spec = importlib.util.spec_from_file_location("paired", ROOT / "research" / "analysis" / "paired_heldout.py")
-    paired = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(paired)
-    paired.DRAWS = 500
+    paired = paired_heldout()
     rng = random.Random(2)
     prompts = [f"p{i}" for i in range(12)]
     base = {p: {"answer_kl_snapkv@64": 1.0 + rng.random(), "answer_kl_oracle@64": 0.1 * rng.random()} for p in prompts}
@@ -215,9 +222,7 @@ def test_paired_heldout_pairs_two_selections_of_one_adapter(tmp_path, capsys):
     mean = lambda src, k: sum(v[k] for v in src.values()) / len(src)  # noqa: E731
     rows = [dict(label="untrained", adapter=None, metrics={k: mean(base, k) for k in base["p0"]}),
             dict(label="a", adapter="runs/a.safetensors", metrics={k: mean(a, k) for k in a["p0"]})]
-    (tmp_path / "heldout.json").write_text(json.dumps(dict(budgets=[64], answer_kl=True, rows=rows)))
-    lines = [json.dumps(dict(key=k, row=p, values=src[p])) for k, src in (("k0", base), ("ka", a)) for p in prompts]
-    (tmp_path / "heldout-prompts.jsonl").write_text("\n".join(lines) + "\n")
+    write_heldout(tmp_path, [64], rows, dict(k0=base, ka=a))
     [(C, ka, _, kb, _, _, lower, n, (klo, khi))] = paired.main(
         ["--heldout", str(tmp_path), "--a", "runs/a.safetensors", "--b", "runs/a.safetensors",
          "--row", "lookahead-paper", "--b-row", "lookahead-unpooled"])
