@@ -3,6 +3,7 @@
 # run on its length's data stage (python -m research.train_lab --data: the data is only read), resumable:
 #   bash research/length_axis/train.sh         (each run ~64 steps; a kill: the same command goes on)
 #   LENGTHS="1k 2k" bash research/length_axis/train.sh     (only those lengths, e.g. while 4K's data is made)
+#   SIDE_BY_SIDE=1 LENGTHS=1k-a256 bash research/length_axis/train.sh   (the answer length: data.sh's stage 3)
 #   SIDE_BY_SIDE=1 LENGTHS=2k bash research/length_axis/train.sh   (a length's two seeds at once, one thread each)
 # Memory: a ~4K run holds ~14 GB (its 16 held-out prompts' caches and a micro-batch of 8 at 4K), so ~4K's two seeds
 # side by side were killed for memory on a 24 GB machine: there, run ~4K's one after the other (the default).
