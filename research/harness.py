@@ -60,9 +60,9 @@ def heldout_ground_truth(model, rows, out=None):
         # named by what it is made of: the model, the prompt and the answer
         key = json.dumps([model.config.fingerprint(), r["prompt_ids"], r["response_ids"], "v3"])
         path = None if out is None else Path(out) / "heldout" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
-        if path is not None and path.exists():
-            try:
-                saved = torch.load(path, map_location=model.lm_head.weight.device)
+        if path is not None and path.is_file():  # a named pipe there would block the read: made again below
+            try:  # tensors only (weights_only): a file that pickles an object is not run, but made again below
+                saved = torch.load(path, map_location=model.lm_head.weight.device, weights_only=True)
                 cache = KVCache(len(saved["k"]))
                 cache.k, cache.v = saved["k"], saved["v"]
                 items.append((cache, saved["gt"], saved["extra"]))

@@ -11,6 +11,17 @@ only then replaces `path` (os.replace, atomic): a full disk, a denied write or a
 and no temporary file behind. A full disk or a denied write is one ValueError line naming the file and what to do
 (os_error_line; cli.run says it as `error: ...`), never a bare "[Errno 28]".
 
+A folder a user is handed (a run folder, a model folder, an export) is data: no write follows a link planted in
+it, and no read of it is unbounded:
+
+    files.append_text(path, line)             # a log line, through an O_NOFOLLOW open of a regular file
+    files.refuse_link(path) / refuse_links(paths)   # a symbolic link where a file will be written: one line
+    files.read_limited(path, limit)           # a regular file's bytes, its kind and size checked first
+    files.sha256_of(path)                     # a file's digest, read in blocks (a 4 GB file, not 4 GB of memory)
+
+write_with refuses a link at `path` too (os.replace would replace the link, but a link there was planted: the
+user is told, not its target written or the link silently dropped).
+
 weights_identity names a model by the bytes of its weights (every tensor's, through the files), so that a
 resumed run or a merged results table refuses other weights under the same config (same name, same shapes).
 """
@@ -18,6 +29,7 @@ import errno
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -56,6 +68,7 @@ def write_with(path, writer):
     replaces path. On any failure tmp is removed and path is as it was; an OSError (or a writer's error that says
     the disk is full: safetensors' and torch's name no errno) is ValueError with one line (os_error_line)."""
     path = Path(path)
+    refuse_link(path)
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.",
                                    suffix=".tmp")
@@ -86,6 +99,7 @@ def write_many(paths, writer):
     import shutil
 
     paths = [Path(p) for p in paths]
+    refuse_links(paths)
     folder = paths[0].parent if str(paths[0].parent) else Path(".")
     try:
         tmp_dir = Path(tempfile.mkdtemp(dir=folder, prefix=f".{paths[0].name}.", suffix=".tmp"))
@@ -106,6 +120,54 @@ def write_many(paths, writer):
             raise ValueError(os_error_line(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), paths[0], True)) from None
         raise
     shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def append_text(path, text):
+    """`text` appended to `path` (a log: made if missing, with the mode a new file gets) through an O_NOFOLLOW,
+    non-blocking open: a symbolic link there (dangling or not) is refused (refuse_link's line), and so is anything
+    but a regular file (a named pipe would block the run). Errors as one ValueError line (os_error_line)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP or os.path.islink(path):  # O_NOFOLLOW: the last name is a link
+            refuse_link(path)
+        if e.errno == errno.ENXIO:  # a named pipe no process reads
+            raise ValueError(not_a_file_line(path, "a named pipe")) from None
+        raise ValueError(os_error_line(e, path)) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(not_a_file_line(path, kind_of(path)))
+        payload = text.encode("utf-8")
+        while payload:  # os.write may write part of it (a full disk raises)
+            payload = payload[os.write(fd, payload):]
+    except OSError as e:
+        raise ValueError(os_error_line(e, path)) from None
+    finally:
+        os.close(fd)
+
+
+def refuse_link(path, flag=None):
+    """ValueError naming `path` when it is a symbolic link (dangling or not): a file written or appended there would
+    land wherever the link points, outside the folder the user named (a handed folder may hold one)."""
+    if os.path.islink(path):
+        try:
+            target = f" (to {os.readlink(path)})"
+        except OSError:
+            target = ""
+        who = f"{flag} " if flag else ""
+        raise ValueError(f"{who}{path} is a symbolic link{target}: nothing is written through a link this run did not "
+                         f"make; remove the link, or pass another folder")
+
+
+def refuse_links(paths, flag=None):
+    """refuse_link for each of `paths`: the first link is named."""
+    for p in paths:
+        refuse_link(p, flag)
+
+
+def not_a_file_line(path, kind):
+    return f"{path} is {kind}, not a regular file: move it away, or pass another folder"
 
 
 def disk_full_text(e):
@@ -169,10 +231,69 @@ def kind_of(path):
 
 
 # -----------------------------------------------------------------------------
+# Bounded reads: a file's kind and size checked before it is read
+
+
+def read_limited(path, limit, flag=None, follow=True):
+    """The bytes of the regular file at `path`, at most `limit` of them; one ValueError line naming it (and flag)
+    for anything else: a named pipe, device, socket or folder (seen by fstat on a non-blocking open, so a pipe
+    cannot hang the read, and a device such as /dev/zero is never read), or more than `limit` bytes (said from
+    its size before reading; the read stops at limit + 1 bytes, so a file that grows meanwhile is refused too).
+    follow=False: a symbolic link at `path` is refused as well (O_NOFOLLOW; a lock file is only ever ours)."""
+    who = f"{flag} " if flag else ""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
+    except OSError as e:
+        if not follow and (e.errno == errno.ELOOP or os.path.islink(path)):
+            raise ValueError(f"{who}{path} is a symbolic link, not a file this project wrote: remove it") from None
+        raise ValueError(f"{who}{os_error_line(e, path)}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{who}{not_a_file_line(path, kind_of(path))}")
+        if st.st_size > limit:
+            raise ValueError(f"{who}{path} is {st.st_size} bytes, more than the {limit} such a file can be: "
+                             f"not read; pass the right file")
+        chunks, n = [], 0
+        while n <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - n))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n += len(chunk)
+        if n > limit:
+            raise ValueError(f"{who}{path} grew past {limit} bytes while it was read: not read; pass the right file")
+        return b"".join(chunks)
+    except OSError as e:
+        raise ValueError(f"{who}{os_error_line(e, path)}") from None
+    finally:
+        os.close(fd)
+
+
+def check_regular(path, flag=None):
+    """ValueError (one line) unless `path` is a regular file (after links): a named pipe given as a checkpoint or
+    a weights file would block its reader forever."""
+    kind = kind_of(path)
+    if kind != "a file":
+        raise ValueError(f"{flag + ' ' if flag else ''}{not_a_file_line(path, kind)}")
+
+
+def sha256_of(path, flag=None):
+    """The sha256 (hex) of a regular file's bytes, read in blocks: a 4 GB file costs a block of memory, not 4 GB."""
+    check_regular(path, flag)
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# -----------------------------------------------------------------------------
 # The identity of a model's weights
 
 
 CACHE_NAME = ".weights-id.json"  # beside the run (its --out): the digest of each model folder it read, by stat
+CACHE_LIMIT = 1 << 20  # bytes: a few hundred model folders' entries; a larger one is made again
 
 
 def weight_files(folder):
@@ -230,7 +351,7 @@ def read_cache(path):
     if path is None or not path.is_file():
         return {}
     try:
-        known = json.loads(path.read_text())
+        known = json.loads(read_limited(path, CACHE_LIMIT))
     except (OSError, ValueError):
         return {}
     return known if isinstance(known, dict) else {}

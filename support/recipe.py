@@ -10,6 +10,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -32,6 +33,7 @@ from weights.checks import read_json
 
 STORE_DTYPES = ("bfloat16", "float16", "float32", "none")
 BUDGET_SAMPLES = 32  # --stage budgets (research/train_lab.py) measures on this many training samples
+MAX_EPOCHS = 1000  # passes over the training rows a recipe may ask for: a bound on the steps it plans
 CHAT_ROOM = 64  # tokens a chat template adds around a prompt (SmolLM2's, with its system message: 30)
 
 # -----------------------------------------------------------------------------
@@ -163,6 +165,9 @@ def check_numbers(cfg):
     for flag, value in [("--lr", cfg.lr), ("alpha", cfg.alpha), ("--epochs", cfg.epochs), ("clip", cfg.clip),
                         ("store_gb", cfg.store_gb)] + minutes:
         cli.positive(flag, value)
+    if cfg.epochs > MAX_EPOCHS:  # 1e308 (a handed --config) planned 10^307 steps before anything said so
+        raise ValueError(f"--epochs {cfg.epochs:g}: at most {MAX_EPOCHS} passes over the training rows (the recipes "
+                         "use 2-3)")
     shares = [("first_frac", cfg.first_frac)] if hasattr(cfg, "first_frac") else []
     for flag, value in [("warmup", cfg.warmup), ("long_frac", cfg.long_frac)] + shares + \
             ([("copy_frac", cfg.copy_frac)] if cfg.copy_frac is not None else []):
@@ -366,10 +371,11 @@ def check_adapter_dest(flag, dest):
                          f"name, or move it away")
 
 
-def check_writable(flag, path, folder, files):
-    """That this run can write `files` into `folder` at its end, said now rather than after training: a file is made
-    there and removed (os.access says yes to root everywhere, and to a read-only mount), and none of `files` is a
-    folder or other non-file that a file cannot replace."""
+def check_writable(flag, path, folder, written):
+    """That this run can write the files `written` into `folder` at its end, said now rather than after training: a
+    file is made there and removed (os.access says yes to root everywhere, and to a read-only mount), and none of
+    them is a symbolic link (a planted link: a write there would land where it points) or a folder or other
+    non-file that a file cannot replace; links are seen, never followed."""
     try:
         fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-check-")
         os.close(fd)
@@ -377,7 +383,8 @@ def check_writable(flag, path, folder, files):
     except OSError as e:
         raise ValueError(f"{flag} {path}: this folder is not writable (making a file in {folder} failed: "
                          f"{e.strerror}): pass another") from None
-    for f in files:
+    for f in written:
+        files.refuse_link(f, flag)
         if f.exists() and not f.is_file():
             raise ValueError(f"{flag} {path}: {f}, which this run writes, is a folder (or not a file): move it "
                              f"away, or pass another {flag}")
@@ -486,20 +493,43 @@ def save_checkpoint(path, module, opt, step, log, settings=None):
     """OUT/ckpt.pt through files.write_with (atomic: a kill or a full disk mid-save leaves the previous checkpoint
     intact, and a full disk is one `error:` line, not torch's "file write failed" traceback)."""
     weights_id = getattr(settings, "weights_id", None)  # schedule_of's (a Schedule): the base weights' identity
-    settings = dict(settings) if settings is not None else None  # a plain dict in the file
+    # plain types only (a dict, not the Schedule; the log as its JSON lines read back), so that load_checkpoint's
+    # weights_only=True reads it: a checkpoint is tensors and plain values, never an object to rebuild
+    settings = plain(dict(settings)) if settings is not None else None
     files.write_with(path, lambda tmp: torch.save(dict(
-        module=module.state_dict(), meta=module.metadata(), opt=opt.state_dict(), step=step, log=log,
-        rng=torch.get_rng_state(), settings=settings, weights_id=weights_id), tmp))
+        module=module.state_dict(), meta=plain(module.metadata()), opt=opt.state_dict(), step=int(step),
+        log=plain(log), rng=torch.get_rng_state(), settings=settings, weights_id=weights_id), tmp))
+
+
+def plain(value):
+    """`value` as JSON's types (dict, list, str, int, float, bool, None), which torch.load's weights_only reads: a
+    tuple becomes a list, a numpy number a Python one."""
+    return json.loads(json.dumps(value, default=lambda x: x.item() if hasattr(x, "item") else str(x)))
 
 
 def load_checkpoint(path):
-    """OUT/ckpt.pt's dict, or None if it cannot be read as one (cut short, or not a checkpoint at all)."""
+    """OUT/ckpt.pt's dict, or None if it cannot be read as one (cut short, or not a checkpoint at all). Read with
+    weights_only=True: a checkpoint holds tensors and plain values (save_checkpoint); one that pickles anything
+    else, which could run code as it loads (a --out folder a user is handed is data), is refused in one line
+    naming the file, before anything in it runs; so is one that is not a regular file (a named pipe blocks)."""
+    import pickle
+    import warnings
+
+    files.check_regular(path, "checkpoint")
     try:
-        ck = torch.load(path, map_location="cpu", weights_only=False)
-        ck["meta"]["base_fingerprint"]
-        return ck
+        with warnings.catch_warnings():  # torch's warning on a file of another pickle protocol: the line below says it
+            warnings.simplefilter("ignore")
+            ck = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if found := re.search(r"GLOBAL (\S+)", str(e)):  # the unpickler stopped at an object to rebuild: not run
+            raise ValueError(f"checkpoint {path} holds a pickled object ({found.group(1).rstrip('.')}), not only "
+                             "tensors and plain values: it was not loaded (loading it could run code): delete it, or "
+                             "pass another --out") from None
+        return None
     except Exception:
         return None
+    ok = isinstance(ck, dict) and isinstance(ck.get("meta"), dict) and "base_fingerprint" in ck["meta"]
+    return ck if ok else None
 
 
 def checkpoint_differences(ck, now, schedule, parser):
@@ -711,8 +741,7 @@ class RunFolder:
         return read_rows(self.src, ModelConfig.from_hf_config(self.model_dir), partial_ok=True, trim=trim)
 
     def append_rows(self, rows):  # appended batch by batch: a killed run loses one batch at most
-        with open(self.out / "data.jsonl", "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        files.append_text(self.out / "data.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
 
     def sample_path(self, row_id):
         return sample_path(self.src, row_id)
@@ -754,9 +783,8 @@ class RunFolder:
     def save_checkpoint(self, module, opt, step, log, cfg, weights_id=None):
         save_checkpoint(self.out / "ckpt.pt", module, opt, step, log, schedule_of(cfg, weights_id))
 
-    def append_log(self, entry):
-        with open(self.out / "log.jsonl", "a") as f:
-            f.write(json.dumps(entry) + "\n")
+    def append_log(self, entry):  # through an O_NOFOLLOW open: a planted link is refused, its target untouched
+        files.append_text(self.out / "log.jsonl", json.dumps(entry) + "\n")
 
     def save_adapter(self, module):
         save_adapter(module, self.dest)

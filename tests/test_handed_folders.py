@@ -1,0 +1,82 @@
+"""
+Issue 77: a folder a user is handed (a run folder, a model folder, an export, a turns file) is data. Each test
+here is an attack: what the folder holds tries to run code, redirect a write, or hang the run, and the run ends
+in one `error:` line (exit 1) with nothing outside the folder touched.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from support import files
+
+ROOT = Path(__file__).resolve().parent.parent
+FIT = dict(n_tokens=8, min_tokens=16, max_tokens=64, long_max=128)  # prompt lengths the tiny model's context fits
+
+
+def script_error(argv, timeout=120):
+    """`python ARGV` from the repository root: its one stderr line, after exit status 1."""
+    r = subprocess.run([sys.executable, *map(str, argv)], cwd=ROOT, capture_output=True, timeout=timeout,
+                       env={**os.environ, "PIP_NO_INDEX": "1"})
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 1, err
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err  # no traceback, no warning
+    return err.rstrip("\n")
+
+
+class Planted:
+    """Pickled, it rebuilds by calling os.mkdir(MARKER): what a checkpoint from a stranger could run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_hf_model):
+    return tiny_hf_model("llama")
+
+
+def train_argv(model_dir, out, *extra):
+    recipe = Path(out).parent / f"recipe-{Path(out).name}.json"
+    recipe.write_text(json.dumps(FIT))
+    return ["train.py", "--config", recipe, "--model", model_dir, "--out", out, "--device", "cpu", *extra]
+
+
+# -----------------------------------------------------------------------------
+# 1. No pickle executes
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_checkpoint_that_would_run_code_is_refused_before_it_runs(model_dir, tmp_path, resume):
+    out, marker = tmp_path / "handed", tmp_path / "marker"
+    out.mkdir()
+    torch.save(dict(meta=dict(base_fingerprint="x"), step=Planted(marker)), out / "ckpt.pt")
+    before = (out / "ckpt.pt").read_bytes()
+    err = script_error(train_argv(model_dir, out, *(["--resume"] if resume else [])))
+    assert f"checkpoint {out / 'ckpt.pt'} holds a pickled object (posix.mkdir)" in err, err
+    assert not marker.exists()  # nothing in it ran
+    assert (out / "ckpt.pt").read_bytes() == before and not (out / "log.jsonl").exists()
+
+
+def test_a_checkpoint_holds_only_what_loads_without_pickled_objects(tmp_path):
+    from lookaheadkv import LookaheadModule
+    from model import ModelConfig
+    from support import recipe
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, name="tiny")
+    module = LookaheadModule(cfg, n_tokens=2, rank=2)
+    opt = torch.optim.AdamW(module.parameters())
+    schedule = recipe.Schedule(dict(lr=0.01, batch=2, rule=None, copy_frac=0.5), "0123abcd")
+    recipe.save_checkpoint(tmp_path / "ckpt.pt", module, opt, 3, [dict(step=0, kl=float("nan"))], schedule)
+    ck = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # raises if anything needs more than weights_only
+    assert ck["step"] == 3 and ck["settings"] == dict(schedule) and ck["weights_id"] == "0123abcd"
+    assert type(ck["settings"]) is dict and recipe.load_checkpoint(tmp_path / "ckpt.pt")["step"] == 3
