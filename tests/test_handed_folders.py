@@ -80,3 +80,51 @@ def test_a_checkpoint_holds_only_what_loads_without_pickled_objects(tmp_path):
     ck = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # raises if anything needs more than weights_only
     assert ck["step"] == 3 and ck["settings"] == dict(schedule) and ck["weights_id"] == "0123abcd"
     assert type(ck["settings"]) is dict and recipe.load_checkpoint(tmp_path / "ckpt.pt")["step"] == 3
+
+
+# -----------------------------------------------------------------------------
+# 2. Every write lands in the folder the user named
+
+
+@pytest.mark.parametrize("name", [".prepared", "config.json"])
+def test_a_model_folder_with_a_planted_link_is_refused_before_any_write(tmp_path, name):
+    """weights/prepare.py wrote "building" through a .prepared link (offline, before any download), and each
+    config through its link: now the link is named and its target, outside the folder, stays as it was."""
+    out, victim = tmp_path / "model", tmp_path / "victim.txt"
+    out.mkdir()
+    victim.write_text("the user's own file\n")
+    if name != ".prepared":
+        (out / ".prepared").write_text("building\n")  # a folder prepare.py was making
+    (out / name).symlink_to(victim)
+    err = script_error(["weights/prepare.py", "--out", out])
+    assert err.startswith(f"error: --out {out / name} is a symbolic link (to {victim})"), err
+    assert victim.read_text() == "the user's own file\n" and (out / name).is_symlink()
+
+
+@pytest.mark.parametrize("name, dangling", [("log.jsonl", False), ("log.jsonl", True), ("ckpt.pt", True)])
+def test_a_run_folder_with_a_planted_link_is_refused_before_the_model_loads(model_dir, tmp_path, name, dangling):
+    """log.jsonl was appended through a link to any file the user can write, and a dangling link made a file
+    wherever it pointed (check_writable followed links)."""
+    out, victim = tmp_path / "handed", tmp_path / "elsewhere" / "victim.txt"
+    out.mkdir()
+    victim.parent.mkdir()
+    if not dangling:
+        victim.write_text("the user's own file\n")
+    (out / name).symlink_to(victim)
+    err = script_error(train_argv(model_dir, out))
+    assert f"{out / name} is a symbolic link (to {victim})" in err, err
+    assert (victim.read_text() == "the user's own file\n") if not dangling else not victim.exists()
+
+
+def test_appends_and_atomic_writes_never_follow_a_link(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("kept\n")
+    for i, name in enumerate(["log.jsonl", "dangling.jsonl"]):
+        (tmp_path / name).symlink_to(victim if i == 0 else tmp_path / "made-elsewhere")
+        for write in (files.append_text, files.write_atomic):
+            with pytest.raises(ValueError, match=f"^{tmp_path / name} is a symbolic link"):
+                write(tmp_path / name, "x\n")
+    assert victim.read_text() == "kept\n" and not (tmp_path / "made-elsewhere").exists()
+    files.append_text(tmp_path / "new.jsonl", "a\n")
+    files.append_text(tmp_path / "new.jsonl", "b\n")
+    assert (tmp_path / "new.jsonl").read_text() == "a\nb\n"

@@ -166,12 +166,12 @@ def convert_gguf(gguf_path, out_dir):
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_with(out_dir / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    write(out_dir / "config.json", json.dumps(config, indent=2) + "\n")
 
     tok = build_tokenizer(tokens, meta["tokenizer.ggml.merges"], meta["tokenizer.ggml.token_type"],
                           meta.get("tokenizer.ggml.pre", "gpt2"))
-    tok.save(str(out_dir / "tokenizer.json"))
+    write_with(out_dir / "tokenizer.json", lambda tmp: tok.save(str(tmp)))
     tok_name = lambda key: tokens[meta[key]] if key in meta else None
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",  # = "just use tokenizer.json as is"
@@ -182,9 +182,9 @@ def convert_gguf(gguf_path, out_dir):
         "clean_up_tokenization_spaces": False, "model_max_length": config["max_position_embeddings"],
         "chat_template": meta.get("tokenizer.chat_template"),
     }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
+    write(out_dir / "tokenizer_config.json", json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None}
-    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write(out_dir / "generation_config.json", json.dumps(gen, indent=2) + "\n")
     return sum(w.size for w in state.values())
 
 
@@ -194,7 +194,7 @@ def not_whole(out_dir):
     tokenizer.json is checked for truncation (support.tokenizer.Tokenizer reads it in full, naming the fix)."""
     out_dir = Path(out_dir)
     marker = out_dir / MARKER
-    if not marker.is_file() or marker.read_text().split("\n")[0].strip() != GGUF_SHA256:
+    if not marker.is_file() or first_line(marker) != GGUF_SHA256:
         return "not prepared"  # never finished, or made from another GGUF
     for f in FILES:
         if not (out_dir / f).is_file():
@@ -221,6 +221,25 @@ def not_whole(out_dir):
             except ValueError:
                 return f"{f} is not valid JSON"
     return None
+
+
+def first_line(path):
+    """A small file's first line (the marker's sha256), read no further than it can be: a marker linked to a
+    huge file is not read whole."""
+    with open(path, "rb") as fh:
+        return fh.read(256).split(b"\n")[0].decode("utf-8", "replace").strip()
+
+
+def write(path, text):
+    """`text` at `path` through the repository's one writer (support/files.py: a temporary file, then os.replace):
+    a symbolic link planted there is refused in one line, never written through."""
+    write_with(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def write_with(path, writer):
+    from support import files  # the repo's: run as a script, __main__ below puts the repo root on sys.path
+
+    files.write_with(path, writer)
 
 
 def stamp(out_dir):
@@ -319,6 +338,7 @@ def prepare(out_dir=DEFAULT_DIR, quiet=False, flag="--out"):
     if others:  # a folder of other things (the repository, a home folder): a model's files would land among them
         raise ValueError(f"{flag} {out_dir} holds {', '.join(others[:3])}{', ...' * (len(others) > 3)} and is no "
                          "folder weights/prepare.py made: pass a new or empty folder")
+    refuse_links(flag, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     claim(flag, out_dir)  # two runs converting into one folder would interleave their files
     why = not_whole(out_dir)  # a run that held the folder until now may have finished it
@@ -326,13 +346,21 @@ def prepare(out_dir=DEFAULT_DIR, quiet=False, flag="--out"):
         return out_dir
     if why != "not prepared":  # the stamp is there but the files are not whole: say so, then rebuild
         log(f"{out_dir} was prepared but {why}: rebuilding it")
-    (out_dir / MARKER).write_text("building\n")  # ours, and not ready until the rebuild has finished
+    write(out_dir / MARKER, "building\n")  # ours, and not ready until the rebuild has finished
     gguf_path = fetch_gguf(log)
     log(f"converting {gguf_path.name} -> {out_dir}")
     n_params = convert_gguf(gguf_path, out_dir)
-    (out_dir / MARKER).write_text(stamp(out_dir))  # written last: a crash leaves the folder "not ready"
+    write(out_dir / MARKER, stamp(out_dir))  # written last: a crash leaves the folder "not ready"
     log(f"wrote {n_params / 1e6:.1f}M params + {', '.join(FILES)}")
     return out_dir
+
+
+def refuse_links(flag, out_dir):
+    """A symbolic link planted where this run writes (the marker, a model file) is refused in one line naming it,
+    before anything is written or downloaded: its target, wherever it is, stays as it was."""
+    from support import files
+
+    files.refuse_links([out_dir / f for f in (MARKER, *FILES)], flag)
 
 
 def claim(flag, out_dir):
