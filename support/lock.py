@@ -3,10 +3,20 @@ One writer per output folder: a lock file holding the process id, which a killed
 stuck. The scripts take it through cli.claim_folder; weights/prepare.py, which cli.py itself calls to
 prepare the default model, takes it from here, so the imports run one way.
 """
+import sys
+
+if __name__ == "__main__":  # a library module, run by -m or by its path: said before any import can fail
+    sys.exit("error: support.lock is not a script: "
+             "the scripts lock their output folders with it: run generate.py, train.py or a research script")
+
 import atexit
 import os
 import time
 from pathlib import Path
+
+from support import files
+
+LOCK_LIMIT = 64  # bytes: a process id is at most 7 digits; a lock file larger than this is none of ours
 
 
 def claim_folder(flag, path, wait=0.0, say=None):
@@ -20,7 +30,7 @@ def claim_folder(flag, path, wait=0.0, say=None):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
-            holder = lock.read_text().strip() if lock.exists() else ""
+            holder = holder_of(flag, path, lock)
             if holder == me:
                 return
             if holder.isdigit() and alive(int(holder)):
@@ -53,8 +63,27 @@ def release_folder(path):
     lock = Path(path) / ".lock"
     if lock in HELD:
         HELD.remove(lock)
-        if lock.exists() and lock.read_text().strip() == str(os.getpid()):
+        try:
+            mine = holder_of("", path, lock) == str(os.getpid())
+        except ValueError:  # replaced by something that is no lock: not ours to remove
+            mine = False
+        if mine:
             lock.unlink(missing_ok=True)
+
+
+def holder_of(flag, path, lock):
+    """The process id a lock file holds, as text ("" once it is gone). Read as a handed folder's file is: a
+    regular file of at most LOCK_LIMIT bytes, opened without following a link and without blocking (fstat, then
+    read), so a named pipe (which blocked forever), a link to /dev/zero (read until memory ran out) or a huge file
+    is refused in one line naming it."""
+    if not os.path.lexists(lock):
+        return ""
+    try:
+        return files.read_limited(lock, LOCK_LIMIT, follow=False).decode("utf-8", "replace").strip()
+    except ValueError as e:
+        if not os.path.lexists(lock):  # removed meanwhile (its run ended)
+            return ""
+        raise ValueError(f"{flag} {path}: cannot take its lock: {e}".lstrip(" ")) from None
 
 
 @atexit.register
@@ -72,8 +101,3 @@ def alive(pid):
     except PermissionError:  # it exists, under another user
         return True
     return True
-
-
-if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    raise SystemExit("error: support.lock is not a script: "
-                     "the scripts lock their output folders with it: run generate.py, train.py or a research script")

@@ -128,3 +128,35 @@ def test_appends_and_atomic_writes_never_follow_a_link(tmp_path):
     files.append_text(tmp_path / "new.jsonl", "a\n")
     files.append_text(tmp_path / "new.jsonl", "b\n")
     assert (tmp_path / "new.jsonl").read_text() == "a\nb\n"
+
+
+# -----------------------------------------------------------------------------
+# 3. Every read is bounded
+
+
+def test_a_lock_that_is_a_pipe_a_device_or_huge_is_refused_at_once(tmp_path):
+    """A .lock that was a named pipe hung the run forever, and one linked to /dev/zero read until memory ran out."""
+    for name, plant in [("pipe", os.mkfifo), ("zero", lambda p: os.symlink("/dev/zero", p)),
+                        ("huge", lambda p: p.write_bytes(b"1" * 10_000))]:
+        out = tmp_path / name
+        out.mkdir()
+        plant(out / ".lock")
+        start = time.monotonic()
+        err = script_error(["weights/prepare.py", "--out", out], timeout=60)
+        assert err.startswith(f"error: --out {out}: cannot take its lock: {out / '.lock'} is "), err
+        assert time.monotonic() - start < 30 and os.path.lexists(out / ".lock")  # said, and left for the user
+
+
+def test_a_huge_turns_file_is_refused_by_its_size_before_it_is_read(tmp_path):
+    from extensions import chat
+
+    big = tmp_path / "turns.json"
+    with open(big, "wb") as f:
+        f.truncate(200 * 2**20)  # sparse: 200 MB that take no disk
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=rf"^--turns {big} is 209715200 bytes, more than the \d+ such a file can be"):
+        chat.read_turns(big, 8192)
+    assert time.monotonic() - start < 2
+    os.mkfifo(tmp_path / "pipe.json")
+    with pytest.raises(ValueError, match="is a named pipe, not a regular file"):
+        chat.read_turns(tmp_path / "pipe.json", 8192)
