@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from support import cli
+from support import cli, files
 from eviction import compress, decode
 from extensions.decode import DecodeEviction, add_turn
 from methods import make_scorer
@@ -51,11 +51,17 @@ def first_then_rest(turns):
     return iter(()) if first is None else itertools.chain([first], turns)
 
 
+TURNS_CONTEXT = 8192  # tokens: a turns file read without a model's context is bounded as if by SmolLM2's
+TURNS_CONTEXTS = 16  # a turns file holds at most this many contexts' worth of text (each turn fits one context)
+
+
 def read_turns(path, context=None):
     """The user turns of --turns: a JSON list of strings ("/reset" starts a new conversation)."""
     p, where = cli.input_file("--turns", path), f"turns file {path}"
+    # its kind and size before it is parsed, as --prompt's: 156 MB of turns took 2.2 GB of memory to refuse
+    limit = cli.BYTES_PER_TOKEN * (context or TURNS_CONTEXT) * TURNS_CONTEXTS
     try:
-        turns = json.loads(cli.read_text(p.read_bytes(), where))
+        turns = json.loads(cli.read_text(files.read_limited(p, limit, "--turns"), where))
     except json.JSONDecodeError as e:
         raise ValueError(f"turns file {path} is not valid JSON ({e.msg}): write a list of strings") from None
     bad = (f"turns file {path}: expected a non-empty JSON list of non-empty strings, "
