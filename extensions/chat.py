@@ -13,10 +13,15 @@ starts a new conversation.
 
 It prints each answer and one stats line per turn (--json: one JSON object per turn).
 """
+import sys
+
+if __name__ == "__main__":  # a library module, run by -m or by its path: said before any import can fail
+    sys.exit("error: extensions.chat is not a script: "
+             "it is generate.py's chat: python generate.py --turns FILE (or - for stdin)")
+
 import dataclasses
 import itertools
 import json
-import sys
 import time
 
 import torch
@@ -274,7 +279,3 @@ def chat(args, model, tok, folder, turns, eviction, module, pick=None):
         held = make_scorer(dataclasses.replace(eviction, budget=args.decode_budget or args.budget), module)
         return scorer, DecodeEviction(held, args.every if args.decode_budget is not None else None, args.window)
     return chat_loop(args, model, tok, folder, turns, build=fresh, pick=pick)
-
-
-if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    cli.not_a_script("extensions.chat", "it is generate.py's chat: python generate.py --turns FILE (or - for stdin)")

@@ -14,6 +14,12 @@ the last `window` slots always kept. Nothing in the methods' own files knows of 
     evictor = DecodeEviction(make_scorer(EvictConfig("lookahead", 128), module), every=32)
     for tok in decode(model, cache, logits, pos, 512, hook=evictor.hook, after_step=evictor.after_step): ...
 """
+import sys
+
+if __name__ == "__main__":  # a library module, run by -m or by its path: said before any import can fail
+    sys.exit("error: extensions.decode is not a script: "
+             "it is generate.py's --decode-budget (and evaluate.py's --mode decode): import DecodeEviction from it")
+
 import copy
 
 import torch
@@ -208,10 +214,3 @@ def forced_logprobs_evicting(model, cache, logits, next_pos, response, evictor):
     if not rows:
         return torch.zeros(0, logits.shape[-1], device=logits.device), sizes
     return torch.stack(rows, dim=1)[0].float().log_softmax(-1), sizes
-
-
-if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    from support import cli
-
-    cli.not_a_script("extensions.decode",
-                     "it is generate.py's --decode-budget (and evaluate.py's --mode decode): import DecodeEviction from it")

@@ -11,6 +11,11 @@ Our adapter (.safetensors + .json) as the folder extensions/lookaheadkv_press.py
 The output folder is new, empty, or one this export made; anything else is refused (nothing of yours is replaced).
 The tensors are copied as they are (float32): the PEFT LoRA's deltas are ours (tests/test_lookahead_press.py).
 """
+import sys
+
+if __name__ == "__main__" and not __package__:  # run by its path: the repository is not on sys.path
+    sys.exit("error: run it from the repository root as python -m extensions.export_peft")
+
 import argparse
 import json
 from pathlib import Path

@@ -15,6 +15,12 @@ weights travel in the adapter's .json ("layer_weights"); python -m research.trai
 
     EvictConfig(..., budgets=LayerBudgets(weights))
 """
+import sys
+
+if __name__ == "__main__":  # a library module, run by -m or by its path: said before any import can fail
+    sys.exit("error: extensions.layer_budgets is not a script: "
+             "its budgets are chosen with generate.py --layer-budgets; research.train_lab --stage budgets measures them")
+
 import math
 
 import torch
@@ -112,10 +118,3 @@ def measure(model, module, samples, budget=128, progress=lambda it: it):
     report = dict(rows=len(base), C=budget, group=GROUP, floor=FLOOR, power=POWER, answer_kl=mean(base),
                   groups=[[g.start, g.stop - 1] for g in groups], gain=gain, kl=[mean(v) for v in kls])
     return weights, report
-
-
-if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    from support import cli
-
-    cli.not_a_script("extensions.layer_budgets",
-                     "its budgets are chosen with generate.py --layer-budgets; research.train_lab --stage budgets measures them")

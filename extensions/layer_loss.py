@@ -15,6 +15,12 @@ the normalisation removes: every layer keeps at least a quarter of the mean's pu
 
     python train.py ... --loss-weights runs/curve/n1300-lw.json
 """
+import sys
+
+if __name__ == "__main__":  # a library module, run by -m or by its path: said before any import can fail
+    sys.exit("error: extensions.layer_loss is not a script: "
+             "its loss is chosen with python -m research.train_lab --loss-weights ADAPTER")
+
 import json
 
 import torch
@@ -54,10 +60,3 @@ def read_weights(path, n_layers):
         raise ValueError(f"--loss-weights {path}: {len(weights)} layer weights for a model of {n_layers} layers "
                          "(measured for another model)")
     return [w ** 2 for w in weights]
-
-
-if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    from support import cli
-
-    cli.not_a_script("extensions.layer_loss",
-                     "its loss is chosen with python -m research.train_lab --loss-weights ADAPTER")

@@ -35,6 +35,12 @@ prefill beside the method's own hook and smooths the method's scores before its 
     make_scorer(EvictConfig(..., rule=SpanRule(8, 1024)))   # methods.py wraps; or generate.py --pool span:8:1024
     make_scorer(EvictConfig(..., rule=SpanRule(8)))         # the exact surprisal: --pool span:8
 """
+import sys
+
+if __name__ == "__main__":  # a library module, run by -m or by its path: said before any import can fail
+    sys.exit("error: extensions.span is not a script: "
+             "it is the span rule, chosen with --pool span:K or span:K:N in generate.py and research.evaluate")
+
 import dataclasses
 
 import torch
@@ -260,10 +266,3 @@ class Spanned:
                              "scorer (prefill_and_score)")
         scores = self.rule.smooth(scores, states, prefilled.valid, prefilled.positions, self.scorer.window, budgets)
         return self.scorer.evict(scores, prefilled, budgets)
-
-
-if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    from support import cli
-
-    cli.not_a_script("extensions.span",
-                     "it is the span rule, chosen with --pool span:K or span:K:N in generate.py and research.evaluate")

@@ -59,6 +59,10 @@ Every flag is checked, and every row's scorer made, before a model loads: a bad 
 are --lengths, with what each mode appends after them (lookahead rows, decode steps), against the model's
 context (config.json's max_position_embeddings).
 """
+import sys
+
+if __name__ == "__main__" and not __package__:  # run by its path: the repository is not on sys.path
+    sys.exit("error: run it from the repository root as python -m research.bench")
 
 import argparse
 import ctypes

@@ -110,6 +110,10 @@ a summary, then a question about the fact). FullKV's turn-1 answer is teacher-fo
 against FullKV on the whole conversation. Both run token by token: a row costs about one decode step
 per answer token (bench.py measures the eviction's share).
 """
+import sys
+
+if __name__ == "__main__" and not __package__:  # run by its path: the repository is not on sys.path
+    sys.exit("error: run it from the repository root as python -m research.evaluate")
 
 import argparse
 import dataclasses
@@ -119,7 +123,6 @@ import json
 import os
 import random
 import shlex
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

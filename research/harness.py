@@ -13,6 +13,12 @@ share of the SnapKV-to-oracle gap each closes. LookaheadKV runs in its two-pass 
 on top of the prompt cache, the training form: the same scores as one pass), so that its prefill is the
 one every row shares and a new module needs only its rows run again.
 """
+import sys
+
+if __name__ == "__main__":  # a library module, run by -m or by its path: said before any import can fail
+    sys.exit("error: research.harness is not a script: "
+             "it is the held-out check: python -m research.evaluate --heldout RUN")
+
 import hashlib
 import json
 from pathlib import Path
@@ -318,10 +324,3 @@ def size_panel(ax, results, budgets):
     ax.set_ylabel("KV slots per (layer, KV head)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-
-
-if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    from support import cli
-
-    cli.not_a_script("research.harness",
-                     "it is the held-out check: python -m research.evaluate --heldout RUN")

@@ -50,6 +50,11 @@ whenever other jobs share the CPU, as torch's threads otherwise wait for busy co
     python -m research.kvpress_eval --tasks vt --lengths 1024 --per-task 1 --budgets 128 --presses lookahead \\
         --protocols inside,after --threads 1 --out runs/kvpress-smoke
 """
+import sys
+
+if __name__ == "__main__" and not __package__:  # run by its path: the repository is not on sys.path
+    sys.exit("error: run it from the repository root as python -m research.kvpress_eval")
+
 import argparse
 import contextlib
 import hashlib

@@ -44,6 +44,12 @@ Where we differ from RULER, and why:
 - cwe past ~8,600 distinct words (lengths near 100K tokens), where RULER switches to another word
   list, raises ValueError instead.
 """
+import sys
+
+if __name__ == "__main__":  # a library module, run by -m or by its path: said before any import can fail
+    sys.exit("error: research.ruler is not a script: "
+             "RULER's tasks run through python -m research.evaluate --suite ruler")
+
 import functools, math, random, re, string, uuid, zipfile
 
 from support import data
@@ -394,10 +400,3 @@ def score(task_or_metric, prediction, answers):
     # RULER's postprocess_pred: strip, control characters become newlines
     prediction = re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
     return METRICS[name](prediction, answers)
-
-
-if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    from support import cli
-
-    cli.not_a_script("research.ruler",
-                     "RULER's tasks run through python -m research.evaluate --suite ruler")

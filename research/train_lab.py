@@ -16,11 +16,15 @@ validation KL. Its data stage is research/fast_data.py's (the target summed whil
     python -m research.train_lab --stage budgets --data runs/data5k --init runs/curve/n1300/adapter.safetensors \\
         --out runs/curve/n1300 --adapter-out runs/curve/n1300/adapter.safetensors
 """
+import sys
+
+if __name__ == "__main__" and not __package__:  # run by its path: the repository is not on sys.path
+    sys.exit("error: run it from the repository root as python -m research.train_lab")
+
 import dataclasses
 import json
 import random
 import shlex
-import sys
 import time
 from pathlib import Path
 

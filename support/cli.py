@@ -12,13 +12,18 @@ model loads wherever the check needs none; an exception no check foresaw is one 
 LOOKAHEADKV_TRACEBACK=1 shows where it came from). Ctrl-C (or SIGTERM) says how to resume; a closed pipe
 (`| head`) ends quietly. A library module run as a script says how it is run instead (not_a_script).
 """
+import sys
+
+if __name__ == "__main__":  # a library module, run by -m or by its path: said before any import can fail
+    sys.exit("error: support.cli is not a script: "
+             "it is the scripts' front door: run generate.py, train.py or a research script")
+
 import argparse
 import json
 import math
 import numbers
 import os
 import signal
-import sys
 import time
 import unicodedata
 from pathlib import Path
@@ -556,8 +561,3 @@ def show_kept(tok, ids, keep_frac):
             fg = 16 if grey > 246 else 255
             out.append(f"\x1b[48;5;{grey}m\x1b[38;5;{fg}m{text}\x1b[0m")
     return "".join(out)
-
-
-if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    not_a_script("support.cli",
-                     "it is the scripts' front door: run generate.py, train.py or a research script")

@@ -25,6 +25,12 @@ user is told, not its target written or the link silently dropped).
 weights_identity names a model by the bytes of its weights (every tensor's, through the files), so that a
 resumed run or a merged results table refuses other weights under the same config (same name, same shapes).
 """
+import sys
+
+if __name__ == "__main__":  # a library module, run by -m or by its path: said before any import can fail
+    sys.exit("error: support.files is not a script: "
+             "the scripts use it to write their files: run generate.py, train.py or a research script")
+
 import errno
 import hashlib
 import json
@@ -355,8 +361,3 @@ def read_cache(path):
     except (OSError, ValueError):
         return {}
     return known if isinstance(known, dict) else {}
-
-
-if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    raise SystemExit("error: support.files is not a script: "
-                     "the scripts use it to write their files: run generate.py, train.py or a research script")

@@ -6,6 +6,12 @@ The paper's rules (none, avg:K, max:K) are eviction.Pool. The span rule (span:K,
 budgets are beyond the paper (extensions/span.py, extensions/layer_budgets.py): they are imported here, and
 only when a flag or a caller asks for them, so the reading path runs with extensions/ deleted.
 """
+import sys
+
+if __name__ == "__main__":  # a library module, run by -m or by its path: said before any import can fail
+    sys.exit("error: support.selection is not a script: "
+             "it reads --pool's rule: python generate.py --pool RULE")
+
 import importlib
 import json
 import math
@@ -139,8 +145,3 @@ def check_scorer(scorer):
         smaller = " or a smaller window" if window else ""
         raise ValueError(f"budget {eviction.budget} is too small for {eviction.method}: it always keeps {kept}; "
                          f"use a budget > {window + sinks}{smaller}")
-
-
-if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    raise SystemExit("error: support.selection is not a script: "
-                     "it reads --pool's rule: python generate.py --pool RULE")
