@@ -206,17 +206,35 @@ def left_pad(prompts, dev):
     pad_mask = torch.tensor([[False] * (S - len(p)) + [True] * len(p) for p in prompts], device=dev)
     return ids, pad_mask
 
+
+def prompt_positions(ids, pad_mask=None):
+    """The prompt ids (B, S) -> each token's position (B, S) (left padding: a row's first real token
+    is at 0), the first generated token's (B,) = S_b, and which slots hold a token (B, 1, S) or None."""
+    B, S = ids.shape
+    positions = torch.arange(S, device=ids.device).expand(B, S)
+    if pad_mask is not None:
+        positions = (pad_mask.long().cumsum(-1) - 1).clamp(min=0)
+    valid = None if pad_mask is None else pad_mask[:, None, :]  # (B, 1, S)
+    return positions, positions[:, -1] + 1, valid
+
+
+def append_rows(x, positions, pad_mask, rows, next_pos):
+    """rows (M, hidden) after the prompt's embeddings x (B, S, hidden), at positions next_pos (B,)
+    onwards: (x (B, S+M, hidden), positions (B, S+M), pad_mask (B, S+M) or None)."""
+    B, M = x.shape[0], rows.shape[0]
+    x = torch.cat([x, rows.to(x.dtype).expand(B, -1, -1)], dim=1)
+    positions = torch.cat([positions, next_pos[:, None] + torch.arange(M, device=x.device)], dim=1)
+    pad_mask = None if pad_mask is None else torch.cat([pad_mask, pad_mask.new_ones(B, M)], dim=1)
+    return x, positions, pad_mask
+
+
 def prefill_and_score(model, ids, scorer, pad_mask=None, clock=None):
     """Steps 1 and 2 of compress: a Prefilled, the prompt cache and its scores (L, B, H_kv, S) or
     None if nothing is evicted. Scores do not depend on C (but LAQ's): one call serves every budget.
     A list of scorers shares ONE prefill: a Prefilled each, one cache (evict into copies)."""
     scorers = list(scorer) if isinstance(scorer, (list, tuple)) else [scorer]
-    B, S = ids.shape
-    positions = torch.arange(S, device=ids.device).expand(B, S)
-    if pad_mask is not None:  # left padding: each row's first real token is at position 0
-        positions = (pad_mask.long().cumsum(-1) - 1).clamp(min=0)
-    valid = None if pad_mask is None else pad_mask[:, None, :]  # (B, 1, S)
-    next_pos = positions[:, -1] + 1  # (B,) the position of the first generated token, = S_b
+    S = ids.shape[1]
+    positions, next_pos, valid = prompt_positions(ids, pad_mask)  # (B, S), (B,), (B, 1, S)
     evicting = [s.evicts and S > s.eviction.budget for s in scorers]  # not when the prompt fits
 
     # 1. prefill, the scorer's hook watching; rows it appends (the lookahead rows, positions
@@ -230,12 +248,7 @@ def prefill_and_score(model, ids, scorer, pad_mask=None, clock=None):
                          "other scorers")
     x, x_positions, x_mask = model.model.embed_tokens(ids), positions, pad_mask  # (B, S, hidden)
     if appended:
-        M = appended[0].shape[0]
-        x = torch.cat([x, appended[0].to(x.dtype).expand(B, -1, -1)], dim=1)  # (B, S+M, hidden)
-        x_positions = torch.cat([positions, next_pos[:, None] + torch.arange(M, device=ids.device)],
-                                dim=1)
-        x_mask = (None if pad_mask is None
-                  else torch.cat([pad_mask, pad_mask.new_ones(B, M)], dim=1))
+        x, x_positions, x_mask = append_rows(x, positions, pad_mask, appended[0], next_pos)
     chunk = max([scorers[0].eviction.chunk_size] + [s.window for s in scorers])  # holds the window
     cache = KVCache(model.config.num_hidden_layers)
     watch = Hooks(*hooks) if len(hooks) > 1 else hooks[0]

@@ -14,12 +14,6 @@ the last `window` slots always kept. Nothing in the methods' own files knows of 
     evictor = DecodeEviction(make_scorer(EvictConfig("lookahead", 128), module), every=32)
     for tok in decode(model, cache, logits, pos, 512, hook=evictor.hook, after_step=evictor.after_step): ...
 """
-import sys
-
-if __name__ == "__main__":  # a library module, run by -m or by its path: said before any import can fail
-    sys.exit("error: extensions.decode is not a script: "
-             "it is generate.py's --decode-budget (and evaluate.py's --mode decode): import DecodeEviction from it")
-
 import copy
 
 import torch
@@ -108,6 +102,23 @@ def form_of(scorer):
 
 # -----------------------------------------------------------------------------
 # The cache held to its budget
+
+
+def check_flags(args, methods):
+    """generate.py's --decode-budget and --turns (a chat evicts as this file does) against its other flags,
+    before any file is read: ValueError. methods: the methods.METHODS table (a method's sinks)."""
+    if args.decode_budget is not None and args.method not in DECODE_METHODS:
+        raise ValueError(f"--decode-budget re-scores the cache while decoding, by a method's decode-phase form: "
+                         f"use --method {', '.join(DECODE_METHODS)}")
+    if args.turns is not None and args.method not in (*DECODE_METHODS, "full"):
+        raise ValueError(f"a chat re-scores the whole cache at each turn, by a method's decode-phase form: "
+                         f"use --method {', '.join(DECODE_METHODS)} or full")
+    if args.decode_budget is not None and args.decode_budget < args.budget:
+        raise ValueError(f"--decode-budget {args.decode_budget} is below --budget {args.budget}: the prompt's "
+                         f"cache would not fit it; use --decode-budget >= --budget")
+    if args.method in DECODE_METHODS:
+        sinks = methods[args.method].default_options.get("n_sink", 0)  # StreamingLLM's, kept at every eviction
+        check_budget(args.decode_budget or args.budget, args.window, sinks)
 
 
 def check_budget(budget, window, sinks=0):
@@ -214,3 +225,10 @@ def forced_logprobs_evicting(model, cache, logits, next_pos, response, evictor):
     if not rows:
         return torch.zeros(0, logits.shape[-1], device=logits.device), sizes
     return torch.stack(rows, dim=1)[0].float().log_softmax(-1), sizes
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    from support import cli
+
+    cli.not_a_script("extensions.decode",
+                     "it is generate.py's --decode-budget (and evaluate.py's --mode decode): import DecodeEviction from it")

@@ -7,14 +7,10 @@ a prompt.
     tok = Tokenizer("weights/SmolLM2-135M-Instruct")
     ids = tok.encode(tok.chat("Hello!"))
 """
-import sys
-
-if __name__ == "__main__":  # a library module, run by -m or by its path: said before any import can fail
-    sys.exit("error: support.tokenizer is not a script: "
-             "the scripts read a model's tokenizer with it: run generate.py")
 
 import json
 import re
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
@@ -62,7 +58,9 @@ class Tokenizer:
             # a template that opens with a fixed system message (SmolLM2, Qwen2.5) uses it when
             # the user gives none; we read that literal text out of the template (its newline is
             # a real one in HF's tokenizer_config.json, or a jinja "\n" escape in hand-written ones)
-            m = re.search(r"<\|im_start\|>system(?:\n|\\n)([^'\"{}]+?)<\|im_end\|>", template)
+            # (no "<" in it either: each match then stops at the next tag, so a template of many
+            # "<|im_start|>system" is read in one pass, not once per tag, quadratic: 480 KB took minutes)
+            m = re.search(r"<\|im_start\|>system(?:\n|\\n)([^'\"{}<]+)<\|im_end\|>", template)
             self.default_system = m.group(1) if m else None
             stop = ["<|im_end|>", "<|endoftext|>"]
         elif "<|start_header_id|>" in vocab:
@@ -190,6 +188,9 @@ def check_serves(path, vocab, cfg, configs, fix):
                              f"tokenizer.json that came with the weights ({fix})")
 
 
+MAX_TEMPLATE = 100_000  # characters of a chat template (Llama 3.1's, with tools: ~4,000)
+
+
 def chat_template(tc, path, fix):
     """tokenizer_config.json's (tc) chat_template ("" if none): only read for the default system message."""
     tc_file = path / "tokenizer_config.json"
@@ -200,6 +201,9 @@ def chat_template(tc, path, fix):
     if not isinstance(template, str):
         raise ValueError(f"{tc_file}: chat_template is {json.dumps(template)[:60]}, it must be a string "
                          f"(a jinja template): {fix}")
+    if len(template) > MAX_TEMPLATE:  # a handed folder's: no model's template is near this
+        raise ValueError(f"{tc_file}: chat_template is {len(template)} characters, more than the {MAX_TEMPLATE} any "
+                         f"model's needs: {fix}")
     return template
 
 
@@ -229,3 +233,8 @@ def decode_utf8(raw, where):
     except UnicodeDecodeError as e:
         raise ValueError(f"{where} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): "
                          f"convert it, e.g. iconv -t utf-8") from None
+
+
+if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
+    raise SystemExit("error: support.tokenizer is not a script: "
+                     "the scripts read a model's tokenizer with it: run generate.py")

@@ -160,3 +160,28 @@ def test_a_huge_turns_file_is_refused_by_its_size_before_it_is_read(tmp_path):
     os.mkfifo(tmp_path / "pipe.json")
     with pytest.raises(ValueError, match="is a named pipe, not a regular file"):
         chat.read_turns(tmp_path / "pipe.json", 8192)
+
+
+def test_a_chat_template_of_many_tags_is_read_in_one_pass(tmp_path):
+    """A 480 KB template of "<|im_start|>system" tags took minutes in one regex (quadratic): now a template past
+    any model's size is refused by its length, and one just under it is read in one pass."""
+    import shutil
+
+    from support.tokenizer import MAX_TEMPLATE, Tokenizer
+
+    real = ROOT / "weights" / "SmolLM2-135M-Instruct"
+    if not (real / "tokenizer.json").exists():
+        pytest.skip("the default model is not prepared (python weights/prepare.py)")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(real / "tokenizer.json", folder)
+    tc = json.loads((real / "tokenizer_config.json").read_text())
+    for n, says in [(25_000, "more than the"), (MAX_TEMPLATE // 19, None)]:
+        (folder / "tokenizer_config.json").write_text(json.dumps(dict(tc, chat_template="<|im_start|>system\n" * n)))
+        start = time.monotonic()
+        if says:
+            with pytest.raises(ValueError, match=f"chat_template is {19 * n} characters, {says}"):
+                Tokenizer(folder)
+        else:
+            assert Tokenizer(folder).default_system is None
+        assert time.monotonic() - start < 5
