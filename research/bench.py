@@ -4,7 +4,7 @@ one warm-up round (CUDA: torch.cuda.Event; CPU: wall time, or --clock cpu). Five
 
     python -m research.bench --mode overhead --lengths 1024,2048 --budget 128  # eviction cost / prefill
     python -m research.bench --mode decode --methods snapkv,lookahead  # decode tok/s, evicted vs full cache
-    python -m research.bench --mode prefill-vs-hf               # our prefill / transformers' (SDPA)
+    python -m research.bench --mode prefill-vs-hf               # our prefill / transformers' (SDPA), time and memory
     python -m research.bench --mode train-cost                  # training: M-row pass vs whole sequence
     python -m research.bench --mode decode-cost --lengths 128,512 --every 32   # beyond the paper: below
     python -m research.bench --quick --json out/bench.json      # the H200 preset, about 2-3 minutes
@@ -23,7 +23,7 @@ Rows (--methods): full, snapkv, h2o, laq, and
                          paper pools the scores first; --pool max:7 --uniform-budgets on lookahead is that)
     lookahead-2pass      as shipped, scored by a second forward of the M rows (the training form)
     lookahead-exact      as shipped, but span:8 with the exact surprisal (what the shortlist gate saves)
-    full-1chunk          the prefill in one chunk instead of chunks of --chunk-size (a diagnostic)
+    full-1chunk          the prefill in one chunk whatever --chunk-size or its memory (a diagnostic)
     full+M               the floor of the one-pass form: the prompt's M next tokens of the same text ride in
                          its last chunk as the lookahead rows do (M more rows through every layer, their K/V
                          dropped after), through SDPA, with no LoRA, no scores, no eviction (floor_prefill);
@@ -70,6 +70,7 @@ import inspect
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -101,7 +102,7 @@ VARIANTS = {
     "lookahead-paper": dict(method="lookahead", rule=Pool("max", 7), budgets=uniform_budgets),
     # the span rule with the exact surprisal (every LM-head row), the adapter's budgets: what the gate saves
     "lookahead-exact": dict(method="lookahead", rule=SpanRule(8), budgets="adapter"),
-    "full-1chunk": dict(method="full", chunk_size=1 << 30),  # prefill in one chunk (a diagnostic)
+    "full-1chunk": dict(method="full", chunk_size=1 << 30),  # prefill in one chunk, whatever its memory (a diagnostic)
     # the one-pass form's floor (issue 68): M more tokens in the last chunk, no LoRA, no scores (floor_prefill)
     "full+M": dict(method="full"),
 }
@@ -128,7 +129,9 @@ COLUMNS = {  # mode -> (row key, header) of the printed table; --json has every 
                ("evicted_tok_s", "evicted tok/s"), ("speedup", "evicted / full"), ("kv_mib", "KV MiB"),
                ("full_kv_mib", "full KV MiB")],
     "prefill-vs-hf": [("S", "S"), ("ours_ms", "ours ms"), ("hf_ms", "transformers ms"), ("ratio", "ours / theirs"),
-                      ("logits_diff", "max |logits diff|")],
+                      ("logits_diff", "max |logits diff|"), ("ours_peak_gib", "ours peak GiB"),
+                      ("hf_peak_gib", "transformers peak GiB"), ("ours_added_gib", "ours added GiB"),
+                      ("hf_added_gib", "transformers added GiB")],
     "train-cost": [("S", "S"), ("efficient_samples_s", "efficient samples/s"), ("naive_samples_s", "naive samples/s"),
                    ("speedup", "efficient / naive"), ("loss_efficient", "loss efficient"), ("loss_naive", "loss naive")],
     "decode-cost": [("method", "method"), ("budget", "C_d"), ("every", "every"), ("plain_ms_tok", "plain ms/tok"),
@@ -470,20 +473,58 @@ def run_prefill_vs_hf(args, lengths, emit):
     except ImportError:
         raise ValueError("--mode prefill-vs-hf needs transformers (pip install transformers), "
                          "a test/bench dependency only") from None
-    folder = cli.resolve_model(args.model)
-    ours = cli.load(folder, args.device, torch.float32, tokenizer=False)[0]
-    theirs = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").to(args.device).float().eval()
+    with tempfile.TemporaryDirectory(prefix="bench-random-") as tmp:
+        if args.random_init:  # the same random weights on both sides: ours, saved once as an HF folder
+            ours = random_model(args.random_init, args.device, torch.float32)
+            folder = save_hf_folder(ours, args.random_init, Path(tmp))
+        else:
+            folder = cli.resolve_model(args.model)
+            ours = cli.load(folder, args.device, torch.float32, tokenizer=False)[0]
+        theirs = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").to(args.device).float().eval()
     full = row_scorer("full", args)
     describe(ours, args, note="both float32, torch.inference_mode, same threads, last token's logits only "
-             "(transformers: logits_to_keep=1), each building its KV cache")
+             "(transformers: logits_to_keep=1), each building its KV cache; peak: the process's peak memory "
+             "during the call (both models' weights included), and that less the memory held before it")
     for S in lengths:
         ids = random_ids(ours, 1, S)
         fns = dict(ours=lambda: compress(ours, ids, full)[1],
                    transformers=lambda: theirs(input_ids=ids, logits_to_keep=1).logits[:, -1])
-        times, _, out = time_rounds(fns, args.repeats, args.device, f"prefill S={S}", args.clock)
+        before = resident_gib(args.device)
+        times, peak, out = time_rounds(fns, args.repeats, args.device, f"prefill S={S}", args.clock)
         t_ours, t_hf = med(times["ours"]), med(times["transformers"])
         emit(dict(mode="prefill-vs-hf", model=ours.config.name, S=S, ours_ms=t_ours, hf_ms=t_hf, ratio=t_ours / t_hf,
-                  logits_diff=(out["ours"] - out["transformers"]).abs().max().item()))
+                  logits_diff=(out["ours"] - out["transformers"]).abs().max().item(),
+                  ours_peak_gib=peak["ours"], hf_peak_gib=peak["transformers"],
+                  ours_added_gib=None if peak["ours"] is None else peak["ours"] - before,
+                  hf_added_gib=None if peak["transformers"] is None else peak["transformers"] - before,
+                  rounds_ms=times["ours"], hf_rounds_ms=times["transformers"]))
+
+
+def save_hf_folder(model, config_path, folder):
+    """A random model as a Hugging Face folder (its config.json as given, model.safetensors of its tensors,
+    whose names mirror the checkpoint's) that transformers loads: both sides then run the very same weights."""
+    from safetensors.torch import save_file
+
+    tensors = {n: t.contiguous() for n, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # tied: stored once, as the embedding
+    config = json.loads(Path(config_path).read_text())
+    # as we read it: a config that leaves tying out is tied for us (and in HF's Qwen/Llama-3.2 files), not in
+    # every transformers class
+    config["tie_word_embeddings"] = model.config.tie_word_embeddings
+    files.write_atomic(folder / "config.json", json.dumps(config, indent=1))
+    files.write_with(folder / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    return folder
+
+
+def resident_gib(device):
+    """What the process holds now (CPU: resident memory, VmRSS; CUDA: allocated), in GiB."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.memory_allocated() / 2**30
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 2**20  # kB -> GiB
+    return None
 
 
 @torch.inference_mode()
@@ -575,7 +616,8 @@ def get_args(argv=None):
     a("--budget", type=int, default=128, help="C: KV slots kept per (layer, KV head)")
     a("--window", type=int, default=32, help="the last prompt tokens always kept (snapkv, pyramidkv, h2o, laq); "
       "decode-cost: every method's last slots")
-    a("--chunk-size", type=int, default=4096, help="prefill chunk length (EvictConfig.chunk_size)")
+    a("--chunk-size", type=int, default=None, help="prefill chunk length (EvictConfig.chunk_size; default: the "
+      "longest that eviction.CHUNK_BYTES of activations allow, one call for SmolLM2 up to ~30K tokens)")
     a("--repeats", type=int, default=5, help="timed rounds after one warm-up round; medians are reported")
     a("--batches", default="1,4,16", help="decode: batch sizes")
     a("--every", type=int, default=32, help="decode-cost: evict each time the cache holds C_d + every slots")
@@ -630,8 +672,6 @@ def check_args(args):
                          + (" (oracle needs the full-cache answer: not a speed row)" if "oracle" in bad else ""))
     if args.mode == "decode-cost" and not args.methods:
         raise ValueError(f"--mode decode-cost times {', '.join(DECODE_METHODS)}: pick some with --methods")
-    if args.mode == "prefill-vs-hf" and args.random_init:
-        raise ValueError("--mode prefill-vs-hf compares real checkpoints: drop --random-init")
     if args.adapter and (args.random_init or args.quick):
         raise ValueError("--adapter: a --random-init (or --quick) model has random weights, which no trained adapter "
                          "fits; drop --adapter (an untrained module of the same shapes is timed)")

@@ -405,3 +405,18 @@ def test_json_keeps_the_rows_of_every_run_and_is_replaced_whole(tiny_config, tmp
     with pytest.raises(SystemExit, match="No space left on device"):
         run(tiny_config, "--lengths", "32", "--methods", "snapkv", "--json", str(out))
     assert out.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "config.json"]
+
+
+def test_prefill_vs_hf_runs_both_sides_on_the_same_random_weights(tiny_config, tmp_path):
+    """--random-init in prefill-vs-hf (issue 78): ours is built from the config, saved once as an HF folder, and
+    transformers loads that folder, so both run the very same weights: their last-token logits agree to float32
+    rounding (REORDER_ATOL: ~20 operations deep, sums of up to 128 terms), a ratio and both peaks are printed."""
+    from tests.conftest import REORDER_ATOL
+
+    rows = bench.main(["--random-init", tiny_config, "--mode", "prefill-vs-hf", "--lengths", "64", "--device", "cpu",
+                       "--threads", "1", "--repeats", "1", "--json", str(tmp_path / "b.json")])
+    (row,) = rows
+    assert row["S"] == 64 and row["ratio"] > 0
+    assert row["logits_diff"] < REORDER_ATOL * 10  # random std-0.02 weights: logits ~1e-2, so far inside
+    if bench.peak_rss_reset():  # Linux: the process's peak memory during each side's calls
+        assert row["ours_peak_gib"] > 0 and row["hf_peak_gib"] > 0
