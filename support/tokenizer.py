@@ -7,10 +7,14 @@ a prompt.
     tok = Tokenizer("weights/SmolLM2-135M-Instruct")
     ids = tok.encode(tok.chat("Hello!"))
 """
+import sys
+
+if __name__ == "__main__":  # a library module, run by -m or by its path: said before any import can fail
+    sys.exit("error: support.tokenizer is not a script: "
+             "the scripts read a model's tokenizer with it: run generate.py")
 
 import json
 import re
-import sys
 from pathlib import Path
 
 from tqdm import tqdm
@@ -233,8 +237,3 @@ def decode_utf8(raw, where):
     except UnicodeDecodeError as e:
         raise ValueError(f"{where} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): "
                          f"convert it, e.g. iconv -t utf-8") from None
-
-
-if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    raise SystemExit("error: support.tokenizer is not a script: "
-                     "the scripts read a model's tokenizer with it: run generate.py")
