@@ -810,6 +810,8 @@ def read_jsonl(path, required=("prompt",), types=None, allow_empty=False, text=N
 # -----------------------------------------------------------------------------
 # training samples (train.py): one safetensors file per training row, OUT/samples/<hash>.safetensors
 
+SAMPLE_NAME = re.compile(r"[0-9a-f]{16}\.safetensors")  # sample_path's and prefix_path's file names
+
 def sample_path(out, row_id):
     return Path(out) / "samples" / (hashlib.sha1(row_id.encode()).hexdigest()[:16] + ".safetensors")
 
@@ -820,6 +822,8 @@ def prefix_path(out, group):
 def file_header(path):
     """A safetensors file's header (a dict) if the file is whole: the header parses and the file is as long
     as it says (a file cut short by a full disk or a copy fails); None otherwise. Reads the header only."""
+    if not Path(path).is_file():  # missing, or a named pipe that would block the read: not whole
+        return None
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
@@ -831,21 +835,53 @@ def file_header(path):
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
-def sample_ok(path):
+def sample_ok(path, follow=True):
     """Whether `path` is a whole sample file that names the target, and the prefix file it names (if any) is
-    whole too, and so is the sample file it takes its cache from (if it names one: cache_file)."""
+    whole too, and so is the sample file it takes its cache from (if it names one: cache_file). A reference
+    that sample_reference refuses makes the file not whole. follow=False: a file that names a cache is not whole
+    (the file another names holds its own cache: no chain, no loop)."""
     header = file_header(path)
     meta = (header or {}).get("__metadata__") or {}
-    prefix, cache = meta.get("prefix"), cache_file(path, meta)
-    return header is not None and "target" in header and (prefix is None or
-                                                          file_header(Path(path).parent / prefix) is not None) \
-        and (cache is None or sample_ok(cache))
+    try:
+        prefix, cache = sample_reference(path, meta, "prefix"), cache_file(path, meta)
+    except ValueError:
+        return False
+    return header is not None and "target" in header and (prefix is None or file_header(prefix) is not None) \
+        and (cache is None or (follow and sample_ok(cache, follow=False)))
+
+def sample_reference(path, meta, key):
+    """The file a sample file's metadata names under `key`, checked before it is followed (the metadata of a
+    folder a user is handed is data): "prefix", its group's shared prefix cache, is a sample file's name
+    (SAMPLE_NAME) in the same folder; "cache" (cache_file), the sample whose prompt cache it uses, is a sample
+    file's name in a samples/ folder of a data folder (one with its data.jsonl: this one, or another data stage's
+    for extensions/answer_weights.py's targets). Neither may be the file itself. None if it names none;
+    ValueError (one line naming the file and the reference) otherwise."""
+    ref = meta.get(key)
+    if ref is None:
+        return None
+    path = Path(path)
+    parts = Path(ref).parts if isinstance(ref, str) else ()
+    named = bool(parts) and SAMPLE_NAME.fullmatch(parts[-1]) is not None
+    if key == "prefix":
+        ok = named and len(parts) == 1
+    else:
+        ok = named and (len(parts) == 1 or parts[-2] == "samples")
+    target = path.parent / ref if ok else None
+    if ok and os.path.realpath(target) == os.path.realpath(path):  # itself: read_sample recursed without end
+        ok = False
+    if ok and key == "cache" and not (Path(os.path.realpath(target)).parent.parent / "data.jsonl").is_file():
+        ok = False
+    if not ok:
+        raise ValueError(f"sample file {path}: its metadata {key!r} names {json.dumps(ref)[:80]}, not another "
+                         f"sample file of a data folder's samples/")
+    return target
 
 def cache_file(path, meta):
     """The sample file whose prompt cache a sample file uses, when its metadata names one ("cache", relative to
     its folder): a target made afterwards for another data stage's rows is stored alone, beside a pointer to
-    that stage's cache, not a second copy of it (~23 KB per prompt token). None: the file holds its own."""
-    return None if meta.get("cache") is None else Path(path).parent / meta["cache"]
+    that stage's cache, not a second copy of it (~23 KB per prompt token). None: the file holds its own.
+    Checked by sample_reference (ValueError)."""
+    return sample_reference(path, meta, "cache")
 
 def save_safetensors(path, tensors, metadata=None):
     """Through files.write_with: written to a temporary name first (a kill leaves no half file), and a full disk is
@@ -890,19 +926,23 @@ def unreadable_sample(path, e=None):
     return ValueError(f"training sample {path} is unreadable{why}, cut short or damaged: deleted it; rerun "
                       f"python train.py --stage data with the same --out to rebuild it, then train again (--resume)")
 
-def read_sample(path):
+def read_sample(path, follow=True):
     """One sample file's tensors: its target and, when stored, the prompt's cache k and v, a group's shared
-    prefix joined back from its file, or taken from the sample file it names (cache_file)."""
+    prefix joined back from its file, or taken from the sample file it names (cache_file). follow=False: the
+    file named by another's "cache" holds its own (one that names a cache in turn is refused: no chain, no loop).
+    A reference sample_reference refuses is ValueError."""
     import torch
     from safetensors.torch import load_file
 
     item = load_file(str(path))
     meta = (file_header(path) or {}).get("__metadata__") or {}
-    if cache_file(path, meta) is not None:
-        other = read_sample(cache_file(path, meta))
+    if (cache := cache_file(path, meta)) is not None:
+        if not follow:
+            raise ValueError(f"sample file {path}: names a cache of its own, and is itself named as another's")
+        other = read_sample(cache, follow=False)
         item.update(k=other["k"], v=other["v"])
-    if meta.get("prefix") is not None:  # a group's shared prefix, then this prompt's own slots
-        shared = load_file(str(Path(path).parent / meta["prefix"]))
+    if (prefix := sample_reference(path, meta, "prefix")) is not None:  # a group's shared prefix, then its own slots
+        shared = load_file(str(prefix))
         item.update(k=torch.cat([shared["k"], item["k"]], dim=2), v=torch.cat([shared["v"], item["v"]], dim=2))
     return item
 

@@ -185,3 +185,38 @@ def test_a_chat_template_of_many_tags_is_read_in_one_pass(tmp_path):
         else:
             assert Tokenizer(folder).default_system is None
         assert time.monotonic() - start < 5
+
+
+def test_sample_references_stay_among_sample_files_and_never_loop(tmp_path):
+    """A sample's metadata "cache" naming itself ended in a RecursionError ("unexpected failure"), and "cache" or
+    "prefix" could name any file. Now each names a sample file (of this data folder, or another data stage's for
+    extensions/answer_weights.py) or the sample is refused in one line, as not whole."""
+    from support import data
+
+    def sample(folder, row_id, **meta):
+        path = data.sample_path(folder, row_id)
+        tensors = dict(target=torch.ones(1, 2, 3)) if meta else dict(target=torch.ones(1, 2, 3),
+                                                                       k=torch.ones(1, 1, 3, 2), v=torch.ones(1, 1, 3, 2))
+        data.save_safetensors(path, tensors, meta or None)
+        (Path(folder) / "data.jsonl").touch()
+        return path
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    own = sample(src, "r0")
+    ok = sample(out, "r0", cache=os.path.relpath(own, out / "samples"))  # as answer_weights.py names its source's
+    assert data.sample_ok(ok) and data.read_sample(ok)["k"].shape == (1, 1, 3, 2)
+    outside = tmp_path / "elsewhere" / "samples" / own.name  # a sample's name, but in no data folder
+    outside.parent.mkdir(parents=True)
+    outside.write_bytes(own.read_bytes())
+    for key, ref in [("cache", data.sample_path(out, "self").name), ("cache", "../../elsewhere/samples/" + own.name),
+                     ("cache", "/etc/passwd"), ("prefix", "../../src/samples/" + own.name), ("prefix", "x.txt"),
+                     ("cache", os.path.relpath(ok, out / "samples").replace(ok.name, data.sample_path(out, "r1").name))]:
+        path = sample(out, "self" if ref.startswith(data.sample_path(out, "self").name) else "r1", **{key: ref})
+        assert not data.sample_ok(path), (key, ref)
+        with pytest.raises(ValueError) as e:
+            data.read_sample(path)
+        assert str(e.value).startswith(f"sample file {path}") and "\n" not in str(e.value), (key, ref)
+    chained = sample(out, "r2", cache=os.path.relpath(ok, out / "samples"))  # names one that names another: refused
+    assert not data.sample_ok(chained)
+    with pytest.raises(ValueError, match="names a cache of its own"):
+        data.read_sample(chained)
