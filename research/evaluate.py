@@ -783,10 +783,9 @@ class PromptLog(dict):
         super().__init__()
         self.path, self.key, self.rows = path, key, rows
 
-    def __setitem__(self, i, values):
+    def __setitem__(self, i, values):  # appended through an O_NOFOLLOW open (files.append_text): a link is refused
         super().__setitem__(i, values)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(dict(key=self.key, row=self.rows[i], values=values)) + "\n")
+        files.append_text(self.path, json.dumps(dict(key=self.key, row=self.rows[i], values=values)) + "\n")
 
 
 def digest(*parts):
@@ -813,10 +812,10 @@ def heldout_log(out, args, budgets, model, rows, adapters):
     logs = {label: PromptLog(path, digest(run, i == 0, m.info, *[v for _, v in sorted(m.state_dict().items())]), ids)
             for i, (label, m) in enumerate(adapters)}
     by_key, index = {log.key: log for log in logs.values()}, {d: i for i, d in enumerate(ids)}
-    text, kept, other = path.read_text(errors="replace") if path.exists() else "", 0, 0
+    files.refuse_link(path, "--out")  # a handed folder's link: the appends below would land where it points
+    text, kept, other = path.read_text(errors="replace") if path.is_file() else "", 0, 0
     if text and not text.endswith("\n"):
-        with open(path, "a") as f:
-            f.write("\n")  # a line cut short by a kill: the next one starts on its own line
+        files.append_text(path, "\n")  # a line cut short by a kill: the next one starts on its own line
     for line in text.splitlines():
         try:
             entry = json.loads(line)
