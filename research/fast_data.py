@@ -19,7 +19,7 @@ from tqdm import tqdm
 from eviction import decode_step, left_pad
 from model import Hook, KVCache
 from research import harness
-from support import data
+from support import data, files
 from support.data import sample_bytes, sample_ok, sample_path, save_sample
 from train import full_cache
 
@@ -320,9 +320,8 @@ def build_dataset(model, tok, cfg, folder, rows, out_of_time=lambda: False):
                     **({"group": p["group"]} if "group" in p else {}))
                for p, s in zip(batch, samples)]
         save_batch(out, batch, samples, store)  # the sample files first, then the rows that point to them
-        with open(path, "a") as f:  # appended batch by batch: a killed run loses one batch at most
-            for r in new:
-                f.write(json.dumps(r) + "\n")
+        # appended batch by batch (a killed run loses one batch at most), never through a link (files.append_text)
+        files.append_text(path, "".join(json.dumps(r) + "\n" for r in new))
         rows = rows + new
         bar.update(len(batch))
     bar.close()

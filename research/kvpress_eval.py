@@ -359,6 +359,7 @@ def evaluate(args):
     stop = set(tok.stop_ids)
     done = {(r["protocol"], r["press"], r["budget"], r["id"]) for r in results}
     todo = [(name, C) for name in args.presses for C in ([0] if name == "full" else args.budgets)]
+    files.refuse_link(args.out / "results.jsonl", "--out")  # a handed folder's link: lines would land where it points
     with (args.out / "results.jsonl").open("a") as f:
         for row in rows(tok, args):
             ids = torch.tensor([tok.encode(ruler.chat_prompt(tok, row))])

@@ -38,7 +38,7 @@ from extensions import layer_budgets, layer_loss
 from lookaheadkv import kl_loss
 from research import fast_data, harness
 from model import ModelConfig, load_model
-from support import cli, recipe
+from support import cli, files, recipe
 from support.data import sample_path
 from support.tokenizer import Tokenizer
 
@@ -208,7 +208,7 @@ def measure_budgets(model, module, cfg, src, out, rows, dest):
     table = out / "layer_weights.json"
     if table.exists():
         print(f"{table} existed: replaced")
-    table.write_text(json.dumps(dict(weights=weights, adapter=Path(source).name, **report), indent=1) + "\n")
+    files.write_atomic(table, json.dumps(dict(weights=weights, adapter=Path(source).name, **report), indent=1) + "\n")
     print(f"wrote {table}")
     module.info.update(layer_weights=weights, layer_weights_from=how)
     recipe.save_adapter(module, dest)
