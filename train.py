@@ -33,9 +33,10 @@ from baselines import full_answer
 from eviction import EvictConfig, compress, left_pad
 from lookaheadkv import answer_attention, kl_loss, lookahead_pass
 from model import KVCache, load_model
-from support.cli import run
+from support.cli import run, warn
 from support.data import prompts_to_answer
-from support.recipe import RunFolder, adapter_metadata, check, compare, parser as recipe_parser
+from support.recipe import (RunFolder, adapter_metadata, check, check_diverged, compare, parser as recipe_parser,
+                            worse_than_untrained)
 from support.tokenizer import Tokenizer
 
 # -----------------------------------------------------------------------------
@@ -313,6 +314,7 @@ def train_loop(model, module, cfg, rows, folder, heldout, weights_id, out_of_tim
             log.append(dict(step=step, **metrics))
             print(line)
             folder.append_log(log[-1])
+            check_diverged(log, folder.out / "ckpt.pt")  # a NaN KL: stopped here, before a checkpoint is written
 
     def batch(idx):  # a micro-batch read from disk (its prompt caches made again if not stored)
         paths = [folder.sample_path(rows[i]["id"]) for i in idx]
@@ -424,6 +426,8 @@ def train(cfg):
         folder.save_adapter(module)
         seconds = time.perf_counter() - t_train
         print(f"saved {folder.dest} (+ .json) after {step} steps, {seconds:.0f} s")
+        if worse := worse_than_untrained(log):
+            warn(worse)
         if cfg.compare:  # the learner's run ends with what it bought, in answers
             compare(model, [r for r in rows if r["split"] == "heldout"], cfg.compare,
                     {"this adapter": module, "untrained (step 0)": new_module(model, cfg)})

@@ -1178,10 +1178,12 @@ def check_mode_flags(args):
     ran as if it were not there). Its argparse default is None, so that get_args knows it was given (args.given)
     before it fills in the default (every mode's settings record it, as results.json's of earlier runs do)."""
     for flag, (modes, _) in MODE_FLAGS.items():
+        check_adapters(args, paths, ["lookahead"])
         if flag in getattr(args, "given", ()) and (args.mode not in modes or args.heldout):
             where = "--heldout" if args.heldout else f"--mode {args.mode}"
             raise ValueError(f"{flag} is read by --mode {' and '.join(modes)}, not {where}: drop it")
 
+    check_adapters(args, paths, methods)
 
 def early_context(model):
     """The context (tokens) of --model, or of the default model once prepared, from its config.json, before the
@@ -1207,6 +1209,23 @@ def check_lengths(args, lengths, ctx):
         if n + after > ctx:
             answers = " (prompt and answer)" if ruler_suite else f" + {after} answer tokens"
             fix = f"use lengths up to {ctx - after}" if ctx > after else "lower --max-new-tokens"
+def check_adapters(args, paths, methods):
+    """Each adapter the run will read, loaded as its rows load it (methods.load_adapter: the model it was trained
+    for, its .json's record of the held-out KL, its tensors) against --model's config.json, before the weights load:
+    another model's adapter or a diverged run's is one line now, not after the model has loaded. Skipped where the
+    config cannot be read yet (the default model is prepared when it loads: load_modules checks it then)."""
+    from weights.prepare import DEFAULT_DIR  # cli.resolve_model's default, without preparing it
+
+    try:
+        cfg = ModelConfig.from_hf_config(Path(args.model) if args.model else DEFAULT_DIR)
+    except (ValueError, OSError):
+        return
+    default = cli.default_adapter_path(cfg)
+    reads = any(m in ("lookahead", PAPER_FORM, SHIPPED_FORM) or m.startswith(ADAPTER_ROW) for m in methods)
+    for path in paths or ([default] if reads and default.is_file() else []):
+        load_adapter(path, cfg)
+
+
             raise ValueError(f"--lengths {n}{answers} is past the model's context of {ctx} tokens: {fix}")
 
 

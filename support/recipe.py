@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -622,6 +623,33 @@ def describe_rows(train_rows, n_held):
                                  3), python=data.PYTHON)
 
 
+def check_diverged(log, ckpt):
+    """The rule for a run that diverged: its latest validation KL (log: train.py's checks, {"step", "kl"}) is not
+    finite (NaN or inf). Its tensors may still be finite (an lr of 0.3 went 0.67 -> 2.2 -> nan), so only the KL it
+    records says so: the run stops at that check, before its checkpoint is written, and no adapter is saved (every
+    loader would refuse one whose .json records it: weights/checks.check_adapter_record). ValueError, one line."""
+    last = log[-1] if log else None
+    if last is None or not isinstance(last.get("kl"), float) or math.isfinite(last["kl"]):
+        return
+    if last["step"] == 0:  # before any step: the model or the data, not the rate
+        raise ValueError(f"the untrained module's validation KL is {last['kl']}, not a finite number: the base model "
+                         "or the held-out rows give no usable KL (check --model's weights, the data, or --init)")
+    finite = [e for e in log if math.isfinite(e.get("kl", math.nan))]
+    was = f"; step {finite[-1]['step']}'s was {finite[-1]['kl']:.4f}" if finite else ""
+    raise ValueError(f"step {last['step']}: the validation KL is {last['kl']} (not finite: the run diverged{was}): "
+                     f"stopped, no adapter saved; train again with a lower --lr (the recipes use 1e-3), in another "
+                     f"--out or after deleting {ckpt}")
+
+
+def worse_than_untrained(log):
+    """A warning when the last validation KL ended above the untrained module's (step 0's): the adapter is usable (as
+    well as an untrained one), but training made its selection worse, which a run's "saved" line alone hides."""
+    if len(log) < 2 or not log[-1].get("kl", 0) > log[0].get("kl", math.inf):
+        return None
+    return (f"the validation KL ended at {log[-1]['kl']:.4f}, above the untrained module's {log[0]['kl']:.4f} "
+            "(step 0): training made the selection worse; a lower --lr or more data may help")
+
+
 def adapter_metadata(cfg, train_rows, n_held, step, total, log, weights_id=None):
     """What the shipped .json says about how the adapter was made (and how it selects: its rule)."""
     info = dict(rule=cfg.rule, train_data=describe_rows(train_rows, n_held), steps=step, planned_steps=total,
@@ -643,6 +671,7 @@ def save_adapter(module, dest):
     state = module.state_dict()
     try:  # the loader's own checks, before the adapter is called saved (an lr too high leaves huge numbers)
         checks.check_adapter_tensors(dest, state, state, module.alpha, module.rank)
+        checks.check_adapter_record(module.metadata(), dest.with_suffix(".json"))  # a diverged run's NaN KL
     except ValueError as e:
         raise ValueError(f"the trained adapter is not usable, so it was not saved ({e}); OUT/ckpt.pt keeps the "
                          "run: lower --lr and train again") from None

@@ -113,3 +113,85 @@ def test_a_module_run_by_its_path_says_how_to_run_it_in_a_process():
     assert r.returncode == 1 and r.stdout == "", r.stderr
     one_line(r.stderr.strip(), "python -m research.bench")
     assert len(r.stderr.splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- 1. no adapter that cannot serve saved
+
+import methods  # noqa: E402
+import model  # noqa: E402
+import train  # noqa: E402
+import generate as generate_py  # noqa: E402
+from lookaheadkv import LookaheadModule  # noqa: E402
+from support import recipe  # noqa: E402
+from test_train import argv as train_argv, model_dir, stub_prompts, write_data  # noqa: E402, F401 (fixtures)
+
+
+def diverged_adapter(folder, tmp_path, kl=float("nan")):
+    """An adapter of finite tensors whose .json records the held-out KL a diverged run ends with."""
+    path = tmp_path / "diverged.safetensors"
+    module = LookaheadModule(model.ModelConfig.from_hf_config(folder), n_tokens=4, rank=2)
+    module.info = dict(heldout=dict(step=30, kl=kl), untrained=dict(step=0, kl=0.67))
+    module.save(path)
+    return path
+
+
+def test_a_run_whose_validation_kl_turns_nan_stops_and_saves_no_adapter(model_dir, tmp_path, stub_prompts,
+                                                                         monkeypatch):
+    """lr 0.3 went 0.67 -> 2.2 -> nan and said "saved", exit 0, its .json recording "kl": NaN: now the check that
+    finds the NaN stops the run in one line, before that step's checkpoint, and nothing is called saved."""
+    out = tmp_path / "run"
+    write_data(out, model_dir)
+    real, checks = train.kl_loss, []
+
+    def nan_from_the_second_check(*a):
+        loss = real(*a)
+        if not torch.is_grad_enabled():  # the validation's (one held-out row: one call a check)
+            checks.append(1)
+            return loss * float("nan") if len(checks) > 1 else loss
+        return loss
+
+    monkeypatch.setattr(train, "kl_loss", nan_from_the_second_check)
+    message = error_of(train.main, *train_argv(model_dir, out, "--eval-every", "1", "--save-every", "1"))
+    one_line(message, "step 1: the validation KL is nan", "the run diverged", "step 0's was", "no adapter saved",
+             "lower --lr")
+    assert not (out / "adapter.safetensors").exists() and not (out / "ckpt.pt").exists()
+
+
+def test_the_rule_a_non_finite_last_kl_is_a_diverged_run():
+    recipe.check_diverged([dict(step=0, kl=0.67), dict(step=10, kl=2.2)], Path("ckpt.pt"))  # worse, finite: said
+    assert "above the untrained module's 0.6700" in recipe.worse_than_untrained([dict(step=0, kl=0.67),
+                                                                                dict(step=10, kl=2.2)])
+    assert recipe.worse_than_untrained([dict(step=0, kl=0.67), dict(step=10, kl=0.5)]) is None
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="not finite: the run diverged"):
+            recipe.check_diverged([dict(step=0, kl=0.67), dict(step=10, kl=bad)], Path("ckpt.pt"))
+    with pytest.raises(ValueError, match="the untrained module's validation KL is nan"):
+        recipe.check_diverged([dict(step=0, kl=float("nan"))], Path("ckpt.pt"))
+
+
+def test_an_adapter_recording_a_non_finite_heldout_kl_is_not_saved(tmp_path):
+    module = LookaheadModule(model.ModelConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1, name="t"), n_tokens=2,
+                             rank=1)
+    module.info = dict(heldout=dict(step=3, kl=float("nan")))
+    dest = tmp_path / "a.safetensors"
+    with pytest.raises(ValueError, match=r"not usable, so it was not saved .*held-out kl of nan at step 3"):
+        recipe.save_adapter(module, dest)
+    assert not dest.exists() and not dest.with_suffix(".json").exists()
+
+
+@pytest.mark.parametrize("kl", [float("nan"), float("inf")])
+def test_every_loader_refuses_an_adapter_whose_record_is_not_finite(kl, tmp_path, tiny_model, no_loading):
+    path = diverged_adapter(tiny_model, tmp_path, kl)
+    cfg = model.ModelConfig.from_hf_config(tiny_model)
+    with pytest.raises(ValueError, match="diverged"):
+        methods.load_adapter(path, cfg)
+    p = tmp_path / "p.txt"
+    p.write_text("what is two ?")
+    one_line(error_of(generate_py.main, "--prompt", p, "--model", tiny_model, "--adapter", path, "--budget", "40",
+                      "--max-new-tokens", "4"),
+             f"adapter metadata {path.with_suffix('.json')}", f"held-out kl of {kl}", "retrain it")
+    from research import evaluate
+    one_line(error_of(evaluate.main, "--model", tiny_model, "--adapter", path, "--device", "cpu", "--lengths", "32",
+                      "--budgets", "8", "--max-new-tokens", "4", "--methods", "lookahead", "--out", tmp_path / "eval"),
+             str(path.with_suffix(".json")), "diverged")

@@ -497,6 +497,7 @@ def check_adapter_metadata(meta, meta_file, cfg, n_bytes, targets, dims):
         if isinstance(value, (int, float)) and not (math.isfinite(value) and value > 0):  # "alpha": NaN parses
             raise ValueError(f"adapter metadata {meta_file}: {key!r} is {value}, not a finite number > 0: "
                              "retrain the adapter")
+    check_adapter_record(meta, meta_file)
     if meta["base_fingerprint"] != cfg.fingerprint():
         raise ValueError(f"adapter {meta_file.with_suffix('.safetensors').name} was trained for "
                          f"{meta['base_model']!r} (fingerprint {meta['base_fingerprint']}), not for this model "
@@ -511,6 +512,21 @@ def check_adapter_metadata(meta, meta_file, cfg, n_bytes, targets, dims):
         raise ValueError(f"adapter metadata {meta_file}: n_tokens {meta['n_tokens']}, rank {meta['rank']} and its "
                          f"targets make {numbers} numbers, more than its tensors file of {n_bytes} bytes holds: "
                          "retrain the adapter")
+
+
+def check_adapter_record(meta, meta_file):
+    """The held-out check an adapter's .json records (train.py's last validation, "heldout": {"step", "kl"}): a
+    number there that is not finite (NaN or inf) is a run that diverged, whose tensors may well be finite (the M
+    rows then select at random), so the adapter is refused in one line naming the file. No record (None, or an
+    adapter from before it was kept) is no evidence either way: nothing to refuse. Every loader calls it:
+    LookaheadModule.load through check_adapter_metadata, and the press on the export's lookahead_config.json."""
+    heldout = meta.get("heldout")
+    for key, value in (heldout.items() if isinstance(heldout, dict) else ()):
+        if isinstance(value, float) and not math.isfinite(value):
+            step = f" at step {heldout['step']}" if isinstance(heldout.get("step"), int) else ""
+            raise ValueError(f"adapter metadata {meta_file}: its training ended with a held-out {key} of {value}"
+                             f"{step} (not finite: the run diverged), so this adapter cannot select: retrain it "
+                             "with a lower --lr (the recipes use 1e-3)")
 
 
 def check_adapter_tensors(path, tensors, want, alpha, rank):
