@@ -37,7 +37,7 @@ from tqdm import tqdm
 if __name__ == "__main__":  # python -m extensions.answer_weights, or the file itself
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from support import cli  # noqa: E402
-from support import data  # noqa: E402
+from support import data, files  # noqa: E402
 from eviction import keep_slots  # noqa: E402
 from lookaheadkv import AnswerHook, kl_loss  # noqa: E402
 from support.metrics import forced_logprobs  # noqa: E402
@@ -192,7 +192,7 @@ def build(args):
     train, heldout = source_rows(src, ModelConfig.from_hf_config(folder), args.first)  # before the model loads
     torch.set_num_threads(args.threads)
     model, _, _ = cli.load(folder, "cpu", torch.float32, tokenizer=False)
-    (out / "answer_weights.json").write_text(json.dumps(settings_of(args, src), indent=1))
+    files.write_atomic(out / "answer_weights.json", json.dumps(settings_of(args, src), indent=1))  # never via a link
     todo = [r for r in train if not data.sample_ok(data.sample_path(out, r["id"]))]
     stats, start = [], time.perf_counter()
     for r in tqdm(todo, desc=f"{args.weights} targets"):
@@ -212,7 +212,7 @@ def summary(args, out, train, heldout, stats, seconds):
     info = json.loads((out / "answer_weights.json").read_text())
     info.update(rows=len(train), heldout=len(heldout), made=len(stats), seconds=round(seconds, 1),
                 shift=round(mean("shift"), 4), effective=round(mean("effective"), 3))
-    (out / "answer_weights.json").write_text(json.dumps(info, indent=1))
+    files.write_atomic(out / "answer_weights.json", json.dumps(info, indent=1))
     print(f"{out}: {len(train)} training rows ({len(stats)} made now, {seconds / max(1, len(stats)):.2f} s each), "
           f"{len(heldout)} held-out rows; KL(paper's target || this one) mean {info['shift']:.4f}, tokens "
           f"that count (effective share) {info['effective']:.3f}; train with python train.py --stage train "
