@@ -220,3 +220,14 @@ def test_sample_references_stay_among_sample_files_and_never_loop(tmp_path):
     assert not data.sample_ok(chained)
     with pytest.raises(ValueError, match="names a cache of its own"):
         data.read_sample(chained)
+
+
+def test_epochs_that_would_plan_endless_steps_are_refused(model_dir, tmp_path):
+    """A handed --config's "epochs": 1e308 planned 10^307 steps."""
+    import train
+
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps(dict(FIT, epochs=1e308)))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--config", str(recipe), "--model", str(model_dir), "--out", str(tmp_path / "o"), "--device", "cpu"])
+    assert str(e.value).startswith("error: --epochs 1e+308: at most 1000 passes") and "\n" not in str(e.value)
