@@ -51,9 +51,18 @@ def turns_of(args, tok, context):
 
 
 def first_then_rest(turns):
-    """The turns of a generator, its first one read now (before the model loads), the rest as the chat goes."""
-    first = next(turns, None)
-    return iter(()) if first is None else itertools.chain([first], turns)
+    """The turns of a generator, its first one read now (before the model loads), the rest as the chat goes. A
+    /reset before the first turn has nothing to reset; a stdin without a turn (empty, blank lines, only /reset) is
+    refused as a turns file without one is (no_turn), not a chat of nothing that exits 0 without a word."""
+    for first in turns:
+        if first.strip() != "/reset":
+            return itertools.chain([first], turns)
+    raise no_turn("stdin", "pipe or type one user turn a line, e.g. echo 'What is 2+2?' | python generate.py --turns -")
+
+
+def no_turn(where, fix):
+    """The one rule for a chat with nothing to answer, from a file or from stdin."""
+    return ValueError(f"{where} holds no turn to answer (nothing, blank lines or only /reset): {fix}")
 
 
 TURNS_CONTEXT = 8192  # tokens: a turns file read without a model's context is bounded as if by SmolLM2's
@@ -76,6 +85,8 @@ def read_turns(path, context=None):
     check_sizes(turns, context, where)  # before the slower reads of every character below, and the tokenizer
     if not all(cli.printable(t)[0].strip() for t in turns):
         raise ValueError(bad)
+    if all(t.strip() == "/reset" for t in turns):
+        raise no_turn(f"turns file {path}", 'write the user turns, e.g. ["Read this: ...", "And then?"]')
     return [cli.printable(t)[0] for t in turns]
 
 

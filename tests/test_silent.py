@@ -195,3 +195,27 @@ def test_every_loader_refuses_an_adapter_whose_record_is_not_finite(kl, tmp_path
     one_line(error_of(evaluate.main, "--model", tiny_model, "--adapter", path, "--device", "cpu", "--lengths", "32",
                       "--budgets", "8", "--max-new-tokens", "4", "--methods", "lookahead", "--out", tmp_path / "eval"),
              str(path.with_suffix(".json")), "diverged")
+
+
+# ----------------------------------------------------------------------------- 3. zero turns refused everywhere
+
+@pytest.mark.parametrize("stdin", [b"", b"\n\n  \n", b"/reset\n", b"\n/reset\n\n/reset\n"])
+def test_zero_turns_on_stdin_are_refused_like_zero_turns_in_a_file(stdin, tmp_path, chat_model, monkeypatch,
+                                                                   no_loading):
+    """`printf '' | python generate.py --turns -` ended in exit 0 with nothing printed (so did blank lines or only
+    /reset); a turns file of [] was refused already. Both say the same now, before the model loads."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    chat = ["--model", chat_model, "--method", "full", "--max-new-tokens", "2"]
+    one_line(error_of(generate_py.main, "--turns", "-", *chat),
+             "stdin holds no turn to answer")
+    p = tmp_path / "t.json"
+    p.write_text('["/reset", " /reset "]')
+    one_line(error_of(generate_py.main, "--turns", p, *chat),
+             f"turns file {p} holds no turn to answer")
+
+
+def test_a_reset_before_the_first_turn_is_no_turn_but_the_chat_goes_on(chat_model, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"/reset\n\nuser ?\n")))
+    out = generate_py.main(["--turns", "-", "--model", str(chat_model), "--method", "full", "--max-new-tokens", "2",
+                            "--device", "cpu", "--json"])
+    assert [t["turn"] for t in out] == [1]
