@@ -322,13 +322,13 @@ def test_resume_equals_uninterrupted_run(model_dir, tmp_path, stub_prompts, monk
         train.main(argv(model_dir, b, "--save-every", "1"))
     monkeypatch.setattr(recipe, "save_checkpoint", orig_save)
     assert not (b / "adapter.safetensors").exists()
-    ck = torch.load(b / "ckpt.pt", weights_only=False)
+    ck = torch.load(b / "ckpt.pt", weights_only=True)
     assert ck["step"] == 2
     # a resume with settings the checkpoint was not made with is refused, naming them, and changes nothing
     with pytest.raises(SystemExit, match=r"^error: --resume: .*ckpt.pt was made with other settings: --batch 2 "
                                          r"\(this run: 4\); --lr 0.01 \(this run: 0.02\)"):
         train.main(argv(model_dir, b, "--resume", "--batch", "4", "--lr", "2e-2"))
-    assert torch.load(b / "ckpt.pt", weights_only=False)["step"] == 2 and not (b / "adapter.safetensors").exists()
+    assert torch.load(b / "ckpt.pt", weights_only=True)["step"] == 2 and not (b / "adapter.safetensors").exists()
     capsys.readouterr()
     train.main(argv(model_dir, b, "--resume"))
     assert "resumed at step 2/4" in capsys.readouterr().out
@@ -552,7 +552,7 @@ def test_every_setting_that_defines_the_run_is_recorded_and_compared(model_dir, 
     out = tmp_path / "o"
     write_data(out, model_dir)
     path, _ = own_checkpoint(model_dir, out)
-    ck = torch.load(path, weights_only=False)
+    ck = torch.load(path, weights_only=True)
     fields = {f.name for f in dataclasses.fields(train.TrainConfig)}
     assert set(ck["settings"]) == set(recipe.resume_keys(train.TrainConfig)) == fields - set(recipe.MAY_CHANGE) - set(recipe.MODULE_KEYS)
     assert {"micro_batch", "n_train", "dtype", "rule", "store_dtype"} <= set(recipe.resume_keys(train.TrainConfig))
@@ -799,7 +799,7 @@ def test_ddp_ranks_agree_and_match_one_process(model_dir, tmp_path, stub_prompts
            f"--master_port={free_port()}", str(script), *argv(model_dir, ddp)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    r0, r1 = torch.load(ddp / "rank0.pt"), torch.load(ddp / "rank1.pt")
+    r0, r1 = torch.load(ddp / "rank0.pt", weights_only=True), torch.load(ddp / "rank1.pt", weights_only=True)
     saved = adapter(ddp / "adapter.safetensors")
     assert r0.keys() == r1.keys() == saved.keys()
     for k in r0:
@@ -969,7 +969,7 @@ def test_a_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(model_
     with pytest.raises(SystemExit, match=r"^error: the training loss or its gradient is not finite") as e:
         train.main(argv(model_dir, out, "--save-every", "1"))
     assert "\n" not in str(e.value)
-    ck = torch.load(out / "ckpt.pt", weights_only=False)
+    ck = torch.load(out / "ckpt.pt", weights_only=True)
     assert ck["step"] == 2 and all(torch.isfinite(t).all() for t in ck["module"].values())
     assert not (out / "adapter.safetensors").exists()
 
