@@ -35,8 +35,20 @@ EPS_LIMIT = 1e-2
 THETA_FLOOR = 100  # the least rope_theta taken (check_rope)
 
 
+JSON_LIMIT = 32 * 2**20  # bytes of a config or metadata file: the largest tokenizer_config.json is a few MB
+
+
 def read_json(file, fix):
-    """A JSON object from `file`; ValueError naming the file and `fix` (what to do) if it is not one."""
+    """A JSON object from `file`; ValueError naming the file and `fix` (what to do) if it is not one. Its kind and
+    size are checked first (a handed folder's file: a named pipe blocked the read, a link to /dev/zero or a huge
+    file filled the memory); a missing file is FileNotFoundError, as before."""
+    import stat
+
+    st = Path(file).stat()
+    if not stat.S_ISREG(st.st_mode) or st.st_size > JSON_LIMIT:
+        what = f"{st.st_size} bytes, more than the {JSON_LIMIT} a JSON config can be" if stat.S_ISREG(st.st_mode) \
+            else "not a regular file (a named pipe or a device)"
+        raise ValueError(f"{file} is {what}: {fix}")
     try:
         d = json.loads(Path(file).read_bytes())
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
