@@ -18,18 +18,17 @@ checked before the weights load (support/generate_checks.py): a bad one is one `
 """
 import argparse
 import time
-from pathlib import Path
-
 import torch
 
 from baselines import full_answer
 from eviction import EvictConfig, Stopwatch, compress, decode, uniform_budgets
+from lookaheadkv import LookaheadKV, lookahead_compress
 from methods import METHODS, load_adapter, make_scorer, selection_of
 from model import load_model
 from support.cli import Parser, print_stats, run
+from support import selection
 from support.generate_checks import check
 from support.selection import extension
-from support.tokenizer import Tokenizer
 
 
 def get_args(argv=None):
@@ -96,8 +95,11 @@ def generate(model, tok, ids, scorer, args, pick=None, evictor=None):
     ids = torch.tensor([ids], device=args.device)  # (1, S)
     t0, clock = time.perf_counter(), Stopwatch(args.device)
     clock.mark()
-    # 1. prefill (the M lookahead rows ride in it) -> 2. score -> 3. evict: top C, one gather
-    cache, logits, pos, kept = compress(model, ids, scorer, clock=clock)
+    # LookaheadKV: the paper's inference on one screen (lookaheadkv.lookahead_compress): append the
+    # M rows, prefill with their LoRA, score, max-pool, top C, drop the rows' K/V, gather. Any other
+    # method (or one wrapped by a rule beyond the paper): the same steps for any Scorer (compress)
+    steps = lookahead_compress if type(scorer) is LookaheadKV else compress
+    cache, logits, pos, kept = steps(model, ids, scorer, clock=clock)
     if not torch.isfinite(logits).all():  # a bad tensor in the checkpoint: said, not an empty text
         folder = args.model or f"weights/{model.config.name}"
         raise ValueError(f"the model in {folder} gives NaN or inf logits: a weight holds NaN or "
@@ -124,47 +126,52 @@ def generate(model, tok, ids, scorer, args, pick=None, evictor=None):
     return answer, printed, last, cache, kept, kv_kept, timing
 
 
+def method(args, module):
+    """The method the flags name, made before the weights load (check() calls it, so that a config
+    make_scorer refuses is one error line): its EvictConfig and its Scorer, e.g. LookaheadKV, max-pool
+    7, C = --budget in every layer. What the flags leave unset is the method's own, its paper's
+    (whatever the adapter's .json recommends). The oracle's Scorer waits for FullKV's answer: None."""
+    budgets = uniform_budgets if args.uniform_budgets else None
+    if args.layer_budgets:  # beyond the paper: extensions/layer_budgets.py, asked for by its flag
+        budgets = selection.layer_budgets(module.info["layer_weights"])
+    options = {k: v for k, v in dict(one_pass=not args.two_pass, seed=args.seed).items()
+               if k in METHODS[args.method].default_options}  # the flags that set its options
+    eviction = EvictConfig(args.method, args.budget, window=args.window, rule=args.pool,
+                           options=options, budgets=budgets)  # rule: text, e.g. "max:7"
+    # a chat (--turns) makes a Scorer per conversation: this one checks the config it will use
+    return eviction, None if args.method == "oracle" else make_scorer(eviction, module)
+
+
 def main(argv=None):
     """generate.py as a command: any bad flag or file is one `error:` line and exit 1."""
     return run(lambda: answer(get_args(argv)))
 
 
 def answer(args):
-    """Check, load, build the method, compress the prompt, decode it, report: the stats."""
-    folder, text = check(args)  # every flag and file: raises, or the model's folder and the prompt
+    """Check, build the method, load, compress the prompt, decode it, report: the stats."""
+    if args.turns is not None or args.decode_budget is not None:  # beyond the paper: its own checks
+        extension("decode", "--decode-budget").check_flags(args, METHODS)
+    checked = check(args, method)  # every flag and file: raises, or what it read and made (Checked)
+    tok, module, ids = checked.tok, checked.adapter, checked.ids  # module: the paper's P and LoRA
+    eviction, scorer = checked.eviction, checked.scorer  # the method, made once by method()
+    turns = (None if args.turns is None  # a chat's turns: a list, or stdin's lines, the first one read
+             else extension("chat", "--turns").turns_of(args, tok, checked.config.max_context))
     torch.manual_seed(args.seed)
     pick = sampler(args)  # greedy (None) unless --temperature
 
-    # the model, its tokenizer, the adapter (the paper's M embeddings and their LoRA)
-    model = load_model(folder, args.device, args.dtype and getattr(torch, args.dtype))
-    tok = Tokenizer(folder, model.config)
-    module = None
-    if args.method == "lookahead":
-        default = Path(__file__).parent / "weights" / f"{model.config.name}.lookahead.safetensors"
-        module = load_adapter(args.adapter or default, model.config, args.device)
+    # the model; the adapter joins it on its device, in its dtype
+    model = load_model(checked.folder, args.device, args.dtype and getattr(torch, args.dtype))
+    if module is not None:
         module.to(args.device, model.lm_head.weight.dtype)
-
-    # the method: e.g. LookaheadKV, max-pool 7, C = --budget in every layer; what the flags leave
-    # unset is the method's own, its paper's (whatever the adapter's .json recommends)
-    budgets = uniform_budgets if args.uniform_budgets else None
-    if args.layer_budgets:  # beyond the paper: extensions/layer_budgets.py, asked for by its flag
-        LayerBudgets = extension("layer_budgets", "--layer-budgets").LayerBudgets
-        budgets = LayerBudgets(module.info["layer_weights"])
-    options = {k: v for k, v in dict(one_pass=not args.two_pass, seed=args.seed).items()
-               if k in METHODS[args.method].default_options}  # the flags that set its options
-    eviction = EvictConfig(args.method, args.budget, window=args.window, rule=args.pool,
-                           options=options, budgets=budgets)  # rule: text, e.g. "max:7"
-    if args.turns is not None:  # beyond the paper: a chat, evicted to --budget at every turn
+    if turns is not None:  # beyond the paper: a chat, evicted to --budget at every turn
         chat = extension("chat", "--turns").chat
-        return chat(args, model, tok, folder, text, eviction, module, pick)
+        return chat(args, model, tok, checked.folder, turns, eviction, module, pick)
     evictor = None
     if args.decode_budget is not None:  # beyond the paper: the cache held while decoding
         held = make_scorer(EvictConfig(**{**vars(eviction), "budget": args.decode_budget}), module)
         DecodeEviction = extension("decode", "--decode-budget").DecodeEviction
         evictor = DecodeEviction(held, args.every, args.window)
 
-    # the prompt's ids, in the chat template unless --no-chat
-    ids = tok.encode(tok.chat(text) if args.chat is not False and tok.format else text)
     response = None
     if args.method == "oracle":  # needs FullKV's answer first: its time counts as its eviction
         t = time.perf_counter()
@@ -172,7 +179,7 @@ def answer(args):
                                   args.max_new_tokens, tok.stop_ids)
         oracle_ms = (time.perf_counter() - t) * 1e3
         response = torch.tensor(response, device=args.device)
-    scorer = make_scorer(eviction, module, response)
+        scorer = make_scorer(eviction, module, response)
 
     answer_ids, printed, last, cache, kept, (per_layer, kv_bytes), timing = generate(
         model, tok, ids, scorer, args, pick, evictor)
@@ -196,7 +203,7 @@ def answer(args):
         stats.update(decode_budget=args.decode_budget, every=args.every,
                      decode_evictions=len(evictor.log), kv_bytes_end=cache.nbytes(),
                      peak_slots=max([max(per_layer), len(cache)] + [b for _, b, _ in evictor.log]))
-    print_stats(args, stats, tok, printed, last, blank=not text.strip(), ids=ids, kept=kept)
+    print_stats(args, stats, tok, printed, last, blank=not checked.text.strip(), ids=ids, kept=kept)
     return stats
 
 

@@ -14,7 +14,8 @@ prompt (positions S .. S+M-1), gives their rows alone a LoRA, and reads off wher
     3. the target   the attention the model's own answer pays to the prompt (answer_attention)
     4. the loss     KL(s_gt / |s_gt|_1 || s / |s|_1), averaged over layers and query heads
     5. eviction     the scores max-pooled (width 7), then the top C per (layer, KV head), C in
-                    every layer (eviction.py does the prefill, the top C, the gather)
+                    every layer: lookahead_compress, the paper's inference on one screen, calling
+                    the steps of eviction.py that every baseline runs too (prefill, top C, gather)
 """
 import json
 import math
@@ -24,8 +25,9 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from eviction import Pool, Scorer, group_attention, stack_layers
-from model import Hook
+from eviction import (Pool, Prefilled, Scorer, append_rows, compress, group_attention, keep_slots,
+                      prefill, prompt_positions, stack_layers)
+from model import Hook, KVCache
 from weights import checks
 
 # -----------------------------------------------------------------------------
@@ -219,7 +221,44 @@ def kl_loss(gt, pred, eps=1e-8):
 
 
 # -----------------------------------------------------------------------------
-# 5. Eviction: LookaheadKV as a Scorer (eviction.py does the prefill, the top C and the gather)
+# 5. Eviction: the paper's inference on one screen, and LookaheadKV as a Scorer
+@torch.no_grad()
+def lookahead_compress(model, ids, scorer, pad_mask=None, clock=None):
+    """The paper's inference for the prompt ids (B, S) with `scorer`, a LookaheadKV (its module, C,
+    max-pool 7): append the M rows, one prefill with their LoRA, score, max-pool, top C per (layer,
+    KV head), drop the rows' K/V, gather. Returns what eviction.compress returns (cache, first-token
+    logits (B, V), next positions (B,), kept slots per layer (B, H_kv, C)), and keeps the same slots:
+    the steps are eviction.py's, the ones every baseline runs through compress. clock: a Stopwatch."""
+    module, S = scorer.module, ids.shape[1]
+    if S <= scorer.eviction.budget or not scorer.options["one_pass"]:  # the prompt fits (nothing is
+        return compress(model, ids, scorer, pad_mask, clock)  # evicted), or the two-pass form
+    positions, next_pos, valid = prompt_positions(ids, pad_mask)  # (B, S), (B,) = S_b, (B, 1, S)
+
+    # 1. append the M lookahead embeddings P after the prompt, at positions S .. S + M - 1
+    x, x_positions, x_mask = append_rows(model.model.embed_tokens(ids), positions, pad_mask,
+                                         module.embeddings, next_pos)  # (B, S + M, hidden)
+    # 2. one prefill, the hook adding the LoRA (alpha / r) B A to the M rows alone (the prompt's K/V
+    # stay the frozen model's) and 3. keeping each layer's scores: the M rows' attention over the S
+    # prompt slots, the mean over the M queries and the G query heads of each KV head
+    hook, cache = LookaheadHook(module, S), KVCache(model.config.num_hidden_layers)
+    logits = prefill(model, x, x_positions, cache, x_mask, hook, scorer.eviction.chunk_size,
+                     logits_at=S - 1, tail=module.n_tokens)[:, -1]  # (B, V): the first token's
+    # 4. drop the M rows' K/V: they were scored, they are never in the cache
+    cache.truncate(S)
+    if clock is not None:
+        clock.mark()
+    scores = stack_layers(hook.scores)  # (L, B, H_kv, S)
+
+    # 5. max-pool (width 7) and 6. the top C per (layer, KV head): Scorer.evict, every method's step
+    prefilled = Prefilled(cache, hook, logits, positions, next_pos, valid, scores)
+    kept = scorer.evict(scores, prefilled)  # per layer (B, H_kv, C), in slot order
+    # 7. gather: each (layer, KV head) keeps its C slots; decoding goes on at position S
+    keep_slots(cache, kept)
+    if clock is not None:
+        clock.mark()
+    return cache, logits, next_pos, kept
+
+
 class LookaheadKV(Scorer):
     """LookaheadKV: the M lookahead rows' mean attention over the prompt predicts the answer's. As
     the paper says ("mean-aggregated and pooled, then top-K"): max-pool 7 (as in its code's base,

@@ -41,8 +41,7 @@ from support import data, files  # noqa: E402
 from eviction import keep_slots  # noqa: E402
 from lookaheadkv import AnswerHook, kl_loss  # noqa: E402
 from support.metrics import forced_logprobs  # noqa: E402
-from model import ModelConfig  # noqa: E402
-from train import get_batch  # noqa: E402
+from model import KVCache, ModelConfig  # noqa: E402
 
 N_SINK, WINDOW, FLOOR = 4, 32, 0.25  # what the body-less cache keeps; each token's least share of the mean
 
@@ -100,9 +99,20 @@ def weighted_target(model, cache, response, next_pos, weights):
     return hook.scores
 
 
+def read_one(path, dtype):
+    """One data stage's sample file as a batch of one: its prompt cache (a KVCache in dtype), the paper's
+    target {layer: (1, H, S)} and the prompt's length (1,), where the answer starts."""
+    item = data.read_sample(path)
+    L, S = item["target"].shape[0], item["target"].shape[-1]
+    cache = KVCache(L)
+    for l in range(L):
+        cache.k[l], cache.v[l] = item["k"][l][None].to(dtype), item["v"][l][None].to(dtype)  # (1, H_kv, S, D)
+    return cache, {l: item["target"][l][None].float() for l in range(L)}, torch.tensor([S])
+
+
 def remade_sample(model, src, row, uniform):
     """(target (L, H, S), stats) of one training row from its sample file in src."""
-    cache, gt, lengths = get_batch([data.sample_path(src, row["id"])], "cpu", model.lm_head.weight.dtype)
+    cache, gt, lengths = read_one(data.sample_path(src, row["id"]), model.lm_head.weight.dtype)
     if uniform:  # the paper's target, as the data stage stored it
         return torch.cat([gt[l] for l in range(len(gt))]), dict(shift=0.0, effective=1.0)
     response = torch.tensor([row["response_ids"]])

@@ -1,34 +1,53 @@
 """
 generate.py's flags and files, checked in the order they are read, all before the weights load:
 
-    folder, text = check(args)   # raises, or plain values: the model's folder and the prompt's text
+    checked = check(args, method)  # raises, or what it read and made: the folder, the text, the
+                                   # tokenizer, the adapter, the method (generate.method) and the ids
 
 each flag alone first (a bad value stops in a second, before a default model is prepared), then the
-model's config.json against them, the tokenizer, the adapter, the method's config as make_scorer
-checks it, the memory the weights need, the prompt file and its tokens against the context. A bad one
-raises ValueError or OSError, which cli.run turns into one `error:` line. Nothing is built for
-generate.py: it loads the model, the tokenizer and the adapter and builds its method itself.
+model's config.json against them, the tokenizer, the adapter, the memory the weights need, the prompt
+file and its tokens against the context. A bad one raises ValueError or OSError, which cli.run turns
+into one `error:` line. What check() reads or makes it returns, so nothing is built twice; the method
+is made by generate.py's own method(args, adapter), which check() calls where its config is checked.
 
-Beyond the paper, and imported only when its flag asks: --pool span:K:N (extensions/span.py), --layer-budgets
-(extensions/layer_budgets.py), --decode-budget (extensions/decode.py) and --turns (extensions/chat.py).
+Beyond the paper: this file imports no extension. --decode-budget and --turns are checked by
+extensions/decode.py's check_flags and extensions/chat.py's turns_of, which generate.py imports when
+one of them is given; --pool span:K and --layer-budgets are read by support/selection.py.
 """
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from baselines import Unpooled
-from eviction import EvictConfig, uniform_budgets
+from eviction import EvictConfig
 from methods import METHODS, load_adapter, make_scorer
 from model import ModelConfig, default_dtype
 from support import cli, selection
 from support.tokenizer import Tokenizer
 
 
-def check(args):
+@dataclass
+class Checked:
+    """What check() had to read to check it, handed to generate.py: each is made once per run (the model's
+    weights are not read: generate.py loads them once every check has passed)."""
+
+    folder: Path  # the model's folder (prepared if it was the missing default)
+    config: ModelConfig  # its config.json, read
+    text: str | None  # the prompt's text (None with --turns: the chat reads its own)
+    tok: Tokenizer  # the model's tokenizer
+    adapter: object  # --method lookahead's LookaheadModule (on the CPU), else None
+    eviction: EvictConfig  # the method's config (method's)
+    scorer: object  # the method, a Scorer (None for the oracle: made once FullKV has answered)
+    ids: list | None  # the prompt's ids, in the chat template unless --no-chat (None with --turns)
+
+
+def check(args, method):
     """Every flag and file of generate.py, in the order they are read, before the weights load: raises
-    (ValueError, OSError) or returns plain values: (the model's folder, the prompt's text), or with
-    --turns (the model's folder, the turns: a list, or stdin's lines with the first one read).
-    It builds nothing generate.py uses: the tokenizer and the adapter it reads are its own."""
+    (ValueError, OSError) or returns what it read and made (Checked). method(args, adapter) -> (EvictConfig,
+    Scorer): generate.py's, called once the adapter is read. With --turns the turns are the chat's to read
+    (extensions/chat.py's turns_of, which generate.py calls)."""
     check_flags(args)
     folder = cli.resolve_model(args.model)
     cfg = ModelConfig.from_hf_config(folder)
@@ -42,20 +61,12 @@ def check(args):
             cli.warn(note)
     tok = Tokenizer(folder, cfg)
     adapter = check_adapter(args, cfg, folder)
-    # the method's budget, window and rule as make_scorer checks them (the oracle's: check_flags); its
-    # options are the flags' --two-pass and --seed, which generate.py passes only to methods that have them
-    eviction = EvictConfig(args.method, args.budget, window=args.window, rule=args.pool,
-                           budgets=uniform_budgets if args.uniform_budgets else None)
-    if args.method != "oracle":
-        make_scorer(eviction, adapter)
+    eviction, scorer = method(args, adapter)  # make_scorer checks its config
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(args.device)
     cli.check_fits_memory(cfg, dtype, args.device, f"the model in {folder} needs a machine (or device) with "
                           "more free memory, or a smaller --dtype")
-    if args.turns is not None:  # beyond the paper: a chat's turns, read (the first from stdin) and checked
-        from extensions import chat
-        return folder, chat.turns_of(args, tok, cfg.max_context)
-    prompt_ids(args, tok, text, cfg.max_context)
-    return folder, text
+    ids = None if args.turns is not None else prompt_ids(args, tok, text, cfg.max_context)
+    return Checked(folder, cfg, text, tok, adapter, eviction, scorer, ids)
 
 
 # -----------------------------------------------------------------------------
@@ -75,20 +86,6 @@ def check_flags(args):
         raise ValueError(f"--every {args.every}: evict at most once per generated token, e.g. --every 32")
     if args.pool is not None:  # its text alone now (its width against the model's context once config.json is read)
         cli.flag_value("--pool", selection.parse_rule, args.pool)
-    if args.decode_budget is not None or args.turns is not None:  # beyond the paper: asked for by a flag
-        from extensions.decode import DECODE_METHODS, check_budget
-    if args.decode_budget is not None and args.method not in DECODE_METHODS:
-        raise ValueError(f"--decode-budget re-scores the cache while decoding, by a method's decode-phase form: "
-                         f"use --method {', '.join(DECODE_METHODS)}")
-    if args.turns is not None and args.method not in (*DECODE_METHODS, "full"):
-        raise ValueError(f"a chat re-scores the whole cache at each turn, by a method's decode-phase form: "
-                         f"use --method {', '.join(DECODE_METHODS)} or full")
-    if args.decode_budget is not None and args.decode_budget < args.budget:
-        raise ValueError(f"--decode-budget {args.decode_budget} is below --budget {args.budget}: the prompt's "
-                         f"cache would not fit it; use --decode-budget >= --budget")
-    if (args.decode_budget is not None or args.turns is not None) and args.method in DECODE_METHODS:
-        sinks = METHODS[args.method].default_options.get("n_sink", 0)  # StreamingLLM's, kept at every eviction
-        check_budget(args.decode_budget or args.budget, args.window, sinks)
     if args.window < 0:
         raise ValueError(f"--window {args.window}: the number of always-kept last tokens must be >= 0")
     if args.budget < 1:
@@ -185,8 +182,7 @@ def prompt_ids(args, tok, text, context):
 
 def check_adapter(args, cfg, folder):
     """--method lookahead's adapter (--adapter, or the one shipped for the model) as the loader reads it,
-    with what its flags ask of its .json: the span rule's and the per-layer budgets' extension files
-    and values (their text alone otherwise: the default run imports no extension). None for others."""
+    with what --layer-budgets asks of its .json (generate.py builds the budgets); None for others."""
     if args.method != "lookahead":
         return None
     path = args.adapter or cli.default_adapter_path(cfg)
@@ -198,5 +194,4 @@ def check_adapter(args, cfg, folder):
         if module.info.get("layer_weights") is None:  # refused rather than C in every layer unannounced
             raise ValueError(f"--layer-budgets: the adapter {path} has no layer_weights in its .json; drop the "
                              "flag, or measure them (python -m research.train_lab --stage budgets)")
-        selection.layer_budgets(module.info["layer_weights"])  # its file (extensions/), or one error line
     return module

@@ -23,6 +23,7 @@ import torch
 from support import cli
 from support import data
 from support import generate_checks
+import methods
 import generate as generate_py
 import model
 from support import tokenizer
@@ -44,8 +45,13 @@ def one_line(message, *needles):
 
 
 def check_flags(argv):
-    """generate.py's checks of its flags alone (support/generate_checks.py)."""
-    generate_checks.check_flags(generate_py.get_args(argv))
+    """generate.py's checks of its flags alone (support/generate_checks.py), and of --decode-budget and --turns
+    (extensions/decode.py's, which generate.py calls when one is given)."""
+    args = generate_py.get_args(argv)
+    generate_checks.check_flags(args)
+    if args.decode_budget is not None or args.turns is not None:
+        from extensions import decode
+        decode.check_flags(args, methods.METHODS)
 
 
 def error_of(main, *argv):
@@ -332,6 +338,39 @@ def test_good_arguments_run_and_report_each_step(prompt, tiny_model, capsys):
     # issue 27: the prefill FullKV pays too, apart from what the method adds after it (the Stopwatch's marks)
     assert out["prefill_ms"] > 0 and out["evict_ms"] >= 0 and out["ttft_ms"] >= out["prefill_ms"]
     assert "score_ms" not in out
+
+
+def test_the_default_run_builds_its_tokenizer_adapter_ids_and_method_once(tmp_path, tiny_model, monkeypatch):
+    """generate.py's default run (lookahead, the paper's inference): the checks return what they read (the
+    tokenizer, the adapter, the prompt's ids) and generate.py uses it; the method is made once, and its
+    compression is lookaheadkv.lookahead_compress, called once."""
+    import eviction
+    import lookaheadkv
+
+    adapter = tmp_path / "adapter.safetensors"
+    torch.manual_seed(0)
+    lookaheadkv.LookaheadModule(model.ModelConfig.from_hf_config(tiny_model), n_tokens=4).save(adapter)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(" ".join(["what is two and two ?"] * 4))
+    made = dict(tokenizer=0, adapter=0, encode=0, scorer=0, compress=0)
+
+    def counting(key, f):
+        def counted(*a, **k):
+            made[key] += 1
+            return f(*a, **k)
+        return counted
+
+    monkeypatch.setattr(tokenizer.Tokenizer, "__init__", counting("tokenizer", tokenizer.Tokenizer.__init__))
+    monkeypatch.setattr(tokenizer.Tokenizer, "encode", counting("encode", tokenizer.Tokenizer.encode))
+    monkeypatch.setattr(eviction.Scorer, "__init__", counting("scorer", eviction.Scorer.__init__))
+    load = lookaheadkv.LookaheadModule.load.__func__
+    monkeypatch.setattr(lookaheadkv.LookaheadModule, "load",
+                        classmethod(lambda cls, *a, **k: counting("adapter", load)(cls, *a, **k)))
+    monkeypatch.setattr(generate_py, "lookahead_compress", counting("compress", generate_py.lookahead_compress))
+    out = generate_py.main(["--prompt", str(prompt), "--model", str(tiny_model), "--adapter", str(adapter),
+                            "--budget", "8", "--max-new-tokens", "2", "--device", "cpu", "--json"])
+    assert (out["method"], out["rule"], out["kept_tokens"]) == ("lookahead", "max:7", 8)
+    assert made == dict(tokenizer=1, adapter=1, encode=1, scorer=1, compress=1), made
 
 
 def test_stats_lines(prompt, tiny_model, capsys):

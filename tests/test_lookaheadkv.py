@@ -597,6 +597,31 @@ def test_compress_marks_the_clock_after_the_prefill_and_after_the_eviction():
     assert len(clock.marks) == 3 and clock.ms(0, 1) > 0 and clock.ms(1, 2) >= 0  # full: nothing evicted
 
 
+@pytest.mark.parametrize("chunk_size", [4096, 12])
+def test_the_papers_inference_on_one_screen_keeps_what_the_shared_steps_keep(chunk_size):
+    """lookahead_compress (append the M rows, prefill with their LoRA, score, max-pool, top C, drop the rows'
+    K/V, gather) against compress(), the steps every method runs, on a left-padded batch, in one chunk and in
+    several: the same kept slots, the same cache, the same first-token logits; a prompt that fits C and the
+    two-pass form go through compress() itself."""
+    model = tiny_model()
+    mod = random_module(model.config, 8, targets=LookaheadModule.TARGETS)
+    lens, S = (40, 31), 40
+    ids = rand_ids(2, S, seed=3)
+    pad = torch.stack([torch.arange(S) >= S - n for n in lens])
+    ids = ids.masked_fill(~pad, 0)
+    scorer = make_scorer(EvictConfig("lookahead", budget=16, chunk_size=chunk_size), mod)
+    cache, logits, next_pos, kept = lk.lookahead_compress(model, ids, scorer, pad)
+    ref_cache, ref_logits, ref_pos, ref_kept = compress(model, ids, scorer, pad)
+    assert next_pos.tolist() == ref_pos.tolist() == list(lens)
+    assert torch.allclose(logits, ref_logits, atol=REORDER_ATOL)
+    assert all(torch.equal(a, b) for a, b in zip(kept, ref_kept))
+    assert len(cache) == 16 and all(torch.equal(a, b) for a, b in zip(cache.k + cache.v, ref_cache.k + ref_cache.v))
+    fits = make_scorer(EvictConfig("lookahead", budget=S), mod)
+    assert lk.lookahead_compress(model, ids, fits, pad)[3] is None
+    two_pass = make_scorer(EvictConfig("lookahead", budget=16, options=dict(one_pass=False)), mod)
+    assert all(torch.equal(a, b) for a, b in zip(lk.lookahead_compress(model, ids, two_pass, pad)[3], kept))
+
+
 # -----------------------------------------------------------------------------
 # 6. decoding after eviction == a full forward with the evicted keys masked out
 
