@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from support import cli  # noqa: E402
+from support import cli, files  # noqa: E402
 
 LICENCES = Path("/usr/share/common-licenses")
 LICENCE_FILES = ("GPL-2", "GPL-3", "LGPL-2.1", "MPL-1.1", "MPL-2.0", "GFDL-1.3", "Apache-2.0", "LGPL-2")
@@ -157,9 +157,7 @@ def write_tasks(argv):
     rows = build_facts(args.n_facts, args.max_chars) if args.facts else build(args.per_kind, args.max_chars)
     if not rows:
         sys.exit("error: no documents found: this needs Python's pydoc_data or /usr/share/common-licenses")
-    with open(args.out, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    files.write_atomic(args.out, "".join(json.dumps(r) + "\n" for r in rows))  # whole, never through a link
     kinds = {k: sum(r["task"] == k for r in rows) for k in sorted({r["task"] for r in rows})}
     print(f"wrote {len(rows)} prompts to {args.out}: {kinds}")
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from eviction import EvictConfig  # noqa: E402
 from methods import load_adapter, make_scorer  # noqa: E402
-from support import cli  # noqa: E402
+from support import cli, files  # noqa: E402
 from support.metrics import answer_kls, paired_ci  # noqa: E402
 
 
@@ -69,8 +69,7 @@ def measure(argv):
         if i < len(done):
             continue
         done.append(dict(id=row["id"], **answer_kls(model, row, scorers, budgets)))
-        with open(out, "a") as f:
-            f.write(json.dumps(done[-1]) + "\n")
+        files.append_text(out, json.dumps(done[-1]) + "\n")  # never through a link (O_NOFOLLOW)
     print(f"{len(done)} held-out prompts of {args.heldout}; answer KL (nats), the paper's form:")
     for name in scorers:
         print(f"  {name:<10s} " + "  ".join(f"C={C}: {sum(d[f'{name}@{C}'] for d in done) / len(done):.4f}"
