@@ -80,6 +80,9 @@ def test_a_checkpoint_holds_only_what_loads_without_pickled_objects(tmp_path):
     ck = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # raises if anything needs more than weights_only
     assert ck["step"] == 3 and ck["settings"] == dict(schedule) and ck["weights_id"] == "0123abcd"
     assert type(ck["settings"]) is dict and recipe.load_checkpoint(tmp_path / "ckpt.pt")["step"] == 3
+    os.mkfifo(tmp_path / "pipe.pt")  # a named pipe blocked torch.load forever
+    with pytest.raises(ValueError, match=f"^checkpoint {tmp_path / 'pipe.pt'} is a named pipe, not a regular file"):
+        recipe.load_checkpoint(tmp_path / "pipe.pt")
 
 
 # -----------------------------------------------------------------------------
