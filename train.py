@@ -19,7 +19,6 @@ import json
 import math
 import os
 import random
-import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,7 @@ from model import KVCache, load_model
 from support.cli import run, warn
 from support.data import prompts_to_answer
 from support.recipe import (RunFolder, adapter_metadata, check, check_diverged, compare, parser as recipe_parser,
-                            worse_than_untrained)
+                            resume_command, worse_than_untrained)
 from support.tokenizer import Tokenizer
 
 # -----------------------------------------------------------------------------
@@ -369,8 +368,7 @@ def time_limit(minutes, start):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    again = "python train.py " + shlex.join([a for a in argv if a != "--resume"] + ["--resume"])
-    return run(lambda: train(get_args(argv)), resume=again)
+    return run(lambda: train(get_args(argv)), resume=resume_command("train.py", argv, lambda: get_args(argv)))
 
 
 def train(cfg):

@@ -24,7 +24,6 @@ if __name__ == "__main__" and not __package__:  # run by its path: the repositor
 import dataclasses
 import json
 import random
-import shlex
 import time
 from pathlib import Path
 
@@ -229,8 +228,8 @@ def budgets(cfg, adapter):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    again = "python -m research.train_lab " + shlex.join([a for a in argv if a != "--resume"] + ["--resume"])
-    return cli.run(lambda: run(train.get_args(argv, LabConfig, parser())), resume=again)
+    config = lambda: train.get_args(argv, LabConfig, parser())  # noqa: E731
+    return cli.run(lambda: run(config()), resume=recipe.resume_command("-m research.train_lab", argv, config))
 
 
 def run(cfg):

@@ -43,7 +43,8 @@ from support.tokenizer import Tokenizer, decode_utf8
 def run(fn, resume=None, release=True):
     """Call fn(); library errors become one `error:` line and exit 1. resume: the command that continues
     an interrupted run (said on Ctrl-C or SIGTERM), or None. release=False: the output folders fn claimed stay
-    claimed until the process ends (lock.py), for a caller that goes on using them. Its output is flushed
+    claimed until the process ends (lock.py), for a caller that goes on using them. resume may be a callable that
+    returns the command, asked only when it is said. Its output is flushed
     here, so a reader that went away (`| head`) is a quiet exit, as Unix tools make it, not a traceback."""
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     if sys.stdin is None:  # the shell closed it (`<&-`): reading it is one line, not an AttributeError on None
@@ -62,6 +63,7 @@ def run(fn, resume=None, release=True):
         raise SystemExit(f"error: {type(e).__name__}: {one_line(e)} (an unexpected failure: please report it "
                          f"with the command; LOOKAHEADKV_TRACEBACK=1 shows where it happened)") from None
     except KeyboardInterrupt:
+        resume = resume() if callable(resume) else resume  # a callable: the command as the run left things
         again = f"; continue with: {resume}" if resume else ""
         raise SystemExit(f"interrupted: nothing saved so far is lost{again}") from None
     finally:
@@ -85,6 +87,42 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise ValueError(f"{message} (python {self.prog} --help)")
+
+    def earlier_argvs(self, argv):
+        """A flag given twice counts as given last (argparse's rule, kept: a command that appends a flag to override
+        one is common), but the earlier value must not go unread (`--config A --config B` never opened A). For each
+        earlier occurrence of a repeated flag, argv with that one as the last: a script parses each and checks it as
+        it checks its own (argparse converts every occurrence by its type already). Flags that gather (append,
+        count) and --help are not repeats."""
+        where, i = {}, 0
+        while i < len(argv):
+            arg = str(argv[i])
+            if arg == "--":
+                break
+            action = self.action_of(arg)
+            if action is None:
+                i += 1
+                continue
+            takes = 0 if "=" in arg or action.nargs == 0 else 1
+            where.setdefault(action.dest, []).append((i, i + 1 + takes))
+            i += 1 + takes
+        for spans in where.values():
+            for k, _ in enumerate(spans[:-1]):
+                later = {j for start, end in spans[k + 1:] for j in range(start, end)}
+                yield [a for j, a in enumerate(argv) if j not in later]
+
+    def action_of(self, arg):
+        """The action an argv word names (exactly, NAME=VALUE, or an abbreviation argparse would take), or None; None
+        too for the gathering ones and --help."""
+        if not arg.startswith("-") or arg == "-":
+            return None
+        name = arg.split("=", 1)[0]
+        action = self._option_string_actions.get(name)
+        if action is None and name.startswith("--") and self.allow_abbrev:
+            found = {id(a): a for o, a in self._option_string_actions.items() if o.startswith(name)}
+            action = next(iter(found.values())) if len(found) == 1 else None
+        gathers = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction, argparse._HelpAction)
+        return None if action is None or isinstance(action, gathers) or action.nargs not in (None, 0) else action
 
 
 def not_a_script(module, how):
@@ -199,6 +237,10 @@ def check_given_for(mode, given, allowed):
             raise ValueError(f"{flag} has no effect {mode}: drop it")
 
 
+WINDOW = 32  # generate.py's --window default: a value other than it was given
+WINDOW_METHODS = ("snapkv", "pyramidkv", "h2o", "laq")  # the scorers that keep the last --window prompt tokens
+
+
 def check_generate_flags(args):
     """generate.py's flags that its mode would ignore, refused before any file is read: --show prints the kept
     tokens under the text answer (with --json the stats are one JSON object, and in a chat each turn has a stats
@@ -229,6 +271,17 @@ def check_window_fits(flag, window, cfg):
     if window is not None and window > cfg.max_context:
         raise ValueError(f"{flag} {window} is longer than the model's context of {context_words(cfg, ' tokens')}: "
                          f"no prompt has that many; use a {flag} of at most {cfg.max_context}")
+
+
+def check_window_read(args):
+    """generate.py's --window where its method keeps no window of last prompt tokens (it applies to WINDOW_METHODS,
+    and with --decode-budget or --turns to every method's later evictions): refused, not run as if not given. After
+    check_window_fits (a --window past the context is said as that first). Given means other than its default."""
+    if args.window != WINDOW and args.method not in WINDOW_METHODS and args.turns is None and \
+            args.decode_budget is None:  # --window 64 with the default method ran as if it were not there
+        raise ValueError(f"--window {args.window}: method {args.method} keeps no window of last prompt tokens (its "
+                         f"scores alone choose; {', '.join(WINDOW_METHODS)} keep one, and with --decode-budget or "
+                         "--turns every method's later evictions do): drop it")
 
 
 SEEDS = (-2**63, 2**64 - 1)  # what torch.manual_seed and Generator.manual_seed take (a negative one is remapped)

@@ -126,6 +126,7 @@ def check_fits_model(args, cfg):
     (extensions/chat.py)."""
     ctx = cfg.max_context
     cli.check_window_fits("--window", args.window, cfg)  # names a sliding_window that shortened the context
+    cli.check_window_read(args)  # a --window the method keeps none of (the default lookahead): refused (issue 76)
     if args.decode_budget is not None and args.decode_budget + args.every > ctx:
         raise ValueError(f"--decode-budget {args.decode_budget} with --every {args.every}: the cache would have to "
                          f"hold {args.decode_budget + args.every} slots before an eviction, past the model's context "

@@ -12,7 +12,9 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
+import sys
 import tempfile
 import time
 import types
@@ -127,6 +129,14 @@ def data_folder(cfg, out):
         raise ValueError(f"--data {src}: no data.jsonl there: pass the --out folder of a data stage "
                          "(python train.py --stage data --out DIR)")
     return Path(src)
+
+
+def check_values(cfg, stages):
+    """The checks of the values alone (no file but the recipe, no model): a flag's earlier value when it is given
+    twice (RecipeParser.config) meets them as the last one does in check."""
+    check_choices(cfg, stages)
+    check_given(cfg)
+    check_numbers(cfg)
 
 
 def check_given(cfg):
@@ -478,9 +488,40 @@ def other_weights(ck, schedule):
             f"e.g. a fine-tuned copy)")
 
 
+def resumable(cfg):
+    """Whether OUT holds something --resume continues: a training stage's checkpoint, or, for --stage all, the rows
+    of its data stage (a run interrupted there goes on from them, then trains from step 0). The one rule for
+    checkpoint_to_resume's refusal and for the command an interrupted run advises (resume_command)."""
+    out = Path(cfg.out)
+    return cfg.stage in ("train", "all") and ((out / "ckpt.pt").exists() or
+                                              (cfg.stage == "all" and (out / "data.jsonl").exists()))
+
+
+def resume_command(prog, argv, config):
+    """The command that continues an interrupted run, as cli.run says it on Ctrl-C (a callable: asked then, not at
+    the start): the same flags, with --resume where OUT then holds something to continue (resumable), without it
+    where --resume would be refused. config(): the run's config, from the same argv."""
+    def command():
+        flags = [a for a in argv if a != "--resume"]
+        try:
+            more = ["--resume"] if resumable(config()) else []
+        except ValueError:  # the flags were read once already: only a file changed since could say so
+            more = ["--resume"]
+        return f"python {prog} " + shlex.join(flags + more)
+    return command
+
+
 def checkpoint_to_resume(cfg, out, model_cfg, adapter, parser, weights_id=None):
     """OUT/ckpt.pt checked against this run (read_checkpoint) when --resume trains and one is there, else None;
-    without --resume, one there must be this run's own (check_own_checkpoint): training replaces it."""
+    without --resume, one there must be this run's own (check_own_checkpoint): training replaces it. --resume where
+    OUT holds nothing it continues (resumable) is refused, saying so: it started a whole new run without a word."""
+    if cfg.resume and not resumable(cfg):
+        if cfg.stage not in ("train", "all"):
+            raise ValueError(f"--resume continues training from OUT/ckpt.pt: it has no use with --stage {cfg.stage} "
+                             "(a data stage goes on from the rows OUT holds by itself): drop --resume")
+        made = ", no data.jsonl" if cfg.stage == "all" else ""
+        raise ValueError(f"--resume: {out} holds nothing to resume (no ckpt.pt{made}): drop --resume to start this "
+                         "run there")
     if not (cfg.stage in ("train", "all") and (out / "ckpt.pt").exists()):
         return None
     shape = adapter.metadata() if adapter is not None else dict(
@@ -860,6 +901,15 @@ class RecipeParser(cli.Parser):
     """train.py's flags; config(argv, Config) reads the run's config: flag > --config file > default."""
 
     def config(self, argv, Config):
+        """A flag given twice counts as given last, and each earlier value is read and checked as the run's own
+        would be (cli.Parser.earlier_argvs): `--config A --config B` ran B without opening A, whose lr of 1e30 went
+        unseen."""
+        argv = sys.argv[1:] if argv is None else list(argv)
+        for earlier in self.earlier_argvs(argv):
+            check_values(self.read(earlier, Config), self._option_string_actions["--stage"].choices)
+        return self.read(argv, Config)
+
+    def read(self, argv, Config):
         flags = vars(self.parse_args(argv))
         path = flags.pop("config", None)
         return dataclasses.replace(Config(), **{**(read_config(path, Config) if path else {}), **flags})

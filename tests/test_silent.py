@@ -219,3 +219,57 @@ def test_a_reset_before_the_first_turn_is_no_turn_but_the_chat_goes_on(chat_mode
     out = generate_py.main(["--turns", "-", "--model", str(chat_model), "--method", "full", "--max-new-tokens", "2",
                             "--device", "cpu", "--json"])
     assert [t["turn"] for t in out] == [1]
+
+
+# ----------------------------------------------------------------------------- 5. a flag taken whole or refused
+
+def test_a_window_the_method_keeps_none_of_is_refused_with_the_reason(tmp_path, tiny_model, no_loading):
+    """`--window 64` with the default method (lookahead) was accepted and ignored."""
+    p = tmp_path / "p.txt"
+    p.write_text("what is two ?")
+    for method in ("lookahead", "full", "streaming"):
+        one_line(error_of(generate_py.main, "--prompt", p, "--model", tiny_model, "--method", method, "--window", "16"),
+                 f"--window 16: method {method} keeps no window", "drop it")
+
+
+def test_the_methods_said_to_keep_a_window_are_those_whose_scorer_reads_it():
+    from eviction import EvictConfig
+    from support import cli
+
+    for name, cls in methods.METHODS.items():
+        try:
+            scorer = cls(EvictConfig(name, 64, window=7))
+        except ValueError:  # lookahead, oracle: an adapter or an answer first; neither keeps a window
+            assert name not in cli.WINDOW_METHODS and "window" not in vars(cls)
+            continue
+        assert (scorer.window == 7) == (name in cli.WINDOW_METHODS), name
+
+
+def test_resume_with_nothing_to_resume_is_refused_and_never_advised(model_dir, tmp_path, monkeypatch):
+    """`train.py --resume` on a folder with nothing to resume started a whole new run without a word."""
+    out = tmp_path / "empty"
+    one_line(error_of(train.main, *train_argv(model_dir, out, "--resume")),
+             f"--resume: {out} holds nothing to resume (no ckpt.pt, no data.jsonl)", "drop --resume")
+    one_line(error_of(train.main, *train_argv(model_dir, out, "--resume", "--stage", "data")),
+             "--resume continues training from OUT/ckpt.pt: it has no use with --stage data")
+    # a Ctrl-C says the command that continues: --resume only where OUT then holds something to continue
+    args = train_argv(model_dir, out)
+    assert not recipe.resume_command("train.py", args, lambda: train.get_args(args))().endswith("--resume")
+    write_data(out, model_dir)
+    assert recipe.resume_command("train.py", args, lambda: train.get_args(args))().endswith(" --resume")
+
+
+def test_a_flag_given_twice_counts_as_the_last_and_the_earlier_is_still_checked(model_dir, tmp_path):
+    """A repeated --config kept the last file; the first, an lr of 1e30, was never opened."""
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    first.write_text(json.dumps(dict(lr=1e30)))
+    second.write_text(json.dumps(dict(lr=1e-3)))
+    out = tmp_path / "o"
+    one_line(error_of(train.main, "--config", first, "--config", second, "--model", model_dir, "--out", out),
+             "--lr 1e+30")
+    first.write_text("{not json")
+    one_line(error_of(train.main, "--config", first, "--config", second, "--model", model_dir, "--out", out),
+             f"--config {first} is not valid JSON")
+    cfg = train.get_args(["--config", str(second), "--lr", "0.5", "--lr=2e-3", "--out", str(out)])
+    assert cfg.lr == 2e-3  # the last counts (a command that appends a flag to override one is common)
+    one_line(error_of(train.main, "--lr", "5", "--lr", "1e-3", "--model", model_dir, "--out", out), "--lr 5")
