@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from eviction import (Pool, Prefilled, Scorer, append_rows, compress, group_attention, keep_slots,
                       prefill, prompt_positions, stack_layers)
 from model import Hook, KVCache
-from weights import checks
+from support import checks
 
 # -----------------------------------------------------------------------------
 # 1. The lookahead module: M embeddings + a LoRA that is active on their rows only
@@ -104,7 +104,7 @@ class LookaheadModule(nn.Module):
 
     @classmethod
     def load(cls, path, cfg, device="cpu"):
-        """An adapter saved by save(), checked by weights/checks.py; the .json's keys beyond
+        """An adapter saved by save(), checked by support/checks.py; the .json's keys beyond
         checks.ADAPTER_KEYS (how it was made, what it recommends) stay in `info`, saved back."""
         path, dims = Path(path), cls.dims(cfg)
         meta, tensors = checks.read_adapter(path)

@@ -4,7 +4,7 @@ checkpoints directly (config.json + *.safetensors).
 
 Top to bottom: the config (every family difference in one place), RMSNorm, RoPE, the Hook,
 attention (GQA through SDPA), the SwiGLU MLP, the KV cache, the model and the loader. What a
-config.json or a checkpoint may not be is refused in weights/checks.py.
+config.json or a checkpoint may not be is refused in support/checks.py.
 
 Two things the KV-eviction code relies on:
 - Positions are explicit and separate from cache slots: after eviction a layer keeps C slots,
@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from weights import checks
+from support import checks
 
 # -----------------------------------------------------------------------------
 # Config: all differences between the supported families live here.
@@ -52,7 +52,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, path):
-        """Read a Hugging Face config.json (folder or file), checked by weights/checks.py."""
+        """Read a Hugging Face config.json (folder or file), checked by support/checks.py."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         raw = checks.check_config(file)  # the JSON object, checked; HF's nulls ("not set") dropped
@@ -393,7 +393,7 @@ def default_dtype(device):
 
 def load_model(path, device="cpu", dtype=None):
     """Load config.json and *.safetensors (one file or shards) of an HF folder into parameters of
-    the same names; weights/checks.py refuses a checkpoint that does not fit its config.json."""
+    the same names; support/checks.py refuses a checkpoint that does not fit its config.json."""
     path = Path(path)
     checks.check_folder(path)
     cfg = ModelConfig.from_hf_config(path)

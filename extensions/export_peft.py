@@ -25,7 +25,7 @@ import torch
 from methods import load_adapter
 from model import ModelConfig
 from support import cli
-from weights import checks
+from support import checks
 
 ROOT = Path(__file__).resolve().parents[1]
 MADE_BY = "lookaheadkv extensions/export_peft.py"  # lookahead_config.json's mark: a folder this export made

@@ -510,10 +510,10 @@ def free_memory_gib(device):
 
 
 def check_fits_memory(cfg, dtype, device, what):
-    """ValueError, before any module is built, when the weights cfg describes (weights/checks.parameter_count, in
+    """ValueError, before any module is built, when the weights cfg describes (support/checks.parameter_count, in
     `dtype`) take more than 90% of the memory free on `device` (free_memory_gib; unknown: no check). `what` says
     where the config came from and what to do, e.g. "--random-init c.json: time a smaller config"."""
-    from weights.checks import parameter_count
+    from support.checks import parameter_count
 
     need = parameter_count(cfg) * torch.empty((), dtype=dtype).element_size() / 2**30
     have = free_memory_gib(device)

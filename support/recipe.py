@@ -31,8 +31,8 @@ from support.metrics import answer_kls
 from support.data import sample_bytes, sample_ok, sample_path, unreadable_sample
 from lookaheadkv import LookaheadModule
 from model import ModelConfig, default_dtype
-from weights import checks
-from weights.checks import read_json
+from support import checks
+from support.checks import read_json
 
 STORE_DTYPES = ("bfloat16", "float16", "float32", "none")
 BUDGET_SAMPLES = 32  # --stage budgets (research/train_lab.py) measures on this many training samples
@@ -354,10 +354,10 @@ def output_paths(cfg):
 
 def is_adapter(path):
     """Whether `path` (.safetensors) and its .json are an adapter pair as save_adapter writes them: the .json an
-    object with the adapter keys (weights/checks.ADAPTER_KEYS), the tensors the module's alone (embeddings,
+    object with the adapter keys (support/checks.ADAPTER_KEYS), the tensors the module's alone (embeddings,
     lora.*), read from the header only."""
     from safetensors import safe_open
-    from weights.checks import ADAPTER_KEYS
+    from support.checks import ADAPTER_KEYS
 
     try:
         meta = json.loads(path.with_suffix(".json").read_text())

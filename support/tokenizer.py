@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from weights.checks import read_json, redo, short_reason
+from support.checks import read_json, redo, short_reason
 
 
 CONTROL = {  # each chat format's control tokens, as its template writes them
@@ -149,7 +149,7 @@ def special_name(value):
 
 
 class Advice:
-    """weights/checks.redo's advice for a model folder, as text only when a message is made: redo reads the
+    """support/checks.redo's advice for a model folder, as text only when a message is made: redo reads the
     folder's marker and hashes its files, which a tokenizer that loads fine never needs."""
 
     def __init__(self, path, damaged=True):

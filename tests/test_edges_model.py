@@ -15,7 +15,7 @@ import torch
 from support import cli
 import model
 from model import ModelConfig, load_model
-from weights.checks import POSITION_LIMIT, implied_shapes
+from support.checks import POSITION_LIMIT, implied_shapes
 
 
 @pytest.fixture

@@ -18,7 +18,8 @@ from test_cli import error_of, no_loading, one_line  # noqa: E402, F401 (a fixtu
 from extensions import chat  # noqa: E402
 from research import bench, evaluate  # noqa: E402
 from support import cli, files, selection  # noqa: E402
-from weights import checks, prepare  # noqa: E402
+from support import checks  # noqa: E402
+from weights import prepare  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ADAPTER = ROOT / "weights" / "SmolLM2-135M-Instruct.lookahead.safetensors"

@@ -1,4 +1,4 @@
-"""Tests of model.py: parity with transformers, the loader's errors (weights/checks.py), and the cache
+"""Tests of model.py: parity with transformers, the loader's errors (support/checks.py), and the cache
 behaviour that KV eviction relies on (cached decode, left padding, gather, positions != slots, Hook);
 and of support/tokenizer.py's chat formats.
 

@@ -39,6 +39,18 @@ def test_no_file_on_the_reading_path_imports_an_extension(name):
     assert not [m for m in imported_modules(ROOT / name) if m.split(".")[0] == "extensions"], name
 
 
+def test_imports_run_one_way():
+    """No extension imports a script (train, generate, research/); support/ imports no extension; the reading
+    path imports nothing of weights/ (the weights and their preparation), whose checks live in support/checks.py."""
+    scripts = {"train", "generate", "research"}
+    for path in (ROOT / "extensions").glob("*.py"):
+        assert not [m for m in imported_modules(path) if m.split(".")[0] in scripts], path.name
+    for path in (ROOT / "support").glob("*.py"):
+        assert not [m for m in imported_modules(path) if m.split(".")[0] == "extensions"], path.name
+    for name in READING_PATH:
+        assert not [m for m in imported_modules(ROOT / name) if m.split(".")[0] == "weights"], name
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A tiny model folder, an adapter for it (M = 4) and a prompt file."""
@@ -57,7 +69,6 @@ def checkout_without(tmp_path, deleted):
     shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns("runs", "weights", ".git", "__pycache__", "research",
                                                               "tests", "examples", "*.md", "*.png"))
     (dest / "weights").mkdir()
-    shutil.copy(ROOT / "weights" / "checks.py", dest / "weights" / "checks.py")
     shutil.copy(ROOT / "weights" / "prepare.py", dest / "weights" / "prepare.py")
     for name in deleted:
         (dest / "extensions" / name).unlink()

@@ -378,7 +378,7 @@ def test_a_config_too_large_for_memory_is_refused_before_anything_is_built(tmp_p
 
 
 def test_parameter_count_is_what_the_model_builds(chat):
-    from weights.checks import parameter_count
+    from support.checks import parameter_count
 
     cfg = model.ModelConfig.from_hf_config(chat)
     assert parameter_count(cfg) == sum(p.numel() for p in model.Transformer(cfg).parameters())

@@ -243,7 +243,7 @@ def write_with(path, writer):
 
 
 def stamp(out_dir):
-    """The marker's text: the GGUF's sha256, then what was written where (weights/checks.prepared_record reads
+    """The marker's text: the GGUF's sha256, then what was written where (support/checks.prepared_record reads
     it), so that a fix that deletes this folder is advised for it alone, not for a copy or a folder changed since."""
     files = {f: [(out_dir / f).stat().st_size, None if f.endswith(".safetensors") else sha256(out_dir / f)]
              for f in FILES}

@@ -3,7 +3,8 @@ Each refusal is a ValueError (or FileNotFoundError) that names the file, the key
 
 model.py and lookaheadkv.py call these in one line where they read a file, so that the reading path shows
 what is read and this file shows what is refused. It imports nothing of the project: it is handed the
-config, the raw JSON dict or the tensors it checks.
+config, the raw JSON dict or the tensors it checks. It lives in support/, beside the path: weights/ holds the
+weights and their preparation, and nothing the path imports.
 """
 
 import json
@@ -581,5 +582,5 @@ def adapter_scale_problem(tensors, names, alpha, rank):
 
 
 if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    raise SystemExit("error: weights/checks.py is not a script: the loaders call it; python weights/prepare.py "
+    raise SystemExit("error: support/checks.py is not a script: the loaders call it; python weights/prepare.py "
                      "prepares the default model")
