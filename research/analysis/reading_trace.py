@@ -1,29 +1,32 @@
 """
-The reading claim, measured (issue 64): run the two default commands under a profiler and print, per file,
-the lines of the functions they execute: the reading path's files whole (`wc -l`), and beside the path what
-a learner must open to follow what runs, with the checks that only raise listed apart.
+The reading claim, measured (issues 64, 75): run the two default commands under a line tracer, every thread
+included (train.py's data stage and batches run in a thread pool), and print, per file, the lines that run:
+the reading path's files whole (`wc -l`), and beside the path what a learner must open to follow what runs,
+with the checks that only raise listed apart.
 
     python research/analysis/reading_trace.py            # generate.py's default, then train.py (2 steps)
     python research/analysis/reading_trace.py --only generate
 
 generate.py: `--prompt examples/needle.txt --budget 128` (the README's command; 16 new tokens). train.py: the
 learner's recipe (research/configs/train-quick.json) on a small run, 8 training and 2 held-out prompts, two
-optimiser steps of 4 samples, in a temporary folder. A function counts once with its whole `def` (a nested
-one inside a counted one is not counted again). Beside the path, each executed function is one of:
-- a check (it only raises): its name starts with "check" or is in CHECK_FUNCTIONS, or it is in
-  support/generate_checks.py or weights/checks.py;
-- what a learner may skip (issue 64's support/: file I/O, locks and hashing, the tokenizer and chat formats,
-  the training text sources and prompt tasks, the flags' parser and the error wrapper, the stats block's
-  formatting): SKIP_FILES, and SKIP_FUNCTIONS by name in the other files;
-- the measurement the learner's run ends with (MEASURE_FUNCTIONS: the held-out answer KL), listed apart;
-- what a learner must open: everything else (e.g. a function that builds a scorer or the batch).
-Lines of code outside functions (a dataclass's fields, imports) are in the path's `wc -l` only.
+optimiser steps of 4 samples, in a temporary folder. A line counts once if it ran, in any thread; it belongs
+to its outermost `def`. Beside the path, each line that ran is one of:
+- a check (it only raises): its function's name starts with "check" or is in CHECK_FUNCTIONS, or it is in
+  support/generate_checks.py or support/checks.py (but the loader's reading of files, LOADER_FUNCTIONS,
+  which a learner follows to see a checkpoint become parameters);
+- what a learner may skip (file I/O, locks and hashing, the tokenizer and chat formats, the text sources'
+  download, the flags' parser and the error wrapper, the stats block's formatting): SKIP_FILES, and
+  SKIP_FUNCTIONS by name in the other files;
+- what a learner must open: everything else, the closing comparison the learner's run prints (recipe.compare,
+  the held-out answer KL) and the training task mix the adapter learns from (support/data.py) included.
+Lines outside functions (a dataclass's fields, imports) are in the path's `wc -l` only.
 """
 import argparse
 import ast
 import json
 import sys
 import tempfile
+import threading
 from collections import defaultdict
 from pathlib import Path
 
@@ -32,16 +35,16 @@ sys.path.insert(0, str(ROOT))
 from support import cli  # noqa: E402
 READING_PATH = ["model.py", "eviction.py", "lookaheadkv.py", "baselines.py", "methods.py", "train.py",
                 "generate.py"]
-CHECK_FILES = ("support/generate_checks.py", "weights/checks.py")
+CHECK_FILES = ("support/generate_checks.py", "support/checks.py")
+# the loader's reading (support/checks.py): what turns files into tensors, not a check
+LOADER_FUNCTIONS = {"read_json", "open_checkpoint", "weight_files", "stored_tensors", "read_tensor",
+                    "read_adapter"}
 # they raise; rule_parts and number (support/selection.py) run in the default commands only to check the
 # adapter .json's recommended rule as text (--pool would make them build one)
 CHECK_FUNCTIONS = {"at_least", "positive", "fraction", "as_number", "flag_value", "counts", "rule_parts",
                    "number", "data_folder", "data_dtypes", "output_paths", "free_disk"}
-# the learner's run ends with a measurement of what it bought (recipe.compare: held-out answer KL beside
-# SnapKV's); it judges the method, it is not the method: listed apart, as the checks are
-MEASURE_FUNCTIONS = {"compare", "answer_kls", "forced_logprobs", "answer_kl"}
-SKIP_FILES = ("support/files.py", "support/lock.py", "support/tokenizer.py", "support/data.py",
-              "weights/prepare.py", "research/analysis/reading_trace.py", "support/__init__.py")
+SKIP_FILES = ("support/files.py", "support/lock.py", "support/tokenizer.py", "weights/prepare.py",
+              "research/analysis/reading_trace.py", "support/__init__.py")
 SKIP_FUNCTIONS = {  # file -> function names: I/O, the flags' parser, the error wrapper, formatting
     "support/cli.py": {"run", "quiet_exit", "one_line", "__init__", "error", "input_file", "read_text",
                        "printable", "resolve_model", "claim_folder", "release_folders", "warn",
@@ -56,6 +59,8 @@ SKIP_FUNCTIONS = {  # file -> function names: I/O, the flags' parser, the error 
                           "keep_previous", "backup_names", "keep_one", "describe_rows",
                           "adapter_metadata", "is_adapter", "__init__"},
     "support/metrics.py": {"keep_fraction"},
+    "support/data.py": {"decode_utf8", "file_header", "sample_path", "prefix_path", "save_safetensors",
+                        "read_sample", "cache_file", "download", "fetch", "unzip", "sha256_of"},  # file I/O
 }
 
 
@@ -71,50 +76,72 @@ def def_spans(path):
 
 
 def trace(fn):
-    """{file (relative to the repository): {first line of each def executed}} while fn() runs."""
-    seen = defaultdict(set)
+    """{file (relative to the repository): {each line that ran}} while fn() runs, in every thread (the
+    tracer is set for the threads fn() starts too: train.py's thread pool)."""
+    seen, files = defaultdict(set), {}
 
-    def profile(frame, event, arg):
-        if event == "call":
-            code = frame.f_code
-            if code.co_filename.startswith("<"):  # frozen modules, exec'd strings
-                return
+    def repo_file(code):  # the file's path relative to the repository, or None for another library's
+        name = code.co_filename
+        if name not in files:
             try:
-                rel = Path(code.co_filename).resolve().relative_to(ROOT)
-            except ValueError:  # another library's code
-                return
-            seen[str(rel)].add(code.co_firstlineno)
-    sys.setprofile(profile)
+                files[name] = None if name.startswith("<") else str(Path(name).resolve().relative_to(ROOT))
+            except ValueError:
+                files[name] = None
+        return files[name]
+
+    def tracer(frame, event, arg):
+        rel = repo_file(frame.f_code)
+        if rel is None:
+            return None  # no line events inside other libraries (torch, tokenizers)
+        lines = seen[rel]
+
+        def local(frame, event, arg):
+            if event == "line":
+                lines.add(frame.f_lineno)
+            return local
+        lines.add(frame.f_lineno)
+        return local
+    threading.settrace(tracer)
+    sys.settrace(tracer)
     try:
         fn()
     finally:
-        sys.setprofile(None)
+        sys.settrace(None)
+        threading.settrace(None)
     return seen
 
 
+def outermost_defs(path):
+    """[(first line, last line, name)] of the defs of a file that no other def holds."""
+    spans = sorted((a, b, name) for a, (b, name) in def_spans(path).items())
+    return [(a, b, name) for i, (a, b, name) in enumerate(spans)
+            if not any(a0 < a and b <= b0 for a0, b0, _ in spans[:i])]
+
+
+def category(rel, name):
+    """Where a line of function `name` in file `rel` counts: "check", "skip" or "read"."""
+    if (name.startswith("check") or name in CHECK_FUNCTIONS or rel in CHECK_FILES) \
+            and name not in LOADER_FUNCTIONS:
+        return "check"
+    if rel in SKIP_FILES or name in SKIP_FUNCTIONS.get(rel, ()):
+        return "skip"
+    return "read"
+
+
 def line_counts(seen):
-    """{file: (lines to read, lines a learner may skip, lines of checks)} of executed functions,
-    outermost defs only."""
+    """{file: (lines to read, lines a learner may skip, lines of checks, the functions to read)}: the lines
+    that ran (seen: {file: {line}}), each in its outermost def's category; lines outside any def uncounted."""
     out = {}
-    for rel, firsts in seen.items():
-        spans = def_spans(ROOT / rel)
-        ran = sorted((a, *spans[a]) for a in firsts if a in spans)
-        read = skip = checks = measure = 0
-        names = []
-        for i, (a, b, name) in enumerate(ran):
-            if any(a0 < a and b <= b0 for a0, b0, _ in ran[:i]):  # inside a counted def
-                continue
-            n = b - a + 1
-            if name.startswith("check") or name in CHECK_FUNCTIONS or rel in CHECK_FILES:
-                checks += n
-            elif rel in SKIP_FILES or name in SKIP_FUNCTIONS.get(rel, ()):
-                skip += n
-            elif name in MEASURE_FUNCTIONS:
-                measure += n
-            else:
-                read += n
-                names.append(name)
-        out[rel] = (read, skip, checks, measure, names)
+    for rel, lines in seen.items():
+        counts, names = dict(read=0, skip=0, check=0), []
+        for a, b, name in outermost_defs(ROOT / rel):
+            n = sum(1 for line in lines if a <= line <= b)
+            if n:
+                kind = category(rel, name)
+                counts[kind] += n
+                if kind == "read":
+                    names.append(name)
+        out[rel] = (counts["read"], counts["skip"], counts["check"], names)
     return out
 
 
@@ -135,17 +162,15 @@ def report(name, counts):
     rest = {f: c for f, c in counts.items() if f not in READING_PATH}
     print(f"\n{name}: the path's files (wc -l), and beside them the lines of the functions that run")
     for f in READING_PATH:
-        print(f"  path  {f:<34s} {path[f]:5d} lines ({sum(counts.get(f, (0,) * 4)[:4]):5d} of them run)")
-    for f, (read, skip, checks, measure, names) in sorted(rest.items()):
+        print(f"  path  {f:<34s} {path[f]:5d} lines ({sum(counts.get(f, (0,) * 3)[:3]):5d} of them ran)")
+    for f, (read, skip, checks, names) in sorted(rest.items()):
         print(f"  beside {f:<33s} {read:5d} to read  {skip:5d} may skip  {checks:5d} checks (raise)"
-              + (f"  {measure:5d} measurement" if measure else "")
               + (f"  to read: {', '.join(names)}" if names else ""))
     total, opened = sum(path.values()), sum(c[0] for c in rest.values())
     skipped, checked = sum(c[1] for c in rest.values()), sum(c[2] for c in rest.values())
-    measured = sum(c[3] for c in rest.values())
     print(f"  path {total} + what a learner must open beside it {opened} = {total + opened} lines "
-          f"(apart: {skipped} they may skip, {checked} of checks, {measured} of the closing measurement)")
-    return dict(path=total, must_open=opened, may_skip=skipped, checks=checked, measurement=measured)
+          f"(apart: {skipped} lines ran that they may skip, {checked} of checks)")
+    return dict(path=total, must_open=opened, may_skip=skipped, checks=checked)
 
 
 def main(argv=None):
