@@ -10,8 +10,10 @@ model frozen: it learns to attend to the prompt as the model's own answer will.
    full cache, then the target: its attention over the prompt (lookaheadkv.answer_attention).
 2. train: the M lookahead rows on micro-batches of cached prompts, lookaheadkv.kl_loss, AdamW,
    warm-up then cosine, clipping; the validation KL on held-out prompts; checkpoints (--resume).
-A recipe (--config) is a JSON file of TrainConfig fields; a flag overrides it. Every setting and
-file is checked before the model loads (support/recipe.py). Research options: research/train_lab.py.
+A recipe (--config) is a JSON file of TrainConfig fields; a flag overrides it (a flag given twice: the
+last counts, the earlier is still checked). Every setting and file is checked before the model loads
+(support/recipe.py), the free disk for the samples, checkpoint and adapter too; a run whose validation KL
+turns NaN stops there and saves no adapter. Research options: research/train_lab.py.
 """
 
 import dataclasses

@@ -91,7 +91,7 @@ def check(cfg, parser, read_adapter=None):
     parse_targets(cfg.targets)
     if cfg.rule is not None:  # a selection the adapter's .json recommends (beyond the paper); None: none
         selection.parse_rule(cfg.rule)
-    out, _ = output_paths(cfg)
+    out, dest = output_paths(cfg)
     src = data_folder(cfg, out)
     folder = cli.resolve_model(cfg.model)
     model_cfg = ModelConfig.from_hf_config(folder)
@@ -103,6 +103,7 @@ def check(cfg, parser, read_adapter=None):
     adapter = read_adapter(cfg, model_cfg) if read_adapter else None
     check_fit(cfg, model_cfg, src, rows, adapter)
     check_disk(cfg, model_cfg, rows)
+    check_free_for_training(cfg, model_cfg, out, dest, adapter)
     weights_id = None
     if cfg.stage in ("train", "all"):  # what the checkpoint and the adapter record, a resume must match
         weights_id = files.weights_identity(folder, cache_dir=out)
@@ -286,19 +287,47 @@ def check_disk(cfg, model_cfg, rows):
              + new_held * sample_bytes(model_cfg, cfg.min_tokens, torch.float32))
     if least > cfg.store_gb * 2**30:
         raise ValueError(f"--n-train {cfg.n_train}, --n-heldout {cfg.n_heldout}: the training samples and the held-out "
-                         f"ground truth would take at least {least / 2**30:.1f} GiB on disk, over store_gb "
+                         f"ground truth would take at least {size_text(least)} on disk, over store_gb "
                          f"{cfg.store_gb}: raise it in the --config file, or use fewer prompts")
     check_free(cfg, least, f"--n-train {cfg.n_train}, --n-heldout {cfg.n_heldout}: the training samples and the "
                "held-out ground truth would take at least")
 
 
-def check_free(cfg, n_bytes, what):
-    """store_gb is a cap, not the disk: the bytes a data stage is about to write against the free space of
-    OUT's file system, found now, not after the stage."""
-    free = free_disk(Path(cfg.out))
+def check_free(cfg, n_bytes, what, where=None, fix="use fewer or shorter prompts"):
+    """store_gb is a cap, not the disk: the bytes a stage is about to write against the free space of the file
+    system that holds `where` (OUT by default), found now, not after the stage."""
+    where = Path(cfg.out) if where is None else Path(where)
+    free = free_disk(where)
     if free is not None and n_bytes > free:
-        raise ValueError(f"{what} {n_bytes / 2**30:.1f} GiB on disk, and {cfg.out} has {free / 2**30:.1f} GiB free: "
-                         "free some space, or use fewer or shorter prompts")
+        raise ValueError(f"{what} {size_text(n_bytes)} on disk, and {where} has {size_text(free)} free: free some "
+                         f"space, or {fix}")
+
+
+def size_text(n_bytes):
+    """A size in the unit that shows it: GiB down to a twentieth of one, then MiB, then KiB ("would take 0.0 GiB,
+    has 0.0 GiB free" said nothing)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n_bytes >= scale / 20:
+            return f"{n_bytes / scale:.1f} {unit}"
+    return f"{int(n_bytes)} bytes"
+
+
+def check_free_for_training(cfg, model_cfg, out, dest, adapter=None):
+    """The training stage's own writes against the free disk, before the model loads: the adapter (float32, at
+    dest's folder) and OUT/ckpt.pt (the module and AdamW's two moments: three times as much), so that a full disk is
+    found now, not after the training has run (each file is written atomically in any case: files.write_with)."""
+    if cfg.stage not in ("train", "all"):
+        return
+    shape = adapter.metadata() if adapter is not None else dict(n_tokens=cfg.n_tokens, rank=cfg.rank,
+                                                                 targets=parse_targets(cfg.targets))
+    dims = LookaheadModule.dims(model_cfg)
+    numbers = shape["n_tokens"] * model_cfg.hidden_size + model_cfg.num_hidden_layers * shape["rank"] * sum(
+        sum(dims[t]) for t in shape["targets"])
+    what = "the adapter and checkpoint would take at least"
+    if Path(dest).parent.resolve() == Path(out).resolve():
+        return check_free(cfg, 4 * 4 * numbers, what, out, "pass another --out")
+    check_free(cfg, 3 * 4 * numbers, "the checkpoint would take at least", out, "pass another --out")
+    check_free(cfg, 4 * numbers, "the adapter would take at least", Path(dest).parent, "pass another --adapter-out")
 
 
 def free_disk(path):
@@ -326,7 +355,7 @@ def check_store(cfg, model_cfg, rows, store, n_bytes=None):
     if n_bytes is None:
         n_bytes = sum(sample_bytes(model_cfg, len(r["prompt_ids"]), store) for r in rows if r["split"] == "train")
     if n_bytes > cfg.store_gb * 2**30:
-        raise ValueError(f"the training samples would take {n_bytes / 2**30:.1f} GiB on disk, over store_gb "
+        raise ValueError(f"the training samples would take {size_text(n_bytes)} on disk, over store_gb "
                          f"{cfg.store_gb}: raise it in the --config file, or use fewer/shorter prompts "
                          "(--n-train, --max-tokens)")
     new = sum(sample_bytes(model_cfg, len(r["prompt_ids"]), store) for r in rows  # not yet on disk

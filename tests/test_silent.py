@@ -273,3 +273,28 @@ def test_a_flag_given_twice_counts_as_the_last_and_the_earlier_is_still_checked(
     cfg = train.get_args(["--config", str(second), "--lr", "0.5", "--lr=2e-3", "--out", str(out)])
     assert cfg.lr == 2e-3  # the last counts (a command that appends a flag to override one is common)
     one_line(error_of(train.main, "--lr", "5", "--lr", "1e-3", "--model", model_dir, "--out", out), "--lr 5")
+
+
+# ----------------------------------------------------------------------------- 6. sizes said readably, before the work
+
+def test_sizes_are_said_in_the_unit_that_shows_them():
+    assert [recipe.size_text(n) for n in (3 * 2**30, 2**30 // 10, 3 * 2**20, 1024, 12)] == [
+        "3.0 GiB", "0.1 GiB", "3.0 MiB", "1.0 KiB", "12 bytes"]
+
+
+def test_a_disk_too_full_for_the_adapter_and_checkpoint_is_found_before_training(model_dir, tmp_path, monkeypatch):
+    """--adapter-out met the full disk only after the training, in a message that named no file: recipe.check now
+    compares the adapter's and the checkpoint's size with the free space of the folders they go to."""
+    out, elsewhere = tmp_path / "o", tmp_path / "adapters"
+    out.mkdir()
+    elsewhere.mkdir()
+    cfg, model_cfg = train.TrainConfig(out=str(out), stage="train"), model.ModelConfig.from_hf_config(model_dir)
+    monkeypatch.setattr(recipe, "free_disk", lambda path: 2048)  # 2 KiB free
+    with pytest.raises(ValueError, match=f"the adapter and checkpoint would take at least .* on disk, and {out} has "
+                                         "2.0 KiB free: free some space, or pass another --out"):
+        recipe.check_free_for_training(cfg, model_cfg, out, out / "adapter.safetensors")
+    monkeypatch.setattr(recipe, "free_disk", lambda path: 2048 if path == elsewhere else 2**40)
+    with pytest.raises(ValueError, match=f"the adapter would take .*{elsewhere} has 2.0 KiB free.*--adapter-out"):
+        recipe.check_free_for_training(cfg, model_cfg, out, elsewhere / "a.safetensors")
+    monkeypatch.setattr(recipe, "free_disk", lambda path: 2**40)
+    recipe.check_free_for_training(cfg, model_cfg, out, elsewhere / "a.safetensors")

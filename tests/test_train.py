@@ -1058,7 +1058,8 @@ def test_a_data_stage_past_the_free_disk_is_refused_before_work(model_dir, tmp_p
     monkeypatch.setattr(recipe, "free_disk", lambda path: 1024)  # 1 KiB free
     with pytest.raises(SystemExit) as e:
         train.main(argv(model_dir, out, "--n-train", "8"))
-    assert "GiB on disk, and" in error_line(e) and "GiB free: free some space" in error_line(e)
+    # sizes in the unit that shows them (issue 76: "at least 0.0 GiB ... has 0.0 GiB free" said nothing)
+    assert " on disk, and " in error_line(e) and "has 1.0 KiB free: free some space" in error_line(e)
 
 
 def test_an_adapter_the_loader_would_refuse_is_not_saved(tmp_path):
