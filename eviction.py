@@ -26,7 +26,7 @@ class EvictConfig:
     window: int = 32  # snapkv/pyramidkv/h2o/laq: the last `window` prompt tokens are always kept
     rule: object = None  # a Pool, a wrapping rule, or its text ("max:7"); None: the method's
     budgets: object = None  # (C, n_layers, S, least) -> slots per layer; None: default_budgets
-    chunk_size: int = 4096  # prefill in chunks of this many tokens (bounded activations at 32K)
+    chunk_size: int = None  # prefill chunk length; None: the longest that CHUNK_BYTES allows (max_chunk)
     options: dict = field(default_factory=dict)  # the method's own (its default_options only)
 
 
@@ -180,12 +180,31 @@ class Scorer:
 
 # -----------------------------------------------------------------------------
 # 4. prefill -> score -> evict -> return, then decode
-def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=4096, logits_at=-1,
+CHUNK_BYTES = 1 << 30  # a prefill chunk's activations at most: SmolLM2 fp32 ~30K tokens, Llama-8B bf16 ~7K
+
+
+def max_chunk(cfg, x, pad_mask=None):
+    """The longest prefill chunk whose activations fit CHUNK_BYTES. Why not a fixed 4,096: a chunk on
+    a cache needs a bottom-right causal mask, which takes CPU SDPA off its fused causal kernel (1.4x
+    slower per chunk); one call runs the fused kernel over the whole prompt, as transformers does.
+    Per row: the MLP's three (T, intermediate) tensors, q/k/v and a few (T, hidden) copies; with
+    padding also the chunk's (T, T_k) mask, bool and SDPA's float copy (T_k <= T: x's length)."""
+    B, T = x.shape[:2]
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    per_row = x.element_size() * (3 * cfg.intermediate_size + 6 * cfg.hidden_size + qkv)
+    if pad_mask is not None:
+        per_row += 5 * T
+    return max(1, CHUNK_BYTES // (B * per_row))
+
+
+def prefill(model, x, positions, cache, pad_mask=None, hook=None, chunk_size=None, logits_at=-1,
             tail=0):
-    """Run embeddings x (B, T, hidden) into `cache`, chunk by chunk. The LAST chunk is full, so
-    window scorers find all their queries in it, and the last `tail` rows (appended embeddings)
-    ride in it; a hook sees only it unless every_chunk. Returns the logits at row `logits_at`."""
+    """Run embeddings x (B, T, hidden) into `cache`, chunk by chunk (chunk_size None: max_chunk's,
+    one call where memory allows). The LAST chunk is full, so window scorers find all their
+    queries in it, and the last `tail` rows (appended embeddings) ride in it; a hook sees only it
+    unless every_chunk. Returns the logits at row `logits_at`."""
     T, P = x.shape[1], x.shape[1] - tail  # all rows, the prompt's
+    chunk_size = chunk_size or max_chunk(model.config, x, pad_mask)
     bounds = sorted({0, *range(P % chunk_size, P, chunk_size)}) + [T]
     hooks = hook.hooks if isinstance(hook, Hooks) else [hook]
     for a, b in zip(bounds[:-1], bounds[1:]):
@@ -249,7 +268,8 @@ def prefill_and_score(model, ids, scorer, pad_mask=None, clock=None):
     x, x_positions, x_mask = model.model.embed_tokens(ids), positions, pad_mask  # (B, S, hidden)
     if appended:
         x, x_positions, x_mask = append_rows(x, positions, pad_mask, appended[0], next_pos)
-    chunk = max([scorers[0].eviction.chunk_size] + [s.window for s in scorers])  # holds the window
+    chunk = max([scorers[0].eviction.chunk_size or max_chunk(model.config, x, x_mask)]
+                + [s.window for s in scorers])  # the last chunk holds the window
     cache = KVCache(model.config.num_hidden_layers)
     watch = Hooks(*hooks) if len(hooks) > 1 else hooks[0]
     logits = prefill(model, x, x_positions, cache, x_mask, watch, chunk, logits_at=S - 1,

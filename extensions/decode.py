@@ -14,12 +14,18 @@ the last `window` slots always kept. Nothing in the methods' own files knows of 
     evictor = DecodeEviction(make_scorer(EvictConfig("lookahead", 128), module), every=32)
     for tok in decode(model, cache, logits, pos, 512, hook=evictor.hook, after_step=evictor.after_step): ...
 """
+import sys
+
+if __name__ == "__main__":  # a library module, run by -m or by its path: said before any import can fail
+    sys.exit("error: extensions.decode is not a script: "
+             "it is generate.py's --decode-budget (and evaluate.py's --mode decode): import DecodeEviction from it")
+
 import copy
 
 import torch
 
 from baselines import H2O, H2OHook, RecentQueries, SnapKV, StreamingLLM
-from eviction import Prefilled, decode_step, group_attention, keep_slots, prefill, stack_layers
+from eviction import Prefilled, decode_step, group_attention, keep_slots, max_chunk, prefill, stack_layers
 from lookaheadkv import LookaheadKV, lookahead_pass
 
 # -----------------------------------------------------------------------------
@@ -192,7 +198,7 @@ class DecodeEviction:
 
 
 @torch.no_grad()
-def add_turn(model, cache, ids, next_pos, evictor=None, budget=None, chunk_size=4096):
+def add_turn(model, cache, ids, next_pos, evictor=None, budget=None, chunk_size=None):
     """One more conversation turn on top of a compressed cache. ids (1, T): the end of the previous
     answer, the next user message and the assistant's header, in the chat format (Tokenizer.next_turn);
     prefilled at positions next_pos .. next_pos+T-1 with the evictor's hook watching. Then every slot, old
@@ -202,8 +208,10 @@ def add_turn(model, cache, ids, next_pos, evictor=None, budget=None, chunk_size=
     T = ids.shape[1]
     positions = next_pos[:, None] + torch.arange(T, device=ids.device)  # (1, T)
     hook = None if evictor is None else evictor.hook
-    chunk = max(chunk_size, 0 if evictor is None else evictor.window)  # the last chunk holds the whole window
-    logits = prefill(model, model.model.embed_tokens(ids), positions, cache, hook=hook, chunk_size=chunk)[:, -1]
+    x = model.model.embed_tokens(ids)  # (1, T, hidden)
+    # chunk_size None: as long as memory allows (max_chunk); the last chunk holds the whole window
+    chunk = max(chunk_size or max_chunk(model.config, x), 0 if evictor is None else evictor.window)
+    logits = prefill(model, x, positions, cache, hook=hook, chunk_size=chunk)[:, -1]
     next_pos = next_pos + T
     if evictor is not None and len(cache) > (evictor.budget if budget is None else budget):
         evictor.evict(model, cache, next_pos, budget)
@@ -225,10 +233,3 @@ def forced_logprobs_evicting(model, cache, logits, next_pos, response, evictor):
     if not rows:
         return torch.zeros(0, logits.shape[-1], device=logits.device), sizes
     return torch.stack(rows, dim=1)[0].float().log_softmax(-1), sizes
-
-
-if __name__ == "__main__":  # a library module: say how it runs, not exit 0 having done nothing
-    from support import cli
-
-    cli.not_a_script("extensions.decode",
-                     "it is generate.py's --decode-budget (and evaluate.py's --mode decode): import DecodeEviction from it")

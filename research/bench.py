@@ -484,19 +484,20 @@ def run_prefill_vs_hf(args, lengths, emit):
     full = row_scorer("full", args)
     describe(ours, args, note="both float32, torch.inference_mode, same threads, last token's logits only "
              "(transformers: logits_to_keep=1), each building its KV cache; peak: the process's peak memory "
-             "during the call (both models' weights included), and that less the memory held before it")
+             "during one more call of each, alone (both models' weights included), and added: that less what the "
+             "process held before it")
     for S in lengths:
         ids = random_ids(ours, 1, S)
         fns = dict(ours=lambda: compress(ours, ids, full)[1],
                    transformers=lambda: theirs(input_ids=ids, logits_to_keep=1).logits[:, -1])
-        before = resident_gib(args.device)
-        times, peak, out = time_rounds(fns, args.repeats, args.device, f"prefill S={S}", args.clock)
+        times, _, out = time_rounds(fns, args.repeats, args.device, f"prefill S={S}", args.clock)
         t_ours, t_hf = med(times["ours"]), med(times["transformers"])
+        # memory in calls of their own, after the timed rounds: there the memory one call freed is kept for the
+        # next (keep_freed_memory), so a call's peak would be the largest of any call before it
+        (ours_peak, ours_added), (hf_peak, hf_added) = (call_memory(fns[n], args.device) for n in fns)
         emit(dict(mode="prefill-vs-hf", model=ours.config.name, S=S, ours_ms=t_ours, hf_ms=t_hf, ratio=t_ours / t_hf,
                   logits_diff=(out["ours"] - out["transformers"]).abs().max().item(),
-                  ours_peak_gib=peak["ours"], hf_peak_gib=peak["transformers"],
-                  ours_added_gib=None if peak["ours"] is None else peak["ours"] - before,
-                  hf_added_gib=None if peak["transformers"] is None else peak["transformers"] - before,
+                  ours_peak_gib=ours_peak, hf_peak_gib=hf_peak, ours_added_gib=ours_added, hf_added_gib=hf_added,
                   rounds_ms=times["ours"], hf_rounds_ms=times["transformers"]))
 
 
@@ -517,14 +518,37 @@ def save_hf_folder(model, config_path, folder):
     return folder
 
 
-def resident_gib(device):
-    """What the process holds now (CPU: resident memory, VmRSS; CUDA: allocated), in GiB."""
+def call_memory(fn, device):
+    """(peak, added): the process's peak memory during one call of fn and that less what it held before, in GiB
+    (CPU, Linux: resident memory, with the memory freed before the call given back to the system first, glibc's
+    malloc_trim; CUDA: the allocator's). (None, None) where /proc cannot say."""
+    import gc
+
+    gc.collect()
     if torch.device(device).type == "cuda":
-        return torch.cuda.memory_allocated() / 2**30
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        peak = torch.cuda.max_memory_allocated()
+        return peak / 2**30, (peak - before) / 2**30
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    if not peak_rss_reset():
+        return None, None
+    before = resident_gib()
+    fn()
+    peak = peak_rss_gib()
+    return peak, peak - before
+
+
+def resident_gib():
+    """The process's resident memory now (VmRSS), in GiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 2**20  # kB -> GiB
-    return None
 
 
 @torch.inference_mode()
