@@ -1,7 +1,7 @@
 """
-Every method and selection rule keeps what it kept before the restructure of 2026-12-02, and the
-decode-phase eviction and the chat (extensions/decode.py) answer as they did before the seams
-became wrappers (issue 34).
+The behaviour record: every method and selection rule keeps the slots it is recorded to keep, with the
+recorded first-token logits, and the decode-phase eviction and the chat (extensions/decode.py) answer as
+recorded.
 
 tests/data/behaviour_record.json was written by the code of commit 63db0d7 (before lookaheadkv.py
 was split into eviction.py, lookaheadkv.py and extensions/): on a short prompt from
@@ -67,7 +67,7 @@ def needle_prompt(real_model):
 
 
 @torch.no_grad()
-def test_every_method_keeps_what_it_kept_before_the_restructure(real_model, needle_prompt):
+def test_every_method_keeps_its_recorded_slots_and_first_token_logits(real_model, needle_prompt):
     model, tok, adapter = real_model
     record = json.loads(RECORD.read_text())
     ids = needle_prompt

@@ -61,7 +61,8 @@ def test_rules_without_the_colon_keep_their_defaults():
 
 @pytest.mark.parametrize("value", [np.float32(0.5), np.float64(0.5), torch.tensor(0.5), np.int64(1), torch.tensor(1)])
 def test_numpy_and_torch_scalars_are_numbers(value):
-    cli.fraction("--ratio", value)
+    assert cli.as_number(value) == float(value)  # read as the Python number it holds
+    cli.fraction("--ratio", value)  # and taken by the checks (each raises on what is no number)
     cli.at_least("--budget", value, 0)
     cli.positive("--budget", value)
 

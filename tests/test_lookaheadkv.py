@@ -344,6 +344,22 @@ def test_two_pass_equals_one_masked_pass(targets):
         assert torch.equal(kept_slots(cache.k[l][:, :, :S], c1.k[l]), select(Pool("max", 7).smooth(ha.scores[l]), C))
 
 
+def test_kl_loss_of_a_2_by_3_example_worked_by_hand():
+    """Two heads over three prompt slots, scores as given (not yet normalised):
+
+        head 0: target [1, 1, 2] -> [1/4, 1/4, 1/2]; prediction [1, 1, 2] -> the same: KL 0
+        head 1: target [2, 0, 2] -> [1/2, 0, 1/2]; prediction [1, 2, 1] -> [1/4, 1/2, 1/4]:
+                KL = 1/2 ln(1/2 / 1/4) + 0 + 1/2 ln(1/2 / 1/4) = ln 2  (a slot the target gives 0 adds 0)
+
+    kl_loss averages over heads (and rows and layers): (0 + ln 2) / 2 = 0.3466. The target is the first argument:
+    swapped, the slot the target gave 0 would count."""
+    gt = {0: torch.tensor([[[1.0, 1.0, 2.0], [2.0, 0.0, 2.0]]])}  # (B, H, S) = (1, 2, 3)
+    pred = {0: torch.tensor([[[1.0, 1.0, 2.0], [1.0, 2.0, 1.0]]])}
+    assert lk.kl_loss(gt, pred).item() == pytest.approx(math.log(2) / 2, abs=1e-6)
+    assert lk.kl_loss(gt, gt).item() == pytest.approx(0.0, abs=1e-7)
+    assert lk.kl_loss(pred, gt).item() > 1.0  # KL(pred || gt) pays for the slot gt holds at 0
+
+
 def test_lora_delta_is_alpha_over_r_B_A_x():
     cfg = ModelConfig(**TINY)
     mod = random_module(cfg, 8, ("k_proj", "down_proj"))
@@ -549,8 +565,8 @@ def test_the_defaults_are_the_shipped_configuration():
     mod = lk.untrained_module(model)
     got = dict(n_tokens=mod.n_tokens, rank=mod.rank, alpha=mod.alpha, targets=list(mod.targets))
     assert got == {k: shipped[k] for k in got}
-    # how it selects rides in module.info (methods.make_scorer applies it): the shipped rule parses,
-    # its per-layer weights are one per layer of SmolLM2-135M (30)
+    # what the shipped .json recommends beyond the paper (applied only when a flag asks: generate.py --pool,
+    # --layer-budgets): its rule parses, its per-layer weights are one per layer of SmolLM2-135M (30)
     assert repr(selection.parse_rule(shipped["rule"])) == shipped["rule"]
     assert len(shipped["layer_weights"]) == 30 and mod.info == {}
     assert len([n for n, _ in mod.named_parameters() if n.endswith("_B")]) == 7 * model.config.num_hidden_layers

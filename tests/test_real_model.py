@@ -76,8 +76,9 @@ def test_logits_match_transformers():
 def test_one_pass_and_two_pass_keep_the_same_tokens():
     # the fast path (lookahead rows ride in the last prefill chunk) against the readable two-pass
     # reference (a second forward of the M rows on the prompt cache), on the real model in fp32,
-    # with chunked prefill so that the rows join a chunk that sits on a cache; the adapter selects as it
-    # ships (its .json's rule and per-layer weights, applied by methods.make_scorer)
+    # with chunked prefill so that the rows join a chunk that sits on a cache; both select in the
+    # paper's form (max-pool 7, C in every layer: the adapter's .json recommends more, applied only
+    # when a flag asks)
     from eviction import EvictConfig, compress
     from methods import load_adapter, make_scorer
 
