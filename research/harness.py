@@ -21,6 +21,7 @@ if __name__ == "__main__":  # a library module, run by -m or by its path: said b
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -59,19 +60,25 @@ def ground_truth(model, prompt_ids, response_ids):
 
 
 def heldout_ground_truth(model, rows, out=None):
-    """ground_truth of every row ({"prompt_ids", "response_ids"}), kept in OUT/heldout (one file per row,
-    ~50 KB per prompt token) so that later runs on the same rows skip the forwards."""
-    items = []
+    """ground_truth of every row ({"prompt_ids", "response_ids"}). Without `out`, a list of (cache, target, extra)
+    items, every prompt's in memory. With it, each is kept in OUT/heldout (one file per row, ~50 KB per prompt
+    token), so that later runs on the same rows skip the forwards, and the items are an OnDisk: each prompt's
+    cache and target read back when it is measured, one prompt's in memory at a time (48 prompts of 4K tokens
+    held at once took 15.7 GB)."""
+    dev = model.lm_head.weight.device
+    print(memory_plan(model, rows, out))
+    items, paths = [], []
     for r in tqdm(rows, desc="held-out ground truth", disable=len(rows) < 4):
         # named by what it is made of: the model, the prompt and the answer
         key = json.dumps([model.config.fingerprint(), r["prompt_ids"], r["response_ids"], "v3"])
         path = None if out is None else Path(out) / "heldout" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
+        paths.append(path)
         if path is not None and path.is_file():  # a named pipe there would block the read: made again below
             try:  # tensors only (weights_only): a file that pickles an object is not run, but made again below
-                saved = torch.load(path, map_location=model.lm_head.weight.device, weights_only=True)
-                cache = KVCache(len(saved["k"]))
-                cache.k, cache.v = saved["k"], saved["v"]
-                items.append((cache, saved["gt"], saved["extra"]))
+                if out is None:
+                    items.append(load_item(path, dev))
+                else:  # read when measured (OnDisk); opened here (mmap: no tensor is read) to find a file cut short
+                    torch.load(path, map_location="cpu", weights_only=True, mmap=True)
                 continue
             except Exception:  # a file cut short by a kill: made again below
                 print(f"{path} is unreadable: computing it again")
@@ -82,8 +89,63 @@ def heldout_ground_truth(model, rows, out=None):
             # once (files.write_with): a train.py run and an evaluate.py --heldout run on one folder never mix
             # their halves, and a full disk is one `error:` line
             files.write_with(path, lambda tmp: torch.save(dict(k=cache.k, v=cache.v, gt=gt, extra=extra), tmp))
-        items.append((cache, gt, extra))
-    return items
+        if out is None:
+            items.append((cache, gt, extra))
+        cache = gt = None  # with `out`: on disk, not held while the next prompt's is made
+    if out is None:
+        return items
+    # what stays in memory per prompt: its ids (ground_truth's extra: the same tensors as the file's) and, once
+    # scored_runs has run, the runs' scores
+    ids = lambda key: [torch.tensor([r[key]], device=dev) for r in rows]  # noqa: E731
+    extras = [dict(prompt=p, response=a) for p, a in zip(ids("prompt_ids"), ids("response_ids"))]
+    return OnDisk(paths, extras, dev)
+
+
+def load_item(path, device):
+    """One ground_truth item (cache, target, extra) from its file in OUT/heldout."""
+    saved = torch.load(path, map_location=device, weights_only=True)
+    cache = KVCache(len(saved["k"]))
+    cache.k, cache.v = saved["k"], saved["v"]
+    return cache, saved["gt"], saved["extra"]
+
+
+class OnDisk(Sequence):
+    """heldout_ground_truth's items kept in OUT/heldout: item i's cache and target are read from its file when
+    it is asked for, and let go with it; its extra (the prompt and answer ids, and the runs scored_runs keeps,
+    whose scores are small and outlive the cache) stays in memory, the same dict on every read."""
+
+    def __init__(self, paths, extras, device):
+        self.paths, self.extras, self.device = paths, extras, device
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        cache, gt, _ = load_item(self.paths[i], self.device)  # the file's extra: the same ids as extras[i]
+        return cache, gt, self.extras[i]
+
+
+def memory_plan(model, rows, out):
+    """The line printed before the ground truth is made: one prompt's (its KV cache and target, from the longest
+    prompt's length and the model's config), every prompt's (on disk with `out`, else in memory), and the expected
+    peak. Measured on SmolLM2-135M, 8 prompts of 1K, compare() of two modules, answer KL (peak RSS 1.26 GB): the
+    weights and ~0.3 GB of torch's own; ~8 prompts' worth while one is measured (its cache, the prefill's own, the
+    cache with the answer or the lookahead rows appended, gathered copies, allocator slack); and what the runs keep
+    between calls, ~7.6 KB a prompt token: compare()'s rows' scores and their hooks' sums (about 15 tensors
+    (L, H_kv, S) float32) and the span rule's hidden states (S, hidden)."""
+    cfg = model.config
+    S = max((len(r["prompt_ids"]) for r in rows), default=0)
+    tokens = sum(len(r["prompt_ids"]) for r in rows)
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * model.lm_head.weight.element_size()
+    per_token = kv + cfg.num_hidden_layers * cfg.num_attention_heads * 4  # K and V, and the target (float32)
+    kept = 15 * cfg.num_hidden_layers * cfg.num_key_value_heads * 4 + cfg.hidden_size * 4
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    one, every = per_token * S, per_token * tokens
+    peak = weights + 0.3 * 2**30 + 8 * one + kept * tokens + (every if out is None else 0)
+    where = ("all kept in memory" if out is None else
+             f"kept in {Path(out) / 'heldout'} and read back one at a time")
+    return (f"held-out ground truth: {len(rows)} prompts, up to {S} tokens: {one / 2**20:.0f} MB a prompt (its KV "
+            f"cache and target), {every / 2**20:.0f} MB in all, {where}; expected peak memory {peak / 2**30:.1f} GB")
 
 
 def group_mean(scores, n_kv_heads):
@@ -109,7 +171,8 @@ def scored_runs(model, module, item, rows, C, window):
     """{row: run}: the item's prompt prefilled ONCE, watched by every row's scorer (prefill_and_score with a
     list of scorers), kept in the item for the next call (by row and selection rule: a span rule needs a
     prefill it watched); the rows of `module` (lookahead) are scored anew on every call, the module being
-    what changes between calls (train.py's periodic check, compare()'s adapters)."""
+    what changes between calls (train.py's periodic check, compare()'s adapters). Each run's cache is the
+    item's, set on every call: prompt_metrics lets it go after the prompt (an OnDisk item's is on disk)."""
     cache, gt, extra = item
     runs = extra.setdefault("runs", {})
     scorers = {row: row_scorer(rows[row], C, module, window, extra["response"]) for row in rows}
@@ -117,9 +180,10 @@ def scored_runs(model, module, item, rows, C, window):
     todo = [row for row in rows if keys[row] not in runs]
     if todo:
         made = prefill_and_score(model, extra["prompt"], [scorers[row] for row in todo])
-        for row, run in zip(todo, made):  # its cache is the ground truth's (the same prefill): one copy is kept
-            run.cache = cache
+        for row, run in zip(todo, made):
             runs[keys[row]] = run
+    for row in rows:  # its cache is the ground truth's (the same prefill): one copy is kept
+        runs[keys[row]].cache = cache
     fresh = None  # the module's scores, made once: every lookahead row runs the same M rows on the same cache
     for row in rows:
         if rows[row][0] == "lookahead" and row not in todo:
@@ -156,20 +220,23 @@ def prompt_metrics(model, module, item, budgets, rows, answer_kl_rows, window):
                 small = keep_slots(cache.copy(), kept)
                 answer[f"answer_kl_{row}@{C}"] = answer_kl(logp_full,
                                                            forced_logprobs(model, small, extra["response"], next_pos))
+    for run in runs.values():  # the runs (their scores) outlive the prompt's cache, which is not theirs to keep
+        run.cache = None
     return {**out, **answer}
 
 
 def heldout_metrics(model, module, heldout, budgets=(128,), rows=None, answer_kl_rows=(), window=32, done=None):
     """The mean over the held-out prompts of prompt_metrics: KL(gt || pred) of the module and, per row of `rows`
     (default ROWS) and C in budgets, recall@C (keys recall_<row>@<C>) and, for rows in answer_kl_rows, the answer
-    KL (answer_kl_<row>@<C>). Items of `heldout` are (cache, gt, extra) from ground_truth. done: {prompt index:
-    its values} of prompts already measured, which are not measured again; each new prompt's values are put in
-    it as soon as they are made (evaluate.py's --heldout log, for a run that resumes)."""
+    KL (answer_kl_<row>@<C>). Items of `heldout` (a list, or an OnDisk) are (cache, gt, extra) from ground_truth.
+    done: {prompt index: its values} of prompts already measured, which are not measured again (nor read from
+    disk); each new prompt's values are put in it as soon as they are made (evaluate.py's --heldout log, for a
+    run that resumes)."""
     rows = ROWS if rows is None else rows
     done = {} if done is None else done
-    for i, item in enumerate(tqdm(heldout, desc="held-out metrics", leave=False, disable=len(heldout) < 8)):
-        if i not in done:
-            done[i] = prompt_metrics(model, module, item, budgets, rows, answer_kl_rows, window)
+    for i in tqdm(range(len(heldout)), desc="held-out metrics", leave=False, disable=len(heldout) < 8):
+        if i not in done:  # heldout[i]: an OnDisk item is read here, and let go before the next is read
+            done[i] = prompt_metrics(model, module, heldout[i], budgets, rows, answer_kl_rows, window)
     values = [done[i] for i in range(len(heldout))]
     if not values:
         return dict(kl=0.0)
