@@ -161,7 +161,10 @@ class ConfigCheck:
 def check_config(file):
     """config.json as a dict, every field ModelConfig.from_hf_config reads checked (type and range), in the
     order it reads them; null values dropped (HF writes null for "not set": the reader's default applies)."""
-    check = ConfigCheck(file, read_json(file, redo(file.parent)))
+    # a model folder's config is config.json; any other name is a config of the user's own (bench's --random-init),
+    # with no checkpoint to download again
+    fix = redo(file.parent) if file.name == "config.json" else "fix the file (a Hugging Face config.json's keys)"
+    check = ConfigCheck(file, read_json(file, fix))
     model_type = check_family(check)
     check_sizes(check)
     check_rope(check)

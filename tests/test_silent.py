@@ -298,3 +298,19 @@ def test_a_disk_too_full_for_the_adapter_and_checkpoint_is_found_before_training
         recipe.check_free_for_training(cfg, model_cfg, out, elsewhere / "a.safetensors")
     monkeypatch.setattr(recipe, "free_disk", lambda path: 2**40)
     recipe.check_free_for_training(cfg, model_cfg, out, elsewhere / "a.safetensors")
+
+
+# ----------------------------------------------------------------------------- 7. advice that fits the file
+
+def test_a_broken_config_of_the_users_own_is_not_advised_a_download(tmp_path):
+    """bench's --random-init config is the user's file, not a checkpoint's: "re-download the checkpoint" did not fit."""
+    from support import checks
+
+    own = tmp_path / "llama-8b.json"
+    own.write_text('{"model_type": "llama",')
+    with pytest.raises(ValueError, match="fix the file") as e:
+        checks.check_config(own)
+    assert "re-download" not in str(e.value)
+    (tmp_path / "config.json").write_text('{"model_type": "llama",')  # a model folder's: its fix stays
+    with pytest.raises(ValueError, match="re-download the checkpoint"):
+        checks.check_config(tmp_path / "config.json")
