@@ -238,18 +238,27 @@ class Attention(nn.Module):
             k, v, key_valid = cache.append(i, k, v, pad_mask)  # (B, H_kv, Tk, D), Tk = cached + T
         elif pad_mask is not None:
             key_valid = pad_mask[:, None, :]  # (B, 1, T)
-        y_last = None
         if hook is not None:
             hook.attn(i, q, k, key_valid)
-            y_last = hook.attn_output(i, v)  # (B, H, n, D) for the chunk's last n queries, or None
-        # SDPA for every row, or all but the hook's last n: no earlier row sees their keys (causal)
-        n, Tk = 0 if y_last is None else y_last.shape[2], k.shape[2]
-        valid = None if key_valid is None else key_valid[..., : Tk - n]
-        y = (self.sdpa(q[:, :, : T - n], k[:, :, : Tk - n], v[:, :, : Tk - n], valid)
-             if n < T else None)  # (B, H, T - n, D)
-        parts = [part.transpose(1, 2) for part in (y, y_last) if part is not None]  # (B, ., H, D)
-        y = torch.cat(parts, dim=1).reshape(B, T, self.n_head * self.head_dim)  # one copy
+        y_last = None if hook is None else hook.attn_output(i, v)  # (B, H, n, D) or None
+        if y_last is None:
+            y = self.sdpa(q, k, v, key_valid)  # (B, H, T, D)
+        else:  # the hook attended its last n rows already: the same values, one softmax fewer
+            y = self.sdpa_before_last(q, k, v, key_valid, y_last)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return project(self, "o_proj", y, i, hook)
+
+    def sdpa_before_last(self, q, k, v, key_valid, y_last):
+        """sdpa(q, k, v, key_valid) when a hook already computed the output y_last (B, H, n, D) of
+        the last n queries (LookaheadHook, from the probabilities of its scores): SDPA runs for the
+        other rows alone, over the keys before the last n (causal: no earlier row sees those), and
+        y_last joins after them. Equal to sdpa() on every row (tests/test_model.py)."""
+        T, n, Tk = q.shape[2], y_last.shape[2], k.shape[2]
+        if n == T:
+            return y_last
+        valid = None if key_valid is None else key_valid[..., : Tk - n]
+        y = self.sdpa(q[:, :, : T - n], k[:, :, : Tk - n], v[:, :, : Tk - n], valid)  # (B, H, T-n, D)
+        return torch.cat([y, y_last], dim=2)  # (B, H, T, D)
 
     def sdpa(self, q, k, v, key_valid):
         """Causal attention of q (B, H, Tq, D), at the last Tq slots of k, v (B, H_kv, Tk, D)."""

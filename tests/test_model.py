@@ -1092,3 +1092,45 @@ def test_utf16_with_a_bom_is_read_and_other_bytes_named():
     assert decode_utf8("\ufeff".encode() + text.encode(), "f") == text
     with pytest.raises(ValueError, match=r"f is not UTF-8 text \(byte 0xc4 at offset 0\)"):
         decode_utf8(text.encode("latin-1"), "f")
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_hook_that_attends_its_last_rows_gives_what_sdpa_gives(tiny_hf_model, padded):
+    """Attention.sdpa_before_last: LookaheadHook computes the M rows' output from the probabilities of its
+    scores and SDPA runs for the other rows alone; the same hook with attn_output None (SDPA for every row) gives
+    the same logits and the same scores. Two float32 softmaxes of the same logits in another order: REORDER_ATOL."""
+    from lookaheadkv import LookaheadHook, untrained_module
+
+    class SdpaForEveryRow(LookaheadHook):
+        def attn_output(self, layer, v):
+            self.probs = None
+            return None
+
+    model = load_model(tiny_hf_model("llama", tie_word_embeddings=False))
+    module = untrained_module(model, n_tokens=4, rank=2)
+    with torch.no_grad():
+        for p in module.parameters():  # a trained-like LoRA, so the M rows' outputs differ from the base model's
+            p.normal_(0.0, 0.1)
+    B, S, M = 2, 12, module.n_tokens
+    x = torch.cat([model.model.embed_tokens(rand_ids(B, S)), module.embeddings[None].expand(B, -1, -1)], dim=1)
+    pad_mask = None
+    if padded:
+        pad_mask = torch.ones(B, S + M, dtype=torch.bool)
+        pad_mask[1, :3] = False
+    out, calls = {}, {}
+    for name, cls in [("hook", LookaheadHook), ("sdpa", SdpaForEveryRow)]:
+        hook, calls[name] = cls(module, S), 0
+        for layer in model.model.layers:  # count the split path's calls
+            real = type(layer.self_attn).sdpa_before_last.__get__(layer.self_attn)
+
+            def counted(*a, real=real, name=name):
+                calls[name] += 1
+                return real(*a)
+
+            layer.self_attn.sdpa_before_last = counted
+        logits = model(inputs_embeds=x, positions=pos(0, S + M, B), pad_mask=pad_mask, hook=hook)
+        out[name] = logits, hook.scores
+    assert max_diff(out["hook"][0], out["sdpa"][0]) < REORDER_ATOL
+    for layer in out["hook"][1]:
+        assert max_diff(out["hook"][1][layer], out["sdpa"][1][layer]) < REORDER_ATOL
+    assert calls == {"hook": model.config.num_hidden_layers, "sdpa": 0}  # each form ran its own path
