@@ -494,7 +494,8 @@ def _decode_evicting(model, module):
 
 
 PLANTS = {  # the function whose torch.arange loses its device -> a path that runs it
-    "prefill_and_score": (lambda: ev.prefill_and_score, _compress("lookahead")),  # prompt and lookahead positions
+    "prompt_positions": (lambda: ev.prompt_positions, _compress("lookahead")),  # the prompt's positions
+    "append_rows": (lambda: ev.append_rows, _compress("lookahead")),  # the lookahead rows' positions
     "group_attention": (lambda: ev.group_attention, _compress("snapkv")),  # the window queries' causal mask
     "protect": (lambda: ev.Scorer.protect, _compress("snapkv")),  # the protected window
     "score": (lambda: type(make_scorer(EvictConfig("streaming", 12))).score, _compress("streaming")),  # recency
