@@ -117,6 +117,7 @@ if __name__ == "__main__" and not __package__:  # run by its path: the repositor
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
@@ -332,25 +333,39 @@ class Timed:
         return scores
 
 
-def reference(model, ids, max_new_tokens, stop_ids, watchers=None):
+def reference(model, ids, max_new_tokens, stop_ids, watchers=None, known=None):
     """FullKV on the prompt ids (1, S): prefill, greedy answer, its true attention and its log-probs.
     watchers ({method: scorer}) watch the same prefill and score on it (--mode prefill: every method from
     ONE prefill per prompt); their runs and scoring times are Reference.scored. FullKV's answer is
-    baselines.full_answer's, in its two steps (the prefill, watched by every method, then greedy on a copy)."""
+    baselines.full_answer's, in its two steps (the prefill, watched by every method, then greedy on a copy).
+    known: (answer ids, answer_ms) of an earlier run's full row on this prompt (known_answer checked them):
+    greedy is deterministic, so the answer is taken as it is, not decoded again (~45 s a prompt at 8K)."""
     timed = {m: Timed(s) for m, s in (watchers or {}).items()}
     t0 = time.perf_counter()
     clock = Stopwatch(ids.device)
     clock.mark()
     runs = prefill_and_score(model, ids, [FullKV(EvictConfig("full")), *timed.values()], clock=clock)
     run = runs[0]  # run.cache: the prompt's alone (the answer is decoded on a copy)
-    ref = greedy(model, run.cache.copy(), run.logits, run.next_pos, max_new_tokens, stop_ids)[0]
-    scoring_ms = sum(t.ms for t in timed.values())  # the others' scoring is not the oracle's cost
-    answer_ms = (time.perf_counter() - t0) * 1e3 - scoring_ms
+    if known is None:
+        ref = greedy(model, run.cache.copy(), run.logits, run.next_pos, max_new_tokens, stop_ids)[0]
+        scoring_ms = sum(t.ms for t in timed.values())  # the others' scoring is not the oracle's cost
+        answer_ms = (time.perf_counter() - t0) * 1e3 - scoring_ms
+    else:  # the oracle's cost is still the decode's, as the earlier run measured it
+        ref, answer_ms = list(known[0]), known[1]
     response = torch.tensor([ref], device=ids.device)
     true = answer_attention(model, run.cache, response, run.next_pos)
     logp = forced_logprobs(model, run.cache, response, run.next_pos)
     scored = {m: (r, t.ms) for (m, t), r in zip(timed.items(), runs[1:])}
     return Reference(run, ref, response, logp, true, clock.ms(0, 1), answer_ms, scored)
+
+
+def known_answer(answer_ids, max_new_tokens, stop_ids):
+    """Whether FullKV's answer stored by an earlier run (its full row's answer_ids) is the one greedy gives now
+    under this cap: greedy's answer is the uncapped one cut at its first stop token (kept) or at the cap, so a
+    stored answer serves when it stopped within the cap or fills it exactly (one cut at a smaller cap does not)."""
+    if not answer_ids or len(answer_ids) > max_new_tokens:
+        return False
+    return answer_ids[-1] in stop_ids or len(answer_ids) == max_new_tokens
 
 
 def eviction_config(method, budget, args, shared=False, module=None):
@@ -437,22 +452,31 @@ def compact_caches(model, ids, method, budgets, full, modules, args):
 
 
 @torch.no_grad()
-def run_sample(model, tok, row, ids, todo, modules, args, progress=None):
+def run_sample(model, tok, row, ids, todo, modules, args, progress=None, full_rows=None):
     """One result dict per (method, budget) in todo, for one prompt (ids: its token ids).
-    progress(n) is called as each method's n rows are done."""
+    progress(n) is called as each method's n rows are done. full_rows: {prompt id: its FullKV row} of an
+    earlier run on this --out (the same model and prompt: evaluate's settings and drop_changed see to it), whose
+    answer_ids are FullKV's answer, not decoded again; a row without them (before 2026-12-08) is decoded."""
     ids = torch.tensor([ids], device=model.lm_head.weight.device)  # (1, S)
     max_new_tokens = answer_length(args, row)
     methods_budgets = {m: [b for mm, b in todo if mm == m] for m in dict.fromkeys(m for m, _ in todo)}
+    earlier = (full_rows or {}).get(str(row["id"]), {})
+    known = ((earlier["answer_ids"], earlier.get("answer_ms", 0.0))
+             if known_answer(earlier.get("answer_ids"), max_new_tokens, tok.stop_ids) else None)
     # one prefill for the prompt: FullKV's, every method's scorer watching it
-    full = reference(model, ids, max_new_tokens, tok.stop_ids, watchers(methods_budgets, ids.shape[1], modules, args))
+    full = reference(model, ids, max_new_tokens, tok.stop_ids, watchers(methods_budgets, ids.shape[1], modules, args),
+                     known=known)
 
     def result(method, budget, out, kl, recall, score_ms, prefill_ms):
         prefix, exact = fidelity(out, full.ref)
         text = tok.decode([i for i in out if i not in tok.stop_ids])
+        # FullKV's row keeps its answer's ids (and the decode's time, the oracle's cost): a run that adds a
+        # method to this --out takes them instead of decoding the answer again
+        ids_of_answer = dict(answer_ids=full.ref, answer_ms=round(full.answer_ms, 2)) if method == "full" else {}
         return dict(id=row["id"], task=row["task"], method=method, budget=budget, prompt_tokens=ids.shape[1],
                     accuracy=accuracy_of(args, row, text), answer_kl=kl,
                     fidelity=prefix, exact=exact, recall=recall, score_ms=round(score_ms, 2),
-                    prefill_ms=round(prefill_ms, 2), output=text)
+                    prefill_ms=round(prefill_ms, 2), output=text, **ids_of_answer)
 
     results = []
     for method in dict.fromkeys(m for m, _ in todo):  # methods in order, each with its budgets left to do
@@ -1154,10 +1178,12 @@ def check_args(args):
         check_heldout(args, budgets)
         if args.out:
             check_heldout_out(args.out)
+        check_adapters(args, paths, ["lookahead"])
         return None, budgets, lengths, None, paths
     if args.answer_kl:
         raise ValueError("--answer-kl applies to --heldout (the task evaluation always measures the answer KL): drop it")
     methods = check_methods(args, paths, budgets)
+    check_adapters(args, paths, methods)
     if args.plot:
         check_plot(args.plot)
     ctx = early_context(args.model)  # the model's context, from its config.json before it loads
@@ -1178,12 +1204,27 @@ def check_mode_flags(args):
     ran as if it were not there). Its argparse default is None, so that get_args knows it was given (args.given)
     before it fills in the default (every mode's settings record it, as results.json's of earlier runs do)."""
     for flag, (modes, _) in MODE_FLAGS.items():
-        check_adapters(args, paths, ["lookahead"])
         if flag in getattr(args, "given", ()) and (args.mode not in modes or args.heldout):
             where = "--heldout" if args.heldout else f"--mode {args.mode}"
             raise ValueError(f"{flag} is read by --mode {' and '.join(modes)}, not {where}: drop it")
 
-    check_adapters(args, paths, methods)
+
+def check_adapters(args, paths, methods):
+    """Each adapter the run will read, loaded as its rows load it (methods.load_adapter: the model it was trained
+    for, its .json's record of the held-out KL, its tensors) against --model's config.json, before the weights load:
+    another model's adapter or a diverged run's is one line now, not after the model has loaded. Skipped where the
+    config cannot be read yet (the default model is prepared when it loads: load_modules checks it then)."""
+    from weights.prepare import DEFAULT_DIR  # cli.resolve_model's default, without preparing it
+
+    try:
+        cfg = ModelConfig.from_hf_config(Path(args.model) if args.model else DEFAULT_DIR)
+    except (ValueError, OSError):
+        return
+    default = cli.default_adapter_path(cfg)
+    reads = any(m in ("lookahead", PAPER_FORM, SHIPPED_FORM) or m.startswith(ADAPTER_ROW) for m in methods)
+    for path in paths or ([default] if reads and default.is_file() else []):
+        load_adapter(path, cfg)
+
 
 def early_context(model):
     """The context (tokens) of --model, or of the default model once prepared, from its config.json, before the
@@ -1209,23 +1250,6 @@ def check_lengths(args, lengths, ctx):
         if n + after > ctx:
             answers = " (prompt and answer)" if ruler_suite else f" + {after} answer tokens"
             fix = f"use lengths up to {ctx - after}" if ctx > after else "lower --max-new-tokens"
-def check_adapters(args, paths, methods):
-    """Each adapter the run will read, loaded as its rows load it (methods.load_adapter: the model it was trained
-    for, its .json's record of the held-out KL, its tensors) against --model's config.json, before the weights load:
-    another model's adapter or a diverged run's is one line now, not after the model has loaded. Skipped where the
-    config cannot be read yet (the default model is prepared when it loads: load_modules checks it then)."""
-    from weights.prepare import DEFAULT_DIR  # cli.resolve_model's default, without preparing it
-
-    try:
-        cfg = ModelConfig.from_hf_config(Path(args.model) if args.model else DEFAULT_DIR)
-    except (ValueError, OSError):
-        return
-    default = cli.default_adapter_path(cfg)
-    reads = any(m in ("lookahead", PAPER_FORM, SHIPPED_FORM) or m.startswith(ADAPTER_ROW) for m in methods)
-    for path in paths or ([default] if reads and default.is_file() else []):
-        load_adapter(path, cfg)
-
-
             raise ValueError(f"--lengths {n}{answers} is past the model's context of {ctx} tokens: {fix}")
 
 
@@ -1455,6 +1479,9 @@ def evaluate(args):
     work = [w for w in work if w[2]]
 
     runner = dict(prefill=run_sample, decode=run_long_answer, conversation=run_conversation)[args.mode]
+    if args.mode == "prefill":  # FullKV's answers in this --out's rows (a run that adds a method): not decoded again
+        runner = functools.partial(run_sample, full_rows={str(r["id"]): r for r in saved["results"]
+                                                          if r["method"] == "full" and r.get("answer_ids")})
     bar = tqdm(total=sum(len(todo) for _, _, todo in work), desc="evaluating", unit="run")
     try:
         for row, ids, todo in work:

@@ -1024,8 +1024,8 @@ def test_ruler_suite_end_to_end_and_resume(tiny, monkeypatch, capsys):
     monkeypatch.setattr(evaluate.ruler, "make_suite", ruler_samples)
     refs, caps, scored = [], [], []
     real_reference, real_answer, real_score = evaluate.reference, evaluate.answer, evaluate.ruler.score
-    monkeypatch.setattr(evaluate, "reference", lambda model, ids, n, stop, watchers=None: (
-        refs.append((ids[0].tolist(), n)), real_reference(model, ids, n, stop, watchers))[1])
+    monkeypatch.setattr(evaluate, "reference", lambda model, ids, n, stop, watchers=None, known=None: (
+        refs.append((ids[0].tolist(), n)), real_reference(model, ids, n, stop, watchers, known))[1])
     monkeypatch.setattr(evaluate, "answer", lambda *a: (caps.append(a[6]), real_answer(*a))[1])
     monkeypatch.setattr(evaluate.ruler, "score", lambda metric, text, answers: (
         scored.append(metric), real_score(metric, text, answers))[1])
