@@ -697,7 +697,7 @@ def check_diverged(log, ckpt):
     """The rule for a run that diverged: its latest validation KL (log: train.py's checks, {"step", "kl"}) is not
     finite (NaN or inf). Its tensors may still be finite (an lr of 0.3 went 0.67 -> 2.2 -> nan), so only the KL it
     records says so: the run stops at that check, before its checkpoint is written, and no adapter is saved (every
-    loader would refuse one whose .json records it: weights/checks.check_adapter_record). ValueError, one line."""
+    loader would refuse one whose .json records it: support/checks.check_adapter_record). ValueError, one line."""
     last = log[-1] if log else None
     if last is None or not isinstance(last.get("kl"), float) or math.isfinite(last["kl"]):
         return
