@@ -275,8 +275,9 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "lookahead_
 def adapter_identity(folder):
     """A digest (16 hex) of every byte of the adapter folder's files: another adapter, another identity."""
     h = hashlib.sha256()
-    for name in ADAPTER_FILES:
-        h.update(name.encode() + b"\0" + hashlib.sha256((Path(folder) / name).read_bytes()).digest())
+    for name in ADAPTER_FILES:  # each file read in blocks (a 4 GB adapter costs a block of memory)
+        with open(Path(folder) / name, "rb") as fh:
+            h.update(name.encode() + b"\0" + hashlib.file_digest(fh, "sha256").digest())
     return h.hexdigest()[:16]
 
 

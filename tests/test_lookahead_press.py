@@ -2,11 +2,14 @@
 form (make_scorer with max:7 and C in every layer, named explicitly, so no default decides it), and the export
 that makes its folder (extensions/export_peft.py).
 
-The two sides share nothing but the adapter's numbers: the press runs HF's modules, the LoRA loaded by PEFT, the
-M rows as a second forward on HF's cache; ours runs model.py with the rows inside the prefill. So:
+The two sides share nothing but the adapter's numbers: the press runs HF's modules, its LoRA applied by hooks to the
+M rows riding in HF's prefill; ours runs model.py with the rows inside the prefill. So:
 - the kept slots must be identical per (layer, KV head) (the scores differ by float rounding only);
-- the kept keys and values must be HF's own prefill's, bit for bit, and nothing else in the cache;
+- the kept keys and values must be HF's own prefill's (within float rounding: the prefill holds M more rows), and
+  nothing else in the cache;
 - logits (the first token, then the next ones on the compressed caches) agree within fp32_bound.
+Then kvpress's wrappers on the press, end to end, and the user's model as it was after the press (and after an
+exception inside it).
 
 Tiny random HF models (conftest.tiny_hf_model) on CPU; SmolLM2 with the shipped adapter's export (weights/)."""
 import ast
@@ -81,9 +84,24 @@ def paper_form(module, budget):
                        module=module)
 
 
+def kept_slots(cache, full):
+    """Per layer the slots (B, H_kv, C) a compressed cache kept, in slot order: each kept key is the nearest of the
+    full prefill's keys (the same up to float rounding: the press's prefill holds M more rows), and its value is
+    that slot's value. Nothing else is in the cache."""
+    out = []
+    for layer, ref in zip(cache.layers, full.layers):
+        dist = (layer.keys[:, :, :, None] - ref.keys[:, :, None]).abs().amax(-1)  # (B, H_kv, C, S)
+        near = dist.min(-1)
+        assert near.values.max() <= 1e-4 * ref.keys.abs().max(), near.values.max()
+        idx = near.indices[..., None].expand(-1, -1, -1, ref.values.shape[-1])
+        assert (layer.values - ref.values.gather(2, idx)).abs().max() <= 1e-4 * ref.values.abs().max()
+        out.append(near.indices.sort(-1).values)
+    return out
+
+
 def ours_and_press(ours, hf, ids, press, scorer, question):
     """Both sides on the prompt ids (1, S), then `question` (1, Q) and one greedy token on each compressed
-    cache. Checks what must hold exactly (kept slots; the kept K/V are HF's own; nothing else in the cache)
+    cache. Checks what must hold (kept slots exactly; the kept K/V are HF's own; nothing else in the cache)
     and returns both sides' logits: [first token, after the question, after the next token]."""
     full = transformers.DynamicCache()
     hf(ids, past_key_values=full)  # HF's own K/V of the prompt, for reference
@@ -93,11 +111,7 @@ def ours_and_press(ours, hf, ids, press, scorer, question):
     our_cache, logits, _, kept = compress(ours, ids, scorer)
     mine = [logits]
 
-    assert all(torch.equal(a, b) for a, b in zip(press.kept, kept))
-    for l, idx in enumerate(kept):
-        layer, D = cache.layers[l], cache.layers[l].keys.shape[-1]
-        for got, want in ((layer.keys, full.layers[l].keys), (layer.values, full.layers[l].values)):
-            assert torch.equal(got, want.gather(2, idx[..., None].expand(-1, -1, -1, D)))
+    assert all(torch.equal(a, b) for a, b in zip(kept_slots(cache, full), kept))
 
     Q, n = question.shape[1], ids.shape[1]
     at = torch.arange(n, n + Q + 1)[None]
@@ -135,29 +149,33 @@ def test_keeps_our_scorers_slots(tiny, family, by):
     question = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
     mine, theirs = ours_and_press(ours, hf, ids, press, paper_form(load_adapter(adapter, ours.config), C),
                                   question)
-    assert press.kept.shape == (ours.config.num_hidden_layers, 1, 2, C)
+    assert press.compression_ratio == pytest.approx(1 - C / S)  # a budget cut reads as its ratio too
     assert_logits_close(mine, theirs, ours.config)
 
 
 @torch.no_grad()
 def test_every_lora_target_is_applied(tiny):
     """The parity above covers each of the seven LoRA targets: without any one of them our scores move by far
-    more than the press's and ours differ (so a press that skipped one could not match)."""
+    more than the press's and ours differ (so a press that skipped one could not match). The press's unpooled
+    scores (kernel_size=1) on the full prefill's keys, from the rows its forward set aside."""
     ours, hf, adapter, folder, ids = tiny["llama"]
-    press = LookaheadKVPress.from_pretrained(folder, budget=C)
+    press, full = LookaheadKVPress.from_pretrained(folder, budget=C, kernel_size=1), transformers.DynamicCache()
+    hf(ids, past_key_values=full)
     with press(hf):
         hf(ids, past_key_values=transformers.DynamicCache())
+    theirs = torch.stack([press.score(layer.self_attn, None, full.layers[l].keys, None, None, {})
+                          for l, layer in enumerate(hf.model.layers)])
 
     def scores(m):
         return prefill_and_score(ours, ids, paper_form(m, C)).scores
 
-    full = scores(LookaheadModule.load(adapter, ours.config))
-    parity = (full - press.scores).abs().max()
+    full_scores = scores(LookaheadModule.load(adapter, ours.config))
+    parity = (full_scores - theirs).abs().max()
     for target in LookaheadModule.TARGETS:
         without = LookaheadModule.load(adapter, ours.config)
         for p in without.lora:
             p[target + "_B"].data.zero_()
-        assert (scores(without) - full).abs().max() > 100 * parity, target
+        assert (scores(without) - full_scores).abs().max() > 100 * parity, target
 
 
 @torch.no_grad()
@@ -176,13 +194,13 @@ def test_an_adapter_without_a_query_lora_beside_another_on_the_same_model(tiny, 
 
 @torch.no_grad()
 def test_nothing_to_evict_leaves_the_cache(tiny):
-    """budget = S, or compression_ratio 0: the cache keeps its S slots, and no lookahead pass runs."""
+    """budget = S, or compression_ratio 0: the cache keeps its S slots (the rows' K/V gone all the same)."""
     _, hf, _, folder, ids = tiny["llama"]
     for press in (LookaheadKVPress.from_pretrained(folder, budget=S), LookaheadKVPress.from_pretrained(folder)):
         cache = transformers.DynamicCache()
         with press(hf):
             hf(ids, past_key_values=cache)
-        assert [x.keys.shape[2] for x in cache.layers] == [S, S] and press.kept is None
+        assert [x.keys.shape[2] for x in cache.layers] == [S, S] and press.compression_ratio == 0
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -240,6 +258,34 @@ def test_export_refuses_folders_it_did_not_make(tiny, tmp_path, tiny_hf_model):
         export_peft(adapter, made, model_folder)
 
 
+def test_export_writes_through_no_link_and_keeps_another_adapters_export(tiny, tmp_path, tiny_hf_model, monkeypatch):
+    """A planted link where a file goes is refused in one line (nothing written through it); an export of another
+    adapter is never replaced; a write that fails leaves no file, not even an empty one."""
+    ours, _, adapter, _, _ = tiny["llama"]
+    model_folder = tiny_hf_model("llama")
+    linked, target = tmp_path / "linked", tmp_path / "elsewhere.json"
+    linked.mkdir()
+    target.write_text("mine")
+    (linked / "adapter_config.json").symlink_to(target)
+    with pytest.raises(ValueError, match="adapter_config.json is a symbolic link") as e:
+        export_peft(adapter, linked, model_folder)
+    assert target.read_text() == "mine" and "\n" not in str(e.value)
+    made = export_peft(adapter, tmp_path / "made", model_folder)
+    before = {f.name: f.read_bytes() for f in made.iterdir()}
+    other = random_adapter(ours, tmp_path / "other.safetensors", seed=5)
+    with pytest.raises(ValueError, match=r"holds the export of another adapter \(llama.safetensors\)"):
+        export_peft(other, made, model_folder)
+    assert {f.name: f.read_bytes() for f in made.iterdir()} == before
+
+    def broken(*a, **k):
+        raise RuntimeError("disk gone")
+
+    monkeypatch.setattr("safetensors.torch.save_file", broken)
+    with pytest.raises(RuntimeError, match="disk gone"):
+        export_peft(adapter, tmp_path / "fails", model_folder)
+    assert not [f for f in (tmp_path / "fails").rglob("*") if f.is_file()]
+
+
 def test_export_command_is_one_error_line(tmp_path):
     with pytest.raises(SystemExit) as e:
         export_main([str(tmp_path / "nowhere.safetensors"), str(tmp_path / "out")])
@@ -265,24 +311,63 @@ def test_refuses_bad_settings(tiny, kwargs, error, match):
         LookaheadKVPress.from_pretrained(tiny["llama"][3], **kwargs)
 
 
-def test_refuses_a_folder_without_its_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="lacks adapter_config.json"):
+def test_refuses_a_folder_without_its_files(tmp_path, tiny):
+    """A folder without its files at construction; LookaheadKVPress() constructs, and finds no folder beside a
+    model that has none (before any forward)."""
+    with pytest.raises(FileNotFoundError, match="adapter_config.json is missing"):
         LookaheadKVPress.from_pretrained(tmp_path, budget=C)
-    with pytest.raises(FileNotFoundError, match="from_pretrained"):
-        LookaheadKVPress(budget=C)
+    press = LookaheadKVPress(budget=C)
+    refused_before_any_forward(press, tiny["llama"][1], r"\.lookahead-peft/adapter_config.json is missing",
+                               error=FileNotFoundError)
 
 
-def refused_before_any_forward(press, hf, match, **call):
-    """press(hf) raises ValueError matching `match`, and no layer ran."""
-    ran = []
+@pytest.mark.parametrize("name,content,match", [
+    ("adapter_config.json", b"{not json", "adapter_config.json cannot be read"),
+    ("adapter_config.json", bytes(range(256)), "adapter_config.json cannot be read"),
+    ("adapter_config.json", b"[1, 2]", "holds list, not a JSON object"),
+    ("lookahead_config.json", b"\x00\xff", "lookahead_config.json cannot be read"),
+    ("adapter_model.safetensors", "half", "adapter_model.safetensors cannot be read"),
+    ("lookahead_embeddings.safetensors", "half", "lookahead_embeddings.safetensors cannot be read"),
+    ("adapter_config.json", {"r": 10**9}, r"r=1000000000 must be a number in \(0, 4096\]"),
+    ("adapter_config.json", {"r": "8"}, "r='8'"),
+    ("adapter_config.json", {"lora_alpha": float("inf")}, "lora_alpha=inf"),
+    ("adapter_config.json", {"target_modules": ["lm_head"]}, "target_modules=.'lm_head'."),
+    ("lookahead_config.json", {"n_tokens": 0}, "n_tokens=0"),
+])
+def test_refuses_a_broken_folder_in_one_line(tiny, tmp_path, name, content, match):
+    """Each file parsed under its own error, one line naming it: corrupt JSON, binary bytes, a safetensors cut in
+    half, sizes out of range (checked before any tensor is read)."""
+    import shutil
+
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny["llama"][3], folder)
+    path = folder / name
+    if content == "half":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif isinstance(content, dict):
+        path.write_text(json.dumps({**json.loads(path.read_text()), **content}))
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match=match) as e:
+        LookaheadKVPress.from_pretrained(folder, budget=C)
+    assert "\n" not in str(e.value) and str(path.parent) in str(e.value)
+
+
+def refused_before_any_forward(press, hf, match, error=ValueError, **call):
+    """press(hf) raises `error` matching `match`, no layer ran, and no hook of the press is left on the model."""
+    ran, before = [], hooks_on(hf)
     hook = hf.model.layers[0].register_forward_pre_hook(lambda *a: ran.append(1))
     try:
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(error, match=match):
             with press(hf):
                 hf(**{"input_ids": torch.zeros(1, 4, dtype=torch.long), **call})
     finally:
         hook.remove()
-    assert not ran
+    assert not ran and hooks_on(hf) == before
+
+
+def hooks_on(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
 def test_refuses_an_adapter_made_for_another_model(tiny):
@@ -295,6 +380,13 @@ def test_refuses_a_family_it_cannot_score(tiny):
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, pad_token_id=0)).eval()  # kvpress supports Phi-3: its qkv_proj is fused
     refused_before_any_forward(LookaheadKVPress.from_pretrained(tiny["llama"][3], budget=C), phi3, "'phi3'")
+
+
+def test_refuses_a_gpt2_model_in_one_line(tiny):
+    """The family is checked before anything reads the config's shape (no KeyError 'num_attention_heads')."""
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="model_type 'gpt2' .GPT2LMHeadModel. is not supported"):
+        LookaheadKVPress.from_pretrained(tiny["llama"][3], budget=C).post_init_from_model(gpt2)
 
 
 LEFT_PADDED = torch.ones(2, 60, dtype=torch.long)
@@ -317,14 +409,131 @@ def test_refuses_inputs_it_cannot_score(tiny, call, match):
 
 
 @torch.no_grad()
-def test_refuses_a_second_forward_inside(tiny):
+def test_a_second_forward_inside_is_the_plain_models(tiny):
+    """The rows ride in the first forward only: a decode step inside the press is the model's own."""
+    import copy
+
     _, hf, _, folder, ids = tiny["llama"]
-    cache = transformers.DynamicCache()
-    with pytest.raises(ValueError, match="one forward inside"):
-        with LookaheadKVPress.from_pretrained(folder, budget=C)(hf):
-            hf(ids, past_key_values=cache)
-            hf(ids[:, :1], past_key_values=cache)
-    assert cache.get_seq_length() == S  # the refused token never ran
+    cache, step = transformers.DynamicCache(), dict(input_ids=ids[:, :1], position_ids=torch.tensor([[S]]))
+    with LookaheadKVPress.from_pretrained(folder, budget=C)(hf):
+        hf(ids, past_key_values=cache)
+        same = copy.deepcopy(cache)
+        inside = hf(**step, past_key_values=cache).logits
+    assert cache.get_seq_length() == C + 1
+    assert torch.equal(inside, hf(**step, past_key_values=same).logits)
+
+
+# --- kvpress's wrappers on the press, and the user's model after it ---------------------------------------------
+
+
+def run(press, hf, ids, steps=0):
+    """The prompt under the press (then `steps` greedy tokens inside it); the cache's slots per layer."""
+    cache, position = transformers.DynamicCache(), ids.shape[1]
+    with torch.no_grad(), press(hf):
+        logits = hf(ids, past_key_values=cache).logits[:, -1]
+        for _ in range(steps):
+            token = logits.argmax(-1, keepdim=True)
+            logits = hf(token, past_key_values=cache, position_ids=torch.tensor([[position]])).logits[:, -1]
+            position += 1
+    return [layer.keys.shape[2] for layer in cache.layers]
+
+
+@pytest.mark.parametrize("wrap,slots", [
+    (lambda p: kvpress.AdaKVPress(p), [S, S]),  # AdaKV masks per head: the tensors keep S slots
+    (lambda p: kvpress.KeyRerotationPress(p), [C, C]),
+    (lambda p: kvpress.ChunkPress(p, chunk_length=64), [46, 46]),  # 3 chunks of 64 and one of 8, each cut
+    (lambda p: kvpress.CriticalKVPress(p), [C, C]),
+    (lambda p: kvpress.ComposedPress([p, kvpress.KnormPress(compression_ratio=0.5)]), [C // 2] * 2),
+    (lambda p: kvpress.ComposedPress([kvpress.KnormPress(compression_ratio=0.5), p]), [C // 2] * 2),
+    (lambda p: kvpress.DMSPress(p, threshold=0.0, sliding_window_size=32), [S, S]),  # masks below the threshold
+    (lambda p: kvpress.PerLayerCompressionPress(p, [ratio(S, C), 0.5]), [C, S // 2]),
+    (lambda p: kvpress.CriticalAdaKVPress(p), [S, S]),
+])
+def test_kvpress_wrappers_run_on_the_press(tiny, wrap, slots):
+    """Each wrapper calls the press's score per layer as it does any scorer's, the rows set aside before it: the
+    slots it keeps, and no hook left on the model after. PerLayerCompressionPress and CriticalAdaKVPress do not
+    pass post_init_from_model on: called once on the press first, as kvpress's own test does."""
+    _, hf, _, folder, ids = tiny["llama"]
+    press, before = LookaheadKVPress.from_pretrained(folder, compression_ratio=ratio(S, C)), hooks_on(hf)
+    wrapper = wrap(press)
+    if isinstance(wrapper, (kvpress.PerLayerCompressionPress, kvpress.CriticalAdaKVPress)):
+        press.post_init_from_model(hf)
+    assert run(wrapper, hf, ids) == slots and hooks_on(hf) == before and 0 in press.rows
+
+
+def test_a_wrapper_that_skips_post_init_is_refused_in_one_line(tiny):
+    _, hf, _, folder, ids = tiny["llama"]
+    press = kvpress.CriticalAdaKVPress(LookaheadKVPress.from_pretrained(folder, compression_ratio=0.5))
+    with pytest.raises(ValueError, match="call press.post_init_from_model.model. first"):
+        run(press, hf, ids)
+
+
+def test_decoding_press_scores_with_the_first_forwards_rows(tiny):
+    """DecodingPress: the rows ride in the first forward inside it; every compression while decoding scores with
+    their queries (the cache cut to target_size every compression_interval steps). PrefillDecodingPress: the press
+    cuts the prompt, SnapKV the decoding."""
+    _, hf, _, folder, ids = tiny["llama"]
+    press = LookaheadKVPress.from_pretrained(folder)
+    assert run(kvpress.DecodingPress(press, compression_interval=4, target_size=C), hf, ids, steps=8) == [C] * 2
+    both = kvpress.PrefillDecodingPress(LookaheadKVPress.from_pretrained(folder, budget=C), kvpress.DecodingPress(
+        kvpress.SnapKVPress(window_size=2), compression_interval=4, target_size=C // 2))
+    assert run(both, hf, ids, steps=8) == [C // 2] * 2
+
+
+@pytest.fixture
+def user_model(tiny, tmp_path):
+    """The tiny Llama with a LoRA adapter of the user's own, loaded by transformers' PEFT integration."""
+    _, tiny_hf, _, folder, ids = tiny["llama"]
+    hf = hf_model(tiny_hf.config.name_or_path)
+    lora = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft.get_peft_model(hf_model(hf.config.name_or_path), lora).save_pretrained(tmp_path / "user")
+    hf.load_adapter(str(tmp_path / "user"), adapter_name="users")
+    return hf, folder, ids
+
+
+def state_of(model, ids):
+    """What a user can see of a model: its modules (each object), parameters, adapters and hooks, and logits."""
+    with torch.no_grad():
+        logits = model(ids).logits
+    return ({id(m): type(m) for m in model.modules()}, {k: v.clone() for k, v in model.state_dict().items()},
+            dict(model.peft_config), model.active_adapters(), hooks_on(model), logits)
+
+
+def assert_same_state(a, b):
+    assert a[0] == b[0] and a[2:5] == b[2:5] and torch.equal(a[5], b[5])
+    assert a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def test_the_users_model_is_as_it_was(user_model):
+    """After the press, under a wrapper, and after an exception inside it (in the forward and after it): the
+    same modules, parameters, adapters (the user's still on) and hooks, and the same logits."""
+    hf, folder, ids = user_model
+    before = state_of(hf, ids)
+    assert before[3] == ["users"]
+    run(LookaheadKVPress.from_pretrained(folder, budget=C), hf, ids)
+    assert_same_state(before, state_of(hf, ids))
+    run(kvpress.AdaKVPress(LookaheadKVPress(compression_ratio=0.5, adapter=folder)), hf, ids)
+    assert_same_state(before, state_of(hf, ids))
+    press, mask = LookaheadKVPress.from_pretrained(folder, budget=C), torch.ones(1, S, dtype=torch.long)
+    mask[0, 0] = 0
+    with pytest.raises(ValueError, match="padded"), torch.no_grad(), press(hf):
+        hf(ids, attention_mask=mask)  # refused before any layer runs
+    assert_same_state(before, state_of(hf, ids))
+
+    def fail(*args):
+        raise RuntimeError("in the middle")
+
+    hook = hf.model.layers[1].register_forward_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="in the middle"), torch.no_grad(), press(hf):
+            hf(ids, past_key_values=transformers.DynamicCache())
+    finally:
+        hook.remove()
+    assert_same_state(before, state_of(hf, ids))
+    with pytest.raises(RuntimeError, match="after it"), torch.no_grad(), press(hf):
+        hf(ids, past_key_values=transformers.DynamicCache())
+        raise RuntimeError("after it")
+    assert_same_state(before, state_of(hf, ids))
 
 
 # --- SmolLM2-135M-Instruct with the shipped adapter's export ---------------------------------------------------
@@ -362,7 +571,6 @@ def test_smollm2_keeps_our_scorers_slots(real):
     question = torch.tensor([tok.encode("\nThe number is", add_special_tokens=False)])
     mine, theirs = ours_and_press(ours, hf, ids, press, paper_form(load_adapter(REAL_ADAPTER, ours.config), 128),
                                   question)
-    assert press.kept.shape == (30, 1, 3, 128)
     assert_logits_close(mine, theirs, ours.config)
 
 
@@ -374,10 +582,23 @@ def test_smollm2_answers_the_needle_in_kvpress_pipeline(real):
     ours, hf, tok, text = real
     pipe = transformers.pipeline("kv-press-text-generation", model=hf, tokenizer=tok, device="cpu")
     press = LookaheadKVPress.from_pretrained(SHIPPED, budget=128)
-    cache = transformers.DynamicCache()
+    cache, full = transformers.DynamicCache(), transformers.DynamicCache()
     answer = pipe(text, press=press, cache=cache, max_new_tokens=20)["answer"]
     assert "7381924" in answer, answer
     assert [x.keys.shape[2] for x in cache.layers] == [128] * 30
     ids = pipe.preprocess(text, [""], "", 10**6)["context_ids"]
+    hf.model(ids, past_key_values=full)
     _, _, _, kept = compress(ours, ids, paper_form(load_adapter(REAL_ADAPTER, ours.config), 128))
-    assert all(torch.equal(a, b) for a, b in zip(press.kept, kept))
+    assert all(torch.equal(a, b) for a, b in zip(kept_slots(cache, full), kept))
+
+
+@needs_real
+@torch.no_grad()
+def test_smollm2_under_adakv_in_kvpress_pipeline(real):
+    """kvpress's leaderboard form: AdaKVPress on the press in the pipeline, the needle prompt's question inside,
+    C = 128 per (layer, KV head) on average (spread over heads): the answer names the number."""
+    _, hf, tok, text = real
+    pipe = transformers.pipeline("kv-press-text-generation", model=hf, tokenizer=tok, device="cpu")
+    S = pipe.preprocess(text, [""], "", 10**6)["context_ids"].shape[1]
+    press = kvpress.AdaKVPress(LookaheadKVPress.from_pretrained(SHIPPED, compression_ratio=ratio(S, 128)))
+    assert "7381924" in pipe(text, press=press, max_new_tokens=20)["answer"]
