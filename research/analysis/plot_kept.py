@@ -38,24 +38,20 @@ def main(argv=None):
     return cli.run(lambda: plot(argv))
 
 
-def plot(argv):
-    p = cli.Parser("research/analysis/plot_kept.py", description=__doc__,
-                   formatter_class=argparse.RawDescriptionHelpFormatter)
+def needle_args(p, argv, out):
+    """Parse a needle picture's flags (--prompt, --budget, --max-new-tokens, --out and p's own) and check them
+    before the model loads: (args, the prompt's text, its needle: the planted sentence, the first that mentions
+    the magic number). research/analysis/attention_picture.py shares them."""
     p.add_argument("--prompt", default="examples/needle.txt", help="a text file with one planted 'magic number'")
     p.add_argument("--budget", type=int, default=128, help="C: KV slots kept per (layer, KV head)")
-    p.add_argument("--out", default="research/figures/kept.png")
+    p.add_argument("--out", default=out, help="the picture (.png)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="length of the FullKV answer (the future)")
-    p.add_argument("--methods", default=ALL, help=f"comma-separated, from {ALL}")
     args = p.parse_args(argv)
     prompt_file = cli.input_file("--prompt", args.prompt)  # every flag checked before the model loads
     cli.at_least("--budget", args.budget, 1)
     cli.at_least("--max-new-tokens", args.max_new_tokens, 1)
     cli.output_file("--out", args.out, ".png")
-    unknown = [m for m in args.methods.split(",") if m not in ALL.split(",")]
-    if unknown:
-        raise ValueError(f"--methods {','.join(unknown)}: not a method here; choose from {ALL}")
-    prompt = cli.read_text(prompt_file.read_bytes(), f"--prompt {args.prompt}").strip()
-    # the needle: the planted sentence (the first that mentions the magic number); the question: the last line
+    prompt = cli.read_text(prompt_file.read_bytes(), f"--prompt {args.prompt}")
     needle = re.search(r"[A-Z][^.?!A-Z]*magic number[^.?!]*[.?!]", prompt)
     if needle is None:
         raise ValueError(f"--prompt {args.prompt}: no sentence with a planted 'magic number' (the needle drawn): "
@@ -63,8 +59,28 @@ def plot(argv):
     try:  # the figure's library, before the model loads
         import matplotlib
     except ImportError:
-        raise ValueError("research/analysis/plot_kept.py needs matplotlib: pip install matplotlib") from None
+        raise ValueError(f"{p.prog} needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")  # draw to a file, no display
+    return args, prompt, needle.group(0)
+
+
+def spans_of(tok, ids, text, prompt, needle):
+    """{"needle": (a, b), "question": (a, b)}: the token spans of the needle and of the question (the prompt's
+    last line) in text, the chat-formatted prompt that ids encode."""
+    question = prompt.strip().splitlines()[-1].strip()
+    return {name: token_span(tok, ids, text, text.index(s), text.index(s) + len(s))
+            for name, s in (("needle", needle), ("question", question))}
+
+
+def plot(argv):
+    p = cli.Parser("research/analysis/plot_kept.py", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", default=ALL, help=f"comma-separated, from {ALL}")
+    args, prompt, needle = needle_args(p, argv, "research/figures/kept.png")
+    unknown = [m for m in args.methods.split(",") if m not in ALL.split(",")]
+    if unknown:
+        raise ValueError(f"--methods {','.join(unknown)}: not a method here; choose from {ALL}")
+    prompt = prompt.strip()
     torch.set_grad_enabled(False)
     model, tok, _ = cli.load(None)
     answer_ids = lambda *state: greedy(model, *state, args.max_new_tokens, tok.stop_ids)[0]
@@ -73,10 +89,7 @@ def plot(argv):
     ids_t = torch.tensor([ids])  # (1, S)
     if len(ids) <= args.budget:
         raise SystemExit(f"error: the prompt ({len(ids)} tokens) fits in --budget {args.budget}: nothing to evict")
-    needle = needle.group(0)
-    question = prompt.splitlines()[-1].strip()
-    spans = {name: token_span(tok, ids, text, text.index(s), text.index(s) + len(s))
-             for name, s in (("needle", needle), ("question", question))}
+    spans = spans_of(tok, ids, text, prompt, needle)
 
     # FullKV: its greedy answer is the future the oracle sees and recall@C measures against
     cache, logits, pos, _ = compress(model, ids_t, make_scorer(EvictConfig("full")))
