@@ -73,6 +73,8 @@ SCRIPTS = {
     "research/analysis/plot_eval.py": ("research/analysis/plot_eval.py", ["--tables"], {"": "folder"}),
     "research/analysis/plot_kept.py": ("research/analysis/plot_kept.py", [], {
         "--prompt": "file", "--budget": "count", "--max-new-tokens": "count", "--out": "out-file"}),
+    "research/analysis/attention_picture.py": ("research/analysis/attention_picture.py", [], {
+        "--prompt": "file", "--budget": "count", "--max-new-tokens": "count", "--out": "out-file"}),
     "research/analysis/span_gate.py": ("research/analysis/span_gate.py", [], {
         "--first": "counts", "--tokens": "tokens", "--model": "model", "--adapter": "file"}),
     "research/analysis/weighted_oracle.py": ("research/analysis/weighted_oracle.py", ["--data", "{tmp}/data"], {

@@ -52,8 +52,10 @@ def run_as_python_would(way, rel, argv, timeout=120):
             os.dup2(err.fileno(), 2)
             sys.stdin, sys.stdout, sys.stderr = (open(0, closefd=False), open(1, "w", closefd=False),
                                                  open(2, "w", closefd=False))
-            for name, module in list(sys.modules.items()):
-                if str(getattr(module, "__file__", None) or "").startswith(str(ROOT)):
+            ours = {name for name, module in sys.modules.items()
+                    if str(getattr(module, "__file__", None) or "").startswith(str(ROOT))}
+            for name in list(sys.modules):  # and their namespace subpackages (research.analysis: no __file__)
+                if name in ours or any(name.startswith(top + ".") for top in ours):
                     del sys.modules[name]
             where = str(ROOT / Path(rel).parent) if way == "path" else str(ROOT)
             sys.path[:] = [where] + [p for p in sys.path if p not in ("", str(ROOT), str(ROOT / "tests"))]

@@ -7,7 +7,9 @@ round in rotated order, a warm-up round dropped, the median of --rounds rounds. 
 
     python research/analysis/press_cost.py --lengths 1024,2048,4096 --rounds 5
 
-Prints per S the median seconds of each and what each press adds to no press's time (%), e.g.
+Prints per S the median seconds of each and what each press adds to no press's time (%: the median over rounds of
+the press's time less no press's in the same round, against no press's median; freed memory kept for reuse as in
+research/bench.py), e.g.
     S 2048  none 1.234 s  snapkv +1.0%  lookahead +2.3%
 
 --needle instead answers examples/needle.txt at C = --budget in both protocols (inside: the question in the
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from research.bench import keep_freed_memory  # noqa: E402
 from support import cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,6 +91,7 @@ def main(argv=None):
         import transformers
 
         torch.set_num_threads(1)
+        keep_freed_memory()  # as research.bench: no call pays again the page faults an earlier one paid
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa")
         model = model.float().eval()
         tok = transformers.AutoTokenizer.from_pretrained(args.model)
@@ -108,7 +112,11 @@ def main(argv=None):
                     if r:  # round 0 warms up
                         seconds[name].append(time.process_time() - start)
             med = {name: statistics.median(v) for name, v in seconds.items()}
-            added = "  ".join(f"{name} {100 * (med[name] / med['none'] - 1):+.1f}%" for name in names[1:])
+            # what a press adds: the median over rounds of (press - none) timed in the same round (drift cancels, as
+            # research.bench's overhead rows), as a share of no press's median
+            added = "  ".join(
+                f"{name} {100 * statistics.median(a - b for a, b in zip(seconds[name], seconds['none'])) / med['none']:+.1f}%"
+                for name in names[1:])
             print(f"S {S}  none {med['none']:.3f} s  {added}  (median of {args.rounds}: "
                   + ", ".join(f"{k} {v:.3f} s" for k, v in med.items()) + ")", flush=True)
 
