@@ -602,3 +602,13 @@ def test_smollm2_under_adakv_in_kvpress_pipeline(real):
     S = pipe.preprocess(text, [""], "", 10**6)["context_ids"].shape[1]
     press = kvpress.AdaKVPress(LookaheadKVPress.from_pretrained(SHIPPED, compression_ratio=ratio(S, 128)))
     assert "7381924" in pipe(text, press=press, max_new_tokens=20)["answer"]
+
+
+def test_a_fractional_budget_is_told_to_be_a_whole_number():
+    """budget=12.5 is a float where a count of slots is asked: the line says a whole number, not "a number"."""
+    from extensions.lookaheadkv_press import LookaheadKVPress
+
+    with pytest.raises(TypeError, match=r"budget=12\.5 is a float: pass a whole number"):
+        LookaheadKVPress(budget=12.5)
+    with pytest.raises(TypeError, match=r"compression_ratio='0.5' is a str: pass a number$"):
+        LookaheadKVPress(compression_ratio="0.5")
