@@ -119,7 +119,7 @@ class LookaheadKVPress(ScorerPress):
             ("kernel_size", k, int),
         ):
             if isinstance(value, bool) or not isinstance(value, kinds):
-                want = "a number" if float in kinds else "a whole number (an int)"
+                want = "a number" if kinds is not int and float in kinds else "a whole number (an int)"
                 raise TypeError(f"LookaheadKVPress: {name}={value!r} is a {type(value).__name__}: pass {want}")
         if not 0 <= r < 1:  # NaN fails it too
             raise ValueError(f"LookaheadKVPress: compression_ratio={r} must be in [0, 1)")
