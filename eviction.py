@@ -26,7 +26,7 @@ class EvictConfig:
     window: int = 32  # snapkv/pyramidkv/h2o/laq: the last `window` prompt tokens are always kept
     rule: object = None  # a Pool, a wrapping rule, or its text ("max:7"); None: the method's
     budgets: object = None  # (C, n_layers, S, least) -> slots per layer; None: default_budgets
-    chunk_size: int = None  # prefill chunk length; None: the longest that CHUNK_BYTES allows (max_chunk)
+    chunk_size: int = None  # prefill chunk length; None: the longest CHUNK_BYTES allows (max_chunk)
     options: dict = field(default_factory=dict)  # the method's own (its default_options only)
 
 
@@ -180,14 +180,14 @@ class Scorer:
 
 # -----------------------------------------------------------------------------
 # 4. prefill -> score -> evict -> return, then decode
-CHUNK_BYTES = 1 << 30  # a prefill chunk's activations at most: SmolLM2 fp32 ~30K tokens, Llama-8B bf16 ~7K
+CHUNK_BYTES = 1 << 30  # a chunk's activations at most: SmolLM2 fp32 ~30K tokens, Llama-8B bf16 ~7K
 
 
 def max_chunk(cfg, x, pad_mask=None):
-    """The longest prefill chunk whose activations fit CHUNK_BYTES. Why not a fixed 4,096: a chunk on
-    a cache needs a bottom-right causal mask, which takes CPU SDPA off its fused causal kernel (1.4x
-    slower per chunk); one call runs the fused kernel over the whole prompt, as transformers does.
-    Per row: the MLP's three (T, intermediate) tensors, q/k/v and a few (T, hidden) copies; with
+    """The longest prefill chunk whose activations fit CHUNK_BYTES. Why not a fixed 4,096: a chunk
+    on a cache needs a bottom-right causal mask, which takes CPU SDPA off its fused causal kernel
+    (1.4x slower per chunk); one call runs the fused kernel over the whole prompt, as transformers
+    does. Per row: the MLP's three (T, intermediate) tensors, q/k/v and a few (T, hidden) copies; with
     padding also the chunk's (T, T_k) mask, bool and SDPA's float copy (T_k <= T: x's length)."""
     B, T = x.shape[:2]
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim

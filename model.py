@@ -257,7 +257,8 @@ class Attention(nn.Module):
         if n == T:
             return y_last
         valid = None if key_valid is None else key_valid[..., : Tk - n]
-        y = self.sdpa(q[:, :, : T - n], k[:, :, : Tk - n], v[:, :, : Tk - n], valid)  # (B, H, T-n, D)
+        # (B, H, T-n, D)
+        y = self.sdpa(q[:, :, : T - n], k[:, :, : Tk - n], v[:, :, : Tk - n], valid)
         return torch.cat([y, y_last], dim=2)  # (B, H, T, D)
 
     def sdpa(self, q, k, v, key_valid):
@@ -269,7 +270,7 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         if key_valid is None:
             # a chunk on a cache: bottom-right causal, as a CausalBias so CUDA keeps its flash
-            # kernel (GQA but no explicit mask); on CPU the same mask as attention_mask(T, Tk, None),
+            # kernel (GQA, no explicit mask); on CPU the mask of attention_mask(T, Tk, None),
             # served ~1.4x slower than is_causal: so eviction.prefill runs one call where memory
             # allows (max_chunk) and comes here only past that, or for a turn added to a cache
             return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, Tk),
