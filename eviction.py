@@ -188,7 +188,7 @@ def max_chunk(cfg, x, pad_mask=None):
     on a cache needs a bottom-right causal mask, which takes CPU SDPA off its fused causal kernel
     (1.4x slower per chunk); one call runs the fused kernel over the whole prompt, as transformers
     does. Per row: the MLP's three (T, intermediate) tensors, q/k/v and a few (T, hidden) copies;
-    with padding also the chunk's (T, T_k) mask, bool and SDPA's float copy (T_k <= T: x's length)."""
+    with padding also the chunk's (T, T_k) mask, bool and SDPA's float copy (T_k <= x's length)."""
     B, T = x.shape[:2]
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     per_row = x.element_size() * (3 * cfg.intermediate_size + 6 * cfg.hidden_size + qkv)
