@@ -128,7 +128,9 @@ def test_logits_at_gives_that_row(tiny_hf_model, at):
     ids = rand_ids(2, 9)
     full, one = m(ids, positions=pos(0, 9, 2)), m(ids, positions=pos(0, 9, 2), logits_at=at)
     assert one.shape == (2, 1, V)
-    torch.testing.assert_close(one[:, 0], full[:, at], atol=1e-6, rtol=0)
+    # one row through the final norm and lm_head is a matmul of another shape than nine rows: its
+    # sums may be blocked in another order (SSE4's kernels do), so rounding apart: REORDER_ATOL
+    torch.testing.assert_close(one[:, 0], full[:, at], atol=REORDER_ATOL, rtol=0)
 
 
 def test_old_rope_scaling_config_form(tiny_hf_model, tmp_path):
@@ -731,7 +733,8 @@ def test_hook_attn_sees_queries_and_all_cached_keys(tiny):
     # full forward's hook, is the same
     hook_full = Recorder()
     tiny(ids, positions=pos(0, 9, 2), hook=hook_full)
-    torch.testing.assert_close(hook.attn_calls[-1][1], hook_full.attn_calls[-1][1][:, :, 6:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(hook.attn_calls[-1][1], hook_full.attn_calls[-1][1][:, :, 6:],
+                               atol=REORDER_ATOL, rtol=0)  # a chunk of 3 vs 9 rows: another sum order
     # without a cache, with padding: key_valid is the pad mask (B, 1, T)
     rows = padded_rows()
     p_ids, pad_mask, positions = left_pad(rows, max(ROW_LENGTHS))
