@@ -128,6 +128,14 @@ def rope_inv_freq(cfg):
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
 
+def rope_cos_sin(positions, inv_freq, dtype):
+    """RoPE's cos and sin at positions (B, T): (B, 1, T, head_dim) each, broadcast over heads. A
+    function of its own so that its float32 angles are freed before the layers run (as in HF)."""
+    freqs = positions[..., None].float() * inv_freq  # (B, T, D/2), float32 like HF
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def apply_rope(x, cos, sin):
     # split-halves rotation (HF layout): pairs are (x[i], x[i + D/2]), not interleaved
     x1, x2 = x.chunk(2, dim=-1)
@@ -388,9 +396,7 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.inv_freq.device != x.device:
             self.inv_freq = self.inv_freq.to(x.device)
-        freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2), float32 like HF
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D), broadcast over heads
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (B, 1, T, D) each
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, pad_mask, hook)
         h = self.model.norm(x)  # (B, T, hidden)
