@@ -12,6 +12,12 @@ the press's time less no press's in the same round, against no press's median; f
 research/bench.py), e.g.
     S 2048  none 1.234 s  snapkv +1.0%  lookahead +2.3%
 
+--flops counts instead what each press adds in floating-point operations (torch's FlopCounterMode: the matmuls
+and attention of one pipeline call, the same count on any machine), the arithmetic the timing is to be read against
+where a machine's rounds spread wider than the press's share (~1 min):
+
+    python research/analysis/press_cost.py --lengths 2048,4096 --flops
+
 --needle instead answers examples/needle.txt at C = --budget in both protocols (inside: the question in the
 compressed text, the paper's; after: kvpress's question=), with no press, LookaheadKVPress, AdaKVPress on it and
 SnapKVPress (~2 min):
@@ -72,6 +78,16 @@ def needle(pipe, args):
             print(f"{protocol} S={S} {name}: {answer.strip()!r}", flush=True)
 
 
+def flops_of(pipe, text, press):
+    """Floating-point operations of one pipeline call (prefill, compression, one answer token) as torch counts them:
+    matmuls and SDPA, the work that scales with the prompt (elementwise ops are not counted)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        pipe(text, press=press, max_new_tokens=1)
+    return counter.get_total_flops()
+
+
 def main(argv=None):
     p = cli.Parser("research/analysis/press_cost.py", description=__doc__,
                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,6 +97,7 @@ def main(argv=None):
     p.add_argument("--model", type=Path, default=ROOT / "weights" / "SmolLM2-135M-Instruct")
     p.add_argument("--adapter", type=Path, default=ROOT / "weights" / "SmolLM2-135M-Instruct.lookahead-peft")
     p.add_argument("--needle", action="store_true", help="answer the needle prompt in both protocols instead")
+    p.add_argument("--flops", action="store_true", help="count each press's added floating-point operations instead")
 
     def work():
         args = p.parse_args(argv)
@@ -102,6 +119,11 @@ def main(argv=None):
         for n in lengths:
             text = prompt_of(tok, n)
             S = pipe.preprocess(text, [""], "", 10**9)["context_ids"].shape[1]
+            if args.flops:
+                flops = {name: flops_of(pipe, text, make_press(name, S, args.budget, args.adapter)) for name in names}
+                print(f"S {S}  none {flops['none'] / 1e9:.1f} GFLOP  " + "  ".join(
+                    f"{name} {100 * (flops[name] / flops['none'] - 1):+.2f}%" for name in names[1:]), flush=True)
+                continue
             seconds = {name: [] for name in names}
             for r in range(args.rounds + 1):
                 for name in names[r % 3:] + names[:r % 3]:  # rotated: no press always first or last
