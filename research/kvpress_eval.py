@@ -260,6 +260,10 @@ def check_args(args):
         if n > ctx:
             raise ValueError(f"--lengths {n} (prompt and answer) is past the model's context of {ctx} tokens: "
                              f"use lengths up to {ctx}")
+    if max(args.budgets) >= min(args.lengths):  # a prompt is shorter than its length: such a row keeps every token
+        raise ValueError(f"--budgets {max(args.budgets)} keeps every token of a --lengths {min(args.lengths)} prompt "
+                         f"(prompt and answer are {min(args.lengths)} tokens): nothing would be compressed; use "
+                         f"budgets below {min(args.lengths)}")
     if "lookahead" in args.presses:
         missing = [f for f in ADAPTER_FILES if not (args.adapter / f).is_file()]
         if missing:
@@ -354,6 +358,10 @@ def evaluate(args):
 
     torch.set_num_threads(args.threads)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").float().eval()
+    if "lookahead" in args.presses:  # the adapter's files and its fit to --model, before the first row (not after it)
+        probe = make_press("lookahead", args.budgets[0], None, args.adapter)
+        probe.post_init_from_model(model)
+        probe.disarm()
     hf_tok = transformers.AutoTokenizer.from_pretrained(args.model)
     tok = Tokenizer(args.model)  # ours: the chat prompt research/evaluate.py encodes
     pipe = transformers.pipeline("kv-press-text-generation", model=model, tokenizer=hf_tok, device="cpu")

@@ -1,5 +1,6 @@
 """research/kvpress_eval.py without a model: the order its rows run in, the summary it writes (means and the
-paired differences), and the flags it refuses before loading anything. kvpress itself is not needed."""
+paired differences), and the flags it refuses before loading anything; kvpress is needed only by the last test
+(an adapter of another model refused once the model loads, before any row)."""
 import json
 import random
 from types import SimpleNamespace
@@ -124,6 +125,7 @@ def small(tiny_hf_model, tmp_path):
     (["--per-task", "0"], "error: --per-task 0"),
     (["--budgets", "x"], "error: every budget must be >= 1 KV slot"),
     (["--lengths", "1e3"], "error: --lengths '1e3'"),
+    (["--budgets", "16,256"], "error: --budgets 256 keeps every token of a --lengths 256 prompt"),
 ])
 def test_bad_numbers_are_one_error_line(small, tmp_path, flags, message):
     *_, base = small
@@ -194,3 +196,25 @@ def test_report_never_replaces_a_file_it_did_not_write(tmp_path):
     kvpress_eval.main(["--out", str(out), "--report"])  # its own summary.md: written, then written again
     kvpress_eval.main(["--out", str(out), "--report"])
     assert "| inside | full | - | 1 | 1.000 |" in (out / "summary.md").read_text()
+
+
+def test_an_adapter_of_another_model_is_refused_before_the_first_row(tiny_hf_model, tmp_path):
+    """The press's fit to --model (its fingerprint) is checked once the model loads, before any row: not after
+    FullKV's first row has run."""
+    pytest.importorskip("kvpress")
+    pytest.importorskip("peft")
+    from extensions.export_peft import export_peft
+    from lookaheadkv import untrained_module
+    from model import load_model
+
+    llama, qwen = tiny_hf_model("llama"), tiny_hf_model("qwen3")
+    untrained_module(load_model(llama)).save(tmp_path / "a.safetensors")
+    adapter = export_peft(tmp_path / "a.safetensors", tmp_path / "peft", model_folder=llama)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        kvpress_eval.main(["--out", str(out), "--model", str(qwen), "--adapter", str(adapter), "--lengths", "256",
+                           "--threads", "1", "--presses", "full,lookahead", "--budgets", "16", "--tasks", "vt",
+                           "--per-task", "1", "--protocols", "inside"])
+    said = str(e.value)
+    assert said.startswith("error: ") and "\n" not in said and "was trained for" in said and str(adapter) in said
+    assert not (out / "results.jsonl").exists() or not (out / "results.jsonl").read_text()
