@@ -23,12 +23,10 @@ import torch
 from baselines import full_answer
 from eviction import EvictConfig, Stopwatch, compress, decode, uniform_budgets
 from lookaheadkv import LookaheadKV, lookahead_compress
-from methods import METHODS, load_adapter, make_scorer, selection_of
+from methods import METHODS, extension, layer_budgets, load_adapter, make_scorer, selection_of
 from model import load_model
 from support.cli import Parser, print_stats, run
-from support import selection
 from support.generate_checks import check
-from support.selection import extension
 
 
 def get_args(argv=None):
@@ -133,7 +131,7 @@ def method(args, module):
     (whatever the adapter's .json recommends). The oracle's Scorer waits for FullKV's answer: None."""
     budgets = uniform_budgets if args.uniform_budgets else None
     if args.layer_budgets:  # beyond the paper: extensions/layer_budgets.py, asked for by its flag
-        budgets = selection.layer_budgets(module.info["layer_weights"])
+        budgets = layer_budgets(module.info["layer_weights"])
     options = {k: v for k, v in dict(one_pass=not args.two_pass, seed=args.seed).items()
                if k in METHODS[args.method].default_options}  # the flags that set its options
     eviction = EvictConfig(args.method, args.budget, window=args.window, rule=args.pool,

@@ -10,6 +10,6 @@ on it; lookaheadkv_press.py is LookaheadKV as a press of NVIDIA's kvpress, self-
 kvpress, safetensors, peft: it imports nothing of this repository, so a kvpress user copies the one file), and
 export_peft.py writes one of our adapters as the folder it loads (a PEFT LoRA beside the lookahead embeddings;
 the optional extra [kvpress]).
-Nothing on the reading path imports them: support/selection.py and support/generate_checks.py import one when
+Nothing on the reading path or in support/ imports them: methods.py loads one by name (methods.extension) when
 its flag is given, and tests/test_reading_path.py deletes each file in turn (then all of them) and shows the
 core, generate.py's default run and train.py still work."""

@@ -83,8 +83,7 @@ from extensions.decode import DECODE_METHODS, DecodeEviction
 from extensions.span import SpanRule
 from lookaheadkv import LookaheadHook, answer_attention, kl_loss, lookahead_pass, untrained_module
 import methods
-from methods import METHODS, load_adapter, make_scorer
-from support.selection import adapter_selection, parse_rule
+from methods import METHODS, adapter_selection, load_adapter, make_scorer, parse_rule
 from model import KVCache, ModelConfig, Transformer, default_dtype
 from support.tokenizer import Tokenizer
 

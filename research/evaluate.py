@@ -141,8 +141,8 @@ from eviction import EvictConfig, Prefilled, decode, greedy, keep_slots, prefill
 from extensions.decode import DECODE_METHODS, DecodeEviction, add_turn, forced_logprobs_evicting
 from research.harness import mean_of, results_table, task_means
 from lookaheadkv import answer_attention
-from methods import METHODS, load_adapter, make_scorer, selection_of, untrained
-from support.selection import RULES, adapter_selection, parse_rule
+from methods import METHODS, adapter_selection, load_adapter, make_scorer, parse_rule, selection_of, untrained
+from support.selection import RULES
 from eviction import Stopwatch
 from support.metrics import answer_kl, forced_logprobs, gap_closed, recall_of_kept
 from model import ModelConfig

@@ -30,8 +30,7 @@ from tqdm import tqdm
 from baselines import full_answer
 from eviction import EvictConfig, keep_slots, prefill_and_score, uniform_budgets
 from lookaheadkv import answer_attention, kl_loss, lookahead_pass
-from methods import make_scorer
-from support.selection import adapter_selection, parse_rule
+from methods import adapter_selection, make_scorer, parse_rule
 from support import files
 from support.metrics import answer_kl, forced_logprobs, gap_closed, recall_of_kept
 from model import KVCache

@@ -10,9 +10,10 @@ file and its tokens against the context. A bad one raises ValueError or OSError,
 into one `error:` line. What check() reads or makes it returns, so nothing is built twice; the method
 is made by generate.py's own method(args, adapter), which check() calls where its config is checked.
 
-Beyond the paper: this file imports no extension. --decode-budget and --turns are checked by
-extensions/decode.py's check_flags and extensions/chat.py's turns_of, which generate.py imports when
-one of them is given; --pool span:K and --layer-budgets are read by support/selection.py.
+Beyond the paper: this file imports no extension; methods.py loads each by name (methods.extension), only
+when its flag is given. --decode-budget and --turns are checked by extensions/decode.py's check_flags and
+extensions/chat.py's turns_of, which generate.py loads so; --pool span:K is read by methods.parse_rule
+(extensions/span.py), and --layer-budgets is built by methods.layer_budgets in generate.py.
 """
 import sys
 from dataclasses import dataclass
@@ -22,9 +23,9 @@ import torch
 
 from baselines import Unpooled
 from eviction import EvictConfig
-from methods import METHODS, load_adapter, make_scorer
+from methods import METHODS, load_adapter, make_scorer, parse_rule
 from model import ModelConfig, default_dtype
-from support import cli, selection
+from support import cli
 from support.tokenizer import Tokenizer
 
 
@@ -53,7 +54,7 @@ def check(args, method):
     cfg = ModelConfig.from_hf_config(folder)
     check_fits_model(args, cfg)
     if args.pool is not None:  # the rule's width against the context, its shortlist against the vocabulary
-        cli.flag_value("--pool", selection.parse_rule, args.pool, cfg.max_context, cfg.vocab_size)
+        cli.flag_value("--pool", parse_rule, args.pool, cfg.max_context, cfg.vocab_size)
     text = None
     if args.prompt is not None:
         text, note = read_prompt(args.prompt, cfg.max_context)
@@ -85,7 +86,7 @@ def check_flags(args):
     if args.every < 1:
         raise ValueError(f"--every {args.every}: evict at most once per generated token, e.g. --every 32")
     if args.pool is not None:  # its text alone now (its width against the model's context once config.json is read)
-        cli.flag_value("--pool", selection.parse_rule, args.pool)
+        cli.flag_value("--pool", parse_rule, args.pool)
     if args.window < 0:
         raise ValueError(f"--window {args.window}: the number of always-kept last tokens must be >= 0")
     if args.budget < 1:

@@ -25,8 +25,8 @@ import torch
 from tqdm import tqdm
 
 from eviction import EvictConfig
-from methods import load_adapter, make_scorer, parse_targets
-from support import cli, data, files, selection
+from methods import load_adapter, make_scorer, parse_rule, parse_targets
+from support import cli, data, files
 from support.metrics import answer_kls
 from support.data import sample_bytes, sample_ok, sample_path, unreadable_sample
 from lookaheadkv import LookaheadModule
@@ -90,13 +90,13 @@ def check(cfg, parser, read_adapter=None):
     check_numbers(cfg)
     parse_targets(cfg.targets)
     if cfg.rule is not None:  # a selection the adapter's .json recommends (beyond the paper); None: none
-        selection.parse_rule(cfg.rule)
+        parse_rule(cfg.rule)
     out, dest = output_paths(cfg)
     src = data_folder(cfg, out)
     folder = cli.resolve_model(cfg.model)
     model_cfg = ModelConfig.from_hf_config(folder)
     if cfg.rule is not None:
-        check_rule(cfg.rule, model_cfg, selection.parse_rule)
+        check_rule(cfg.rule, model_cfg, parse_rule)
     rows = read_rows(src, model_cfg, partial_ok=cfg.stage in ("data", "all"))
     check_data_dtype(cfg, src, rows)
     check_samples(cfg, src, rows)
@@ -235,7 +235,7 @@ def check_fit(cfg, model_cfg, out, rows, adapter):
 
 
 def check_rule(rule, model_cfg, parse_rule):
-    """The recipe's selection rule (the adapter's .json names it) as support.selection.parse_rule reads it for this model: a
+    """The recipe's selection rule (the adapter's .json names it) as methods.parse_rule reads it for this model: a
     width within its context ("max:99999999999" passed the syntax check alone and then hung in the first held-out
     check, pooling over a window that size). Its vocabulary is not passed: a span shortlist past it is the whole
     vocabulary (extensions/span.shortlist clamps it), and the default span:8:1024 would refuse every small model."""

@@ -1,18 +1,17 @@
 """
 Beside the reading path: the text of a selection rule (--pool, an adapter .json's "rule") and an adapter's
-recommended selection, read into the objects eviction.py and extensions/ define, with their checks.
+recommended selection, checked as text and numbers; the paper's rules (none, avg:K, max:K) read into eviction.Pool.
 
-The paper's rules (none, avg:K, max:K) are eviction.Pool. The span rule (span:K, span:K:N) and per-layer
-budgets are beyond the paper (extensions/span.py, extensions/layer_budgets.py): they are imported here, and
-only when a flag or a caller asks for them, so the reading path runs with extensions/ deleted.
+This file imports nothing of extensions/: the span rule (span:K, span:K:N) and per-layer budgets are beyond the
+paper (extensions/span.py, extensions/layer_budgets.py): methods.py builds them (methods.parse_rule, .layer_budgets),
+importing their files by name only when a flag or a caller asks, so the reading path runs with extensions/ deleted.
 """
 import sys
 
 if __name__ == "__main__":  # a library module, run by -m or by its path: said before any import can fail
     sys.exit("error: support.selection is not a script: "
-             "it reads --pool's rule: python generate.py --pool RULE")
+             "it checks --pool's rule: python generate.py --pool RULE")
 
-import importlib
 import json
 import math
 
@@ -23,16 +22,10 @@ WIDTHS = {"avg": 5, "max": 7, "span": 8}  # a rule's width when the text names n
 OLD_KEYS = ("pool", "kernel", "window", "layer_budget")  # an adapter .json's keys before 2026-12-02
 
 
-def parse_rule(text, context=None, vocab=None):
-    """"avg:5", "max:7", "none", "span:8" -> the selection rule (ValueError naming the text otherwise).
-    context: the model's context length: a width wider than it is refused, as no prompt is that long (and a
-    huge width is one endless pooling op). vocab: the model's vocabulary size: a span shortlist past it is
-    refused (it would silently be the whole vocabulary, the exact surprisal)."""
-    kind, width, first = rule_parts(text)
-    if kind == "span":  # beyond the paper
-        rule = extension("span", f"selection rule {text!r}").SpanRule(int(width or WIDTHS[kind]), int(first) if first else None)
-        rule.check_fits(context, vocab)
-        return rule
+def paper_pool(kind, width, context=None):
+    """The paper's rule of this kind (none, avg, max; width: its text, "" for the default) as eviction.Pool.
+    context: the model's context length: a width wider than it is refused, as no prompt is that long (and a huge
+    width is one endless pooling op). One check for both readers: methods.parse_rule and check_selection."""
     rule = Pool(kind, int(width or WIDTHS.get(kind, 1)))
     if context is not None and rule.kernel > context:
         raise ValueError(f"pooling width {rule.kernel} is wider than the model's context of {context} tokens: no "
@@ -60,39 +53,10 @@ def number(text):
     return text.isascii() and text.isdigit()
 
 
-def layer_budgets(weights):
-    """The per-layer budget policy of these weights (extensions/layer_budgets.py, beyond the paper)."""
-    return extension("layer_budgets", "per-layer budgets").LayerBudgets(weights)
-
-
-class MissingExtension(ValueError):
-    """A flag or an adapter asks for an idea beyond the paper whose file is not in this checkout."""
-
-
-def extension(name, what):
-    """extensions/NAME.py, imported when a flag or an adapter asks for `what` (ValueError if it is not there)."""
-    try:
-        return importlib.import_module(f"extensions.{name}")
-    except ModuleNotFoundError as e:
-        if e.name not in ("extensions", f"extensions.{name}"):
-            raise
-        raise MissingExtension(f"{what} is beyond the paper and lives in extensions/{name}.py, which this checkout does "
-                         "not have: restore the file, or select in the paper's form (no --pool)") from None
-
-
-def adapter_selection(module):
-    """(selection rule, budget policy) an adapter's .json recommends (module None: no adapter); None for what it
-    leaves to the method.
-    Nothing applies them unless asked (generate.py --pool, --layer-budgets): the default is the paper's form."""
-    info = module.info if module is not None else {}  # no adapter: nothing recommended
-    rule, weights = info.get("rule"), info.get("layer_weights")
-    return (parse_rule(rule) if rule else None), (layer_budgets(weights) if weights else None)
-
-
 def check_adapter_selection(path, info, n_layers, context=None):
     """An adapter .json's recommended "rule" and "layer_weights", checked when it is loaded (ValueError naming
-    the file): a broken recommendation is a broken file, whether or not a flag asks for it. A recommendation
-    whose extension is not in this checkout (extensions/ deleted) cannot be used, and is not checked."""
+    the file): a broken recommendation is a broken file, whether or not a flag asks for it. Checked as text and
+    numbers (check_selection), nothing imported: a recommendation of a deleted extension is only unusable."""
     old = [k for k in OLD_KEYS if k in info]
     if old:  # an adapter saved before 2026-12-02: say so rather than select differently
         raise ValueError(f"adapter {path}: its .json names {', '.join(old)}, keys of an older format: write its rule "
@@ -100,19 +64,18 @@ def check_adapter_selection(path, info, n_layers, context=None):
     try:
         check_selection(info.get("rule"), info.get("layer_weights"), n_layers, context)
     except ValueError as e:
-        if isinstance(e, MissingExtension):
-            return  # never applied unasked: a recommendation of a deleted extension is only unusable
         raise ValueError(f"adapter {path}: its .json's selection is not usable ({e}): fix or retrain it") from None
 
 
 def check_selection(rule, weights, n_layers, context=None):
     """An adapter's "rule" and "layer_weights" (None: not given) as text and numbers, or ValueError. Nothing
-    is imported: a recommendation beyond the paper is applied, its extension loaded, only when a flag asks.
+    is imported: a recommendation beyond the paper is built (methods.py) only when a flag asks for it.
     A weight must be a JSON number: float() would take "2" or true as 2.0 and 1.0 without a word. A span
     rule's shortlist is not held to the model's vocabulary: an adapter's rule is a recipe for any model."""
     if rule is not None:
-        if rule_parts(rule)[0] != "span":
-            parse_rule(rule, context)
+        kind, width, _ = rule_parts(rule)
+        if kind != "span":  # span: its syntax only; SpanRule checks the rest when a flag builds it
+            paper_pool(kind, width, context)
     if weights is not None:
         if not (isinstance(weights, list) and all(isinstance(w, (int, float)) and not isinstance(w, bool)
                                                   for w in weights)):
@@ -136,7 +99,7 @@ def check_scorer(scorer):
                          f"{', '.join(scorer.default_options) or 'none'}")
     if not (isinstance(scorer.rule, Pool) or hasattr(scorer.rule, "wrap")):
         raise ValueError(f"selection rule {scorer.rule!r} is not a pooling or a span rule: read it with "
-                         "support.selection.parse_rule")
+                         "methods.parse_rule")
     if eviction.budget < 1:
         raise ValueError(f"budget {eviction.budget} must be at least 1 KV slot per (layer, KV head)")
     window, sinks = scorer.window, scorer.sinks

@@ -25,8 +25,7 @@ import pytest
 import torch
 
 from eviction import EvictConfig, compress, greedy, uniform_budgets
-from methods import make_scorer
-from support.selection import adapter_selection, parse_rule
+from methods import adapter_selection, make_scorer, parse_rule
 
 RECORD = Path(__file__).parent / "data" / "behaviour_record.json"
 DECODE_RECORD = Path(__file__).parent / "data" / "behaviour_decode.json"

@@ -80,8 +80,7 @@ from extensions.decode import DecodeEviction, add_turn
 from extensions.layer_budgets import LayerBudgets
 from extensions.span import SpanRule
 from lookaheadkv import LookaheadModule, lookahead_pass
-from methods import METHODS, make_scorer
-from support.selection import adapter_selection
+from methods import METHODS, adapter_selection, make_scorer
 from model import KVCache, ModelConfig, Transformer
 from test_lookaheadkv import compress_by, settings
 

@@ -11,7 +11,6 @@ import torch
 from support import cli, generate_checks
 import generate as generate_py
 import methods
-from support import selection
 import model
 from support import tokenizer
 from extensions import chat
@@ -43,16 +42,16 @@ def test_a_rule_past_what_the_model_can_use_is_refused_before_it_loads(rule, say
 
 
 def test_the_rule_parser_holds_every_caller_to_the_model():
-    """selection.parse_rule checks what it is given (the context, the vocabulary): every caller that passes them
+    """methods.parse_rule checks what it is given (the context, the vocabulary): every caller that passes them
     gets the same check; the widest and longest usable rules pass."""
-    assert repr(selection.parse_rule(f"max:{HUGE}")) == f"max:{HUGE}"  # the text alone: no model to hold it to
+    assert repr(methods.parse_rule(f"max:{HUGE}")) == f"max:{HUGE}"  # the text alone: no model to hold it to
     for rule in (f"max:{HUGE}", f"span:{HUGE}", f"span:8:{HUGE}"):
         with pytest.raises(ValueError, match="context of 64|vocabulary of 8"):
-            selection.parse_rule(rule, 64, 8)
-    assert [repr(selection.parse_rule(r, 64, 8)) for r in ("max:63", "span:64", "span:8:8")] == [
+            methods.parse_rule(rule, 64, 8)
+    assert [repr(methods.parse_rule(r, 64, 8)) for r in ("max:63", "span:64", "span:8:8")] == [
         "max:63", "span:64", "span:8:8"]
     with pytest.raises(ValueError, match="selection rule 'avg:²'"):  # a Unicode digit: refused as text, not by int()
-        selection.parse_rule("avg:²")
+        methods.parse_rule("avg:²")
 
 
 def adapter_with(folder, tmp_path, rule):
@@ -73,7 +72,7 @@ def test_an_adapter_rule_past_the_context_is_refused_when_its_json_is_read(tmp_p
     one_line(gen("--prompt", p, "--model", tiny_model, "--adapter", path, "--budget", "40", "--max-new-tokens", "4"),
              str(path), f"pooling width {HUGE} is wider than the model's context of 64 tokens", "fix or retrain it")
     path = adapter_with(tiny_model, tmp_path, "span:8:1024")
-    assert repr(selection.adapter_selection(methods.load_adapter(path, model.ModelConfig.from_hf_config(tiny_model)))[0]
+    assert repr(methods.adapter_selection(methods.load_adapter(path, model.ModelConfig.from_hf_config(tiny_model)))[0]
                 ) == "span:8:1024"
 
 

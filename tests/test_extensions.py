@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import methods
-from support import selection
 from baselines import WindowHook
 from eviction import EvictConfig, Pool, compress, decode, prefill_and_score, select, uniform_budgets
 from extensions.decode import DecodeEviction
@@ -137,7 +136,7 @@ def test_span_rule_hand_values():
     assert torch.allclose(stacked, torch.tensor(p).expand(2, 1, 3, 7))
     with pytest.raises(ValueError, match="span width 0 must be >= 1"):
         SpanRule(0)
-    assert repr(selection.parse_rule("span:4")) == "span:4" and selection.parse_rule("span:4").kernel == 4
+    assert repr(methods.parse_rule("span:4")) == "span:4" and methods.parse_rule("span:4").kernel == 4
 
 
 def test_token_surprisal_is_the_models_own_next_token_loss():
@@ -198,10 +197,10 @@ def test_the_shortlist_gate_is_a_lower_bound_and_exact_with_the_whole_vocabulary
         rule = SpanRule(4, first)
         got = make_scorer(EvictConfig("lookahead", rule=rule, **ec), mod).evict(run.scores, run)
         assert all(torch.equal(a, b) for a, b in zip(got, want)) == same, first
-    assert repr(selection.parse_rule("span:8:1024")) == "span:8:1024" and selection.parse_rule("span:8:1024").first == 1024
+    assert repr(methods.parse_rule("span:8:1024")) == "span:8:1024" and methods.parse_rule("span:8:1024").first == 1024
     for bad in ("avg:5:3", "span:8:x", "span:8:0"):
         with pytest.raises(ValueError, match="span|selection rule"):
-            selection.parse_rule(bad)
+            methods.parse_rule(bad)
 
 
 def test_a_span_wider_than_the_prompt_smooths_as_the_prompt_wide_one(monkeypatch):
@@ -314,7 +313,7 @@ def test_layer_budgets_refuse_a_wrong_number_of_layers():
 def test_adapter_rule_and_layer_weights_ride_in_its_json_and_apply_only_when_asked(tmp_path):
     """An adapter's recommended selection rule and per-layer weights (mean 1) travel in its .json (module.info);
     methods.make_scorer never applies them unasked (the default is the paper's form: max-pool 7, C in every
-    layer); support.selection.adapter_selection reads them for a flag that asks (generate.py --pool,
+    layer); methods.adapter_selection reads them for a flag that asks (generate.py --pool,
     --layer-budgets); SnapKV can be given the weights."""
     model = tiny_model(num_hidden_layers=3)
     cfg = model.config
@@ -327,7 +326,7 @@ def test_adapter_rule_and_layer_weights_ride_in_its_json_and_apply_only_when_ask
     assert back.info == dict(rule="span:4", layer_weights=[0.5, 2.0, 0.5])
     paper = make_scorer(EvictConfig("lookahead", budget=C), back)
     assert repr(paper.rule) == "max:7" and paper.layer_budgets(3, S) == [C] * 3
-    rule, budgets = selection.adapter_selection(back)
+    rule, budgets = methods.adapter_selection(back)
     scorer = make_scorer(EvictConfig("lookahead", budget=C, rule=rule, budgets=budgets), back)
     assert repr(scorer.rule) == "span:4" and isinstance(scorer.eviction.budgets, LayerBudgets)
     ids = rand_ids(1, S, seed=4)
@@ -493,7 +492,7 @@ def test_selection_of_names_the_rule_and_the_budget_policy():
     shipped = LookaheadModule(cfg, n_tokens=4)
     shipped.info.update(rule="span:8:1024", layer_weights=[1.0] * cfg.num_hidden_layers)
     assert selection_of(make_scorer(EvictConfig("lookahead", 16), shipped)) == ("max:7", "C in every layer")
-    rule, budgets = selection.adapter_selection(shipped)
+    rule, budgets = methods.adapter_selection(shipped)
     as_recommended = make_scorer(EvictConfig("lookahead", 16, rule=rule, budgets=budgets), shipped)
     assert selection_of(as_recommended) == ("span:8:1024", "per-layer budgets")
     assert selection_of(make_scorer(EvictConfig("pyramidkv", 16, window=4))) == ("avg:5", "pyramid budgets")

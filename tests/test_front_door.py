@@ -15,9 +15,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/: test_cli's helpers
 from test_cli import error_of, no_loading, one_line  # noqa: E402, F401 (a fixture)
 
+import methods  # noqa: E402
 from extensions import chat  # noqa: E402
 from research import bench, evaluate  # noqa: E402
-from support import cli, files, selection  # noqa: E402
+from support import cli, files  # noqa: E402
 from support import checks  # noqa: E402
 from weights import prepare  # noqa: E402
 
@@ -52,11 +53,11 @@ def test_an_unforeseen_exception_is_one_line_naming_its_type():
 @pytest.mark.parametrize("text", ["max:", "avg:", "span:8:", "span::1024", "span:"])
 def test_a_rule_with_an_empty_field_is_refused(text):
     with pytest.raises(ValueError, match="empty field"):
-        selection.parse_rule(text)
+        methods.parse_rule(text)
 
 
 def test_rules_without_the_colon_keep_their_defaults():
-    assert [repr(selection.parse_rule(t)) for t in ("max", "max:7", "none")] == ["max:7", "max:7", "none"]
+    assert [repr(methods.parse_rule(t)) for t in ("max", "max:7", "none")] == ["max:7", "max:7", "none"]
 
 
 @pytest.mark.parametrize("value", [np.float32(0.5), np.float64(0.5), torch.tensor(0.5), np.int64(1), torch.tensor(1)])

@@ -19,7 +19,6 @@ import baselines
 import eviction as ev
 import lookaheadkv as lk
 import methods
-from support import selection
 from support import metrics
 from baselines import H2OHook, WindowHook
 from eviction import EvictConfig, Pool, compress, decode, select, stack_layers
@@ -567,7 +566,7 @@ def test_the_defaults_are_the_shipped_configuration():
     assert got == {k: shipped[k] for k in got}
     # what the shipped .json recommends beyond the paper (applied only when a flag asks: generate.py --pool,
     # --layer-budgets): its rule parses, its per-layer weights are one per layer of SmolLM2-135M (30)
-    assert repr(selection.parse_rule(shipped["rule"])) == shipped["rule"]
+    assert repr(methods.parse_rule(shipped["rule"])) == shipped["rule"]
     assert len(shipped["layer_weights"]) == 30 and mod.info == {}
     assert len([n for n, _ in mod.named_parameters() if n.endswith("_B")]) == 7 * model.config.num_hidden_layers
     # float32 whatever the model's dtype (the module trains in float32)
@@ -999,15 +998,15 @@ def test_even_or_non_positive_pooling_width_is_refused(kernel):
         Pool("max", kernel)
     # as text (--pool, an adapter's "rule"): an even width says so, a negative one is no width at all
     with pytest.raises(ValueError, match="must be odd" if kernel >= 0 else "selection rule 'avg:-1'"):
-        selection.parse_rule(f"avg:{kernel}")
+        methods.parse_rule(f"avg:{kernel}")
 
 
 def test_rules_parse_from_text_and_unknown_ones_are_refused():
-    assert [repr(selection.parse_rule(t)) for t in ("none", "avg:5", "max:7", "avg", "max", "span:8", "span")] == [
+    assert [repr(methods.parse_rule(t)) for t in ("none", "avg:5", "max:7", "avg", "max", "span:8", "span")] == [
         "none", "avg:5", "max:7", "avg:5", "max:7", "span:8", "span:8"]
     for bad in ("sum:3", "chunk:4", "carry:3", "none:3", "avg:x", ""):
         with pytest.raises(ValueError, match="selection rule"):
-            selection.parse_rule(bad)
+            methods.parse_rule(bad)
     with pytest.raises(ValueError, match="unknown pooling 'sum'"):
         Pool("sum", 3)
 
@@ -1107,7 +1106,7 @@ def test_adapter_json_keys_beyond_the_modules_shape_are_kept_unread(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(meta))
     module = methods.load_adapter(tmp_path / "a.safetensors", cfg)
     assert module.info == dict(note="a person's words", train_data=dict(n_train=3))
-    assert selection.adapter_selection(module) == (None, None)  # nothing of it selects
+    assert methods.adapter_selection(module) == (None, None)  # nothing of it selects
     module.save(tmp_path / "b.safetensors")
     assert json.loads((tmp_path / "b.json").read_text()) == meta
 

@@ -2,7 +2,7 @@
 The reading path is the paper alone (issue 60): no file on it imports extensions/, and with any extension file
 deleted from a copy of the checkout (each in turn, then all of them) the core, generate.py's default run (the
 paper's form: max-pool 7, C in every layer) and train.py still work. An idea beyond the paper runs only when its
-flag asks for it, and only then is its file imported (support/selection.py, support/generate_checks.py).
+flag asks for it, and only then is its file imported, by name (methods.extension); support/ never imports one.
 """
 import ast
 import json
@@ -40,13 +40,18 @@ def test_no_file_on_the_reading_path_imports_an_extension(name):
 
 
 def test_imports_run_one_way():
-    """No extension imports a script (train, generate, research/); support/ imports no extension; the reading
+    """No extension imports a script (train, generate, research/); support/ imports no extension, by an import
+    statement or by name (importlib: the flag's loader is methods.extension, the scripts' business); the reading
     path imports nothing of weights/ (the weights and their preparation), whose checks live in support/checks.py."""
     scripts = {"train", "generate", "research"}
+    # a dynamic import is no import statement: its call, or an extension's module name as a string
+    # ('"extensions.' also finds f"extensions.{name}")
+    dynamic = ("import_module", "__import__", '"extensions.', "'extensions.")
     for path in (ROOT / "extensions").glob("*.py"):
         assert not [m for m in imported_modules(path) if m.split(".")[0] in scripts], path.name
     for path in (ROOT / "support").glob("*.py"):
         assert not [m for m in imported_modules(path) if m.split(".")[0] == "extensions"], path.name
+        assert not [s for s in dynamic if s in path.read_text()], path.name
     for name in READING_PATH:
         assert not [m for m in imported_modules(ROOT / name) if m.split(".")[0] == "weights"], name
 

@@ -24,7 +24,6 @@ from support import data, recipe
 from support import recipe as train_recipe
 import lookaheadkv as lk
 import methods
-from support import selection
 import train
 from baselines import full_answer
 from eviction import EvictConfig, prefill_and_score
@@ -630,7 +629,7 @@ def test_an_adapter_out_that_cannot_be_written_stops_before_the_model_loads(mode
 
 def test_a_rule_wider_than_the_context_stops_before_the_model_loads(model_dir, tmp_path, monkeypatch):
     """Issue 53: "rule": "max:99999999999" passed the checks and hung at the first held-out check (a pooling window
-    that wide). The recipe's rule is read by selection.parse_rule with the model's context."""
+    that wide). The recipe's rule is read by methods.parse_rule with the model's context."""
     out = tmp_path / "o"
     write_data(out, model_dir)
     guard_loading(monkeypatch)
@@ -641,7 +640,7 @@ def test_a_rule_wider_than_the_context_stops_before_the_model_loads(model_dir, t
         assert error_line(e).startswith(f"error: rule '{rule}' (the recipe's selection rule): ") and says in \
             error_line(e), rule
     cfg = ModelConfig.from_hf_config(model_dir)
-    recipe.check_rule("span:512", cfg, selection.parse_rule), recipe.check_rule("max:511", cfg, selection.parse_rule)  # within TinyLlama's 512: taken
+    recipe.check_rule("span:512", cfg, methods.parse_rule), recipe.check_rule("max:511", cfg, methods.parse_rule)  # within TinyLlama's 512: taken
 
 
 def test_a_truncated_sample_is_named_deleted_and_rebuilt(model_dir, tmp_path, stub_prompts):

@@ -31,8 +31,7 @@ from research import bench  # noqa: E402
 from support import cli  # noqa: E402
 from eviction import EvictConfig, Pool, prefill_and_score, uniform_budgets  # noqa: E402
 from lookaheadkv import LookaheadHook  # noqa: E402
-from methods import load_adapter, make_scorer  # noqa: E402
-from support.selection import adapter_selection  # noqa: E402
+from methods import adapter_selection, load_adapter, make_scorer  # noqa: E402
 
 
 def fastest(fn, calls):
