@@ -475,3 +475,29 @@ def test_no_message_recommends_a_stage_train_py_does_not_have():
     said = [str(f.relative_to(root)) for f in root.rglob("*.py") if "tests" not in f.relative_to(root).parts
             and "train.py --stage budgets" in f.read_text(errors="replace")]
     assert said == []
+
+
+# ----------------------------------------------------------------------------- damaged adapter files
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".json"])
+@pytest.mark.parametrize("damage", ["garbage", "cut in half"])
+@pytest.mark.parametrize("entry", ["generate.py", "export_peft"])
+def test_each_adapter_loader_names_a_damaged_file_in_one_line(entry, damage, suffix, chat, prompt, tmp_path,
+                                                             no_loading):
+    """Every command that reads an adapter reads it through methods.load_adapter (LookaheadModule.load): a garbage
+    or truncated copy of either of its two files is one `error:` line naming that file, before any model loads."""
+    from lookaheadkv import LookaheadModule
+    from extensions.export_peft import main as export_main
+
+    adapter = tmp_path / "a.safetensors"
+    torch.manual_seed(0)
+    LookaheadModule(model.ModelConfig.from_hf_config(chat), n_tokens=4).save(adapter)
+    damaged = adapter.with_suffix(suffix)
+    raw = damaged.read_bytes()
+    damaged.write_bytes(bytes(range(256)) * 4 if damage == "garbage" else raw[: len(raw) // 2])
+    if entry == "generate.py":
+        said = error_of(generate_py.main, "--prompt", prompt, "--model", chat, "--adapter", adapter)
+    else:
+        said = error_of(export_main, adapter, tmp_path / "peft", "--model", chat)
+    one_line(said, str(damaged))
+    assert not (tmp_path / "peft").exists()
