@@ -2,6 +2,7 @@
 # Issue 67, stage 1: the data of the training-length axis, every step resumable (rerun the same command after a
 # kill: train.py's data stage appends to each OUT/data.jsonl until it holds what the recipe asks).
 #   bash research/length_axis/data.sh            (one thread; ~4 hours here in all, disk ~45 GB in bf16)
+#   bash research/length_axis/data.sh NAME       (one set alone, e.g. heldout-4k)
 # 1. Held-out judges: 48 prompts of the held-out split at ~2K (1536-2048 tokens) and at ~4K (3072-4096), with the
 #    base model's greedy answers up to 128 tokens (as RESULTS 3's held-out set): runs/length/heldout-2k, -4k.
 #    (n_train 1: train.py's data stage makes at least one training row; the judge reads only the held-out ones.)
@@ -13,8 +14,10 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p runs/length
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+only=${1:-}  # a name (e.g. heldout-4k): that set's data alone (research/long_prompts/judge_memory.sh)
 run() {  # run NAME JSON-OVERRIDES: write the config once (kept as it was when the run began), then the data stage
     local name=$1 cfg=runs/length/$1.json
+    if [ -n "$only" ] && [ "$only" != "$name" ]; then return 0; fi
     [ -e "$cfg" ] || python - "$cfg" "$2" <<'PY'
 import json, sys
 base = json.load(open("research/configs/train-quick.json"))
@@ -30,4 +33,4 @@ run train-2k '{"min_tokens": 1536, "max_tokens": 2048}'
 run train-4k '{"min_tokens": 3072, "max_tokens": 4096}'
 # 3. The answer length: ~1K's recipe (the same prompts: same seed and band) with answers up to 256 tokens, not 64.
 run train-1k-a256 '{"min_tokens": 768, "max_tokens": 1024, "max_new_tokens": 256}'
-echo "length-axis data: done"
+echo "length-axis data: done${only:+ ($only)}"
