@@ -23,8 +23,8 @@ import json, sys
 base = json.load(open("research/configs/train-quick.json"))
 json.dump({**base, **json.loads(sys.argv[2])}, open(sys.argv[1], "w"), indent=1)
 PY
-    resume=(); [ -e "runs/length/$name/data.jsonl" ] && resume=(--resume)
-    python train.py --config "$cfg" --out "runs/length/$name" --stage data "${resume[@]}"
+    # no --resume: a data stage goes on from the rows OUT holds by itself (train.py refuses --resume with it)
+    python train.py --config "$cfg" --out "runs/length/$name" --stage data
 }
 run heldout-2k '{"n_train": 1, "n_heldout": 48, "min_tokens": 1536, "max_tokens": 2048, "max_new_tokens": 128, "seed": 67}'
 run heldout-4k '{"n_train": 1, "n_heldout": 48, "min_tokens": 3072, "max_tokens": 4096, "max_new_tokens": 128, "seed": 67}'
