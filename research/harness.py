@@ -58,14 +58,14 @@ def ground_truth(model, prompt_ids, response_ids):
     return run.cache, gt, dict(prompt=prompt, response=response)
 
 
-def heldout_ground_truth(model, rows, out=None):
+def heldout_ground_truth(model, rows, out=None, keep_runs=False):
     """ground_truth of every row ({"prompt_ids", "response_ids"}). Without `out`, a list of (cache, target, extra)
     items, every prompt's in memory. With it, each is kept in OUT/heldout (one file per row, ~50 KB per prompt
     token), so that later runs on the same rows skip the forwards, and the items are an OnDisk: each prompt's
     cache and target read back when it is measured, one prompt's in memory at a time (48 prompts of 4K tokens
-    held at once took 15.7 GB)."""
+    held at once took 15.7 GB). keep_runs: the caller keeps every prompt's runs between calls (memory_plan)."""
     dev = model.lm_head.weight.device
-    print(memory_plan(model, rows, out))
+    print(memory_plan(model, rows, out, keep_runs))
     items, paths = [], []
     for r in tqdm(rows, desc="held-out ground truth", disable=len(rows) < 4):
         # named by what it is made of: the model, the prompt and the answer
@@ -93,8 +93,8 @@ def heldout_ground_truth(model, rows, out=None):
         cache = gt = None  # with `out`: on disk, not held while the next prompt's is made
     if out is None:
         return items
-    # what stays in memory per prompt: its ids (ground_truth's extra: the same tensors as the file's) and, once
-    # scored_runs has run, the runs' scores
+    # what stays in memory per prompt: its ids (ground_truth's extra: the same tensors as the file's) and, while
+    # scored_runs' runs are kept (heldout_metrics between calls), their scores
     ids = lambda key: [torch.tensor([r[key]], device=dev) for r in rows]  # noqa: E731
     extras = [dict(prompt=p, response=a) for p, a in zip(ids("prompt_ids"), ids("response_ids"))]
     return OnDisk(paths, extras, dev)
@@ -110,8 +110,9 @@ def load_item(path, device):
 
 class OnDisk(Sequence):
     """heldout_ground_truth's items kept in OUT/heldout: item i's cache and target are read from its file when
-    it is asked for, and let go with it; its extra (the prompt and answer ids, and the runs scored_runs keeps,
-    whose scores are small and outlive the cache) stays in memory, the same dict on every read."""
+    it is asked for, and let go with it; its extra (the prompt and answer ids, and the runs scored_runs keeps
+    until compare() lets them go, whose scores are small and outlive the cache) stays in memory, the same dict on
+    every read."""
 
     def __init__(self, paths, extras, device):
         self.paths, self.extras, self.device = paths, extras, device
@@ -124,23 +125,24 @@ class OnDisk(Sequence):
         return cache, gt, self.extras[i]
 
 
-def memory_plan(model, rows, out):
+def memory_plan(model, rows, out, keep_runs=False):
     """The line printed before the ground truth is made: one prompt's (its KV cache and target, from the longest
     prompt's length and the model's config), every prompt's (on disk with `out`, else in memory), and the expected
     peak. Measured on SmolLM2-135M, 8 prompts of 1K, compare() of two modules, answer KL (peak RSS 1.26 GB): the
     weights and ~0.3 GB of torch's own; ~8 prompts' worth while one is measured (its cache, the prefill's own, the
-    cache with the answer or the lookahead rows appended, gathered copies, allocator slack); and what the runs keep
-    between calls, ~7.6 KB a prompt token: compare()'s rows' scores and their hooks' sums (about 15 tensors
-    (L, H_kv, S) float32) and the span rule's hidden states (S, hidden)."""
+    cache with the answer or the lookahead rows appended, gathered copies, allocator slack); and a prompt's runs,
+    ~7.5 KB a prompt token measured with the shipped adapter (12 rows' scores and their hooks' sums, about 15
+    tensors (L, H_kv, S) float32, and the span rule's hidden states (S, hidden)): compare() holds one prompt's,
+    a check that keeps them between calls (keep_runs: train_lab's heldout_metrics) every prompt's."""
     cfg = model.config
     S = max((len(r["prompt_ids"]) for r in rows), default=0)
     tokens = sum(len(r["prompt_ids"]) for r in rows)
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * model.lm_head.weight.element_size()
     per_token = kv + cfg.num_hidden_layers * cfg.num_attention_heads * 4  # K and V, and the target (float32)
-    kept = 15 * cfg.num_hidden_layers * cfg.num_key_value_heads * 4 + cfg.hidden_size * 4
+    runs = 15 * cfg.num_hidden_layers * cfg.num_key_value_heads * 4 + cfg.hidden_size * 4
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     one, every = per_token * S, per_token * tokens
-    peak = weights + 0.3 * 2**30 + 8 * one + kept * tokens + (every if out is None else 0)
+    peak = weights + 0.3 * 2**30 + 8 * one + runs * (tokens if keep_runs else S) + (every if out is None else 0)
     where = ("all kept in memory" if out is None else
              f"kept in {Path(out) / 'heldout'} and read back one at a time")
     return (f"held-out ground truth: {len(rows)} prompts, up to {S} tokens: {one / 2**20:.0f} MB a prompt (its KV "
@@ -230,13 +232,19 @@ def heldout_metrics(model, module, heldout, budgets=(128,), rows=None, answer_kl
     KL (answer_kl_<row>@<C>). Items of `heldout` (a list, or an OnDisk) are (cache, gt, extra) from ground_truth.
     done: {prompt index: its values} of prompts already measured, which are not measured again (nor read from
     disk); each new prompt's values are put in it as soon as they are made (evaluate.py's --heldout log, for a
-    run that resumes)."""
+    run that resumes). Each prompt's runs stay in its extra for the next call (train_lab's periodic check: the
+    baselines' prefills are made once)."""
     rows = ROWS if rows is None else rows
     done = {} if done is None else done
     for i in tqdm(range(len(heldout)), desc="held-out metrics", leave=False, disable=len(heldout) < 8):
         if i not in done:  # heldout[i]: an OnDisk item is read here, and let go before the next is read
             done[i] = prompt_metrics(model, module, heldout[i], budgets, rows, answer_kl_rows, window)
-    values = [done[i] for i in range(len(heldout))]
+    return mean_values(done, len(heldout))
+
+
+def mean_values(done, n):
+    """{metric: mean} of prompts 0..n-1's values in done ({prompt index: {metric: value}})."""
+    values = [done[i] for i in range(n)]
     if not values:
         return dict(kl=0.0)
     return {k: sum(v[k] for v in values) / len(values) for k in values[0]}
@@ -259,17 +267,29 @@ def compared_rows(modules):
 def compare(model, adapters, heldout, budgets, answer_kl=False, window=32, done=None):
     """Held-out metrics of each (label, module) in `adapters` (the first: the untrained module) on one
     ground truth: the prompt-only baselines' answer KL once (with the first), each adapter's rows always.
+    Prompt by prompt: every module is measured on a prompt (its baselines' prefills made once, in its runs),
+    then the prompt's runs are let go, so one prompt's runs are in memory at a time. (A module by module loop
+    kept every prompt's runs, ~7.5 KB a prompt token, between the passes, and the process grew ~96 MiB a prompt,
+    to 6.3 GB at ~4K x 48: more than the runs, the heap they were scattered in not given back; RESULTS 5.1.)
     done: {label: heldout_metrics' done} of a run that resumes. Returns [(label, module, metrics)] for tables()."""
     rows = compared_rows([m for _, m in adapters])
-    table = []
+    done = {label: {} for label, _ in adapters} if done is None else done
+    plan = []  # (label, module, the rows whose answer KL it measures)
     for i, (label, m) in enumerate(adapters):
         own = ("lookahead", "lookahead-unpooled") if (m.info.get("rule") or "none") != "none" else ("lookahead-unpooled",)
         own += tuple(PAPER_ROWS) + tuple(r for r in LAYERED_ROWS if r.startswith("lookahead") and r in rows)
         base = tuple(r for r in rows if not r.startswith("lookahead")) if i == 0 else ()
-        result = heldout_metrics(model, m, heldout, budgets, rows, (base + own) if answer_kl else (), window,
-                                 None if done is None else done[label])
-        table.append((label, m, result))
-    return table
+        plan.append((label, m, (base + own) if answer_kl else ()))
+    for i in tqdm(range(len(heldout)), desc="held-out metrics", leave=False, disable=len(heldout) < 8):
+        todo = [(label, m, kl_rows) for label, m, kl_rows in plan if i not in done[label]]
+        if not todo:  # measured by a run this one resumes: not read from disk
+            continue
+        item = heldout[i]  # an OnDisk item is read here, and let go before the next is read
+        for label, m, kl_rows in todo:
+            done[label][i] = prompt_metrics(model, m, item, budgets, rows, kl_rows, window)
+        item[2].pop("runs", None)  # no module reads this prompt again
+        item = None
+    return [(label, m, mean_values(done[label], len(heldout))) for label, m, _ in plan]
 
 
 def tables(table, budgets, n):

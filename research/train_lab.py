@@ -144,7 +144,8 @@ def draw_rows(rows, n, seed):
 
 def harness_check(model, cfg, rows, src):
     """The held-out line of research/harness.py, its ground truth kept beside the rows (src/heldout)."""
-    heldout = harness.heldout_ground_truth(model, [r for r in rows if r["split"] == "heldout"], out=src)
+    heldout = harness.heldout_ground_truth(model, [r for r in rows if r["split"] == "heldout"], out=src,
+                                           keep_runs=True)  # heldout_metrics keeps them between checks
 
     def check(module, prefix):
         m = harness.heldout_metrics(model, module, heldout, budgets=(cfg.budget,), window=cfg.window)
