@@ -823,9 +823,10 @@ def digest(*parts):
 
 def heldout_log(out, args, budgets, model, rows, adapters):
     """{label: PromptLog} for harness.compare. Each module's prompts that an interrupted run measured with the same
-    model, rows and settings (the module itself: its weights and .json; the rows compare() measures; the first,
-    the untrained module, also measures the baselines) are read back from OUT/heldout-prompts.jsonl and not
-    measured again: a run resumes, and a run that adds an adapter measures only the new one."""
+    model, rows and settings (the module itself: its weights and .json; the rows compare() measures, and those
+    whose answer KL it measures for this module: harness.compare_plan) are read back from
+    OUT/heldout-prompts.jsonl and not measured again: a run resumes, and a run that adds an adapter measures
+    only the new one."""
     path = out / "heldout-prompts.jsonl"
     folder = cli.resolve_model(args.model)
     weights = files.weights_identity(folder, cache_dir=out)  # the same config, other tensors: another model, whose
@@ -833,8 +834,9 @@ def heldout_log(out, args, budgets, model, rows, adapters):
     run = digest(model.config.fingerprint(), weights, budgets, args.answer_kl, args.window,
                  list(harness.compared_rows([m for _, m in adapters])))
     ids = [digest(r["prompt_ids"], r["response_ids"]) for r in rows]
-    logs = {label: PromptLog(path, digest(run, i == 0, m.info, *[v for _, v in sorted(m.state_dict().items())]), ids)
-            for i, (label, m) in enumerate(adapters)}
+    plan = harness.compare_plan(adapters, harness.compared_rows([m for _, m in adapters]), args.answer_kl)
+    logs = {label: PromptLog(path, digest(run, list(kl_rows), m.info, *[v for _, v in sorted(m.state_dict().items())]),
+                             ids) for label, m, kl_rows in plan}
     by_key, index = {log.key: log for log in logs.values()}, {d: i for i, d in enumerate(ids)}
     files.refuse_link(path, "--out")  # a handed folder's link: the appends below would land where it points
     text, kept, other = path.read_text(errors="replace") if path.is_file() else "", 0, 0

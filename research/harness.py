@@ -264,22 +264,33 @@ def compared_rows(modules):
     return {**ROWS, **PAPER_ROWS, **(LAYERED_ROWS if layered else {})}
 
 
-def compare(model, adapters, heldout, budgets, answer_kl=False, window=32, done=None):
-    """Held-out metrics of each (label, module) in `adapters` (the first: the untrained module) on one
-    ground truth: the prompt-only baselines' answer KL once (with the first), each adapter's rows always.
-    Prompt by prompt: every module is measured on a prompt (its baselines' prefills made once, in its runs),
-    then the prompt's runs are let go, so one prompt's runs are in memory at a time. (A module by module loop
-    kept every prompt's runs, ~7.5 KB a prompt token, between the passes, and the process grew ~96 MiB a prompt,
-    to 6.3 GB at ~4K x 48: more than the runs, the heap they were scattered in not given back; RESULTS 5.1.)
-    done: {label: heldout_metrics' done} of a run that resumes. Returns [(label, module, metrics)] for tables()."""
-    rows = compared_rows([m for _, m in adapters])
-    done = {label: {} for label, _ in adapters} if done is None else done
-    plan = []  # (label, module, the rows whose answer KL it measures)
+def compare_plan(adapters, rows, answer_kl):
+    """[(label, module, the rows whose answer KL it measures)] for compare(): the first module (the untrained
+    one) also measures the prompt-only baselines; each module its own lookahead rows and, when it has per-layer
+    budgets, SnapKV given them (snapkv-layered: the untrained module has none, so measured with it the row
+    would be plain SnapKV under another name)."""
+    plan = []
     for i, (label, m) in enumerate(adapters):
         own = ("lookahead", "lookahead-unpooled") if (m.info.get("rule") or "none") != "none" else ("lookahead-unpooled",)
-        own += tuple(PAPER_ROWS) + tuple(r for r in LAYERED_ROWS if r.startswith("lookahead") and r in rows)
-        base = tuple(r for r in rows if not r.startswith("lookahead")) if i == 0 else ()
+        own += tuple(PAPER_ROWS) + tuple(r for r in LAYERED_ROWS if r in rows and
+                                         (r.startswith("lookahead") or m.info.get("layer_weights")))
+        base = tuple(r for r in rows if not r.startswith("lookahead") and r not in LAYERED_ROWS) if i == 0 else ()
         plan.append((label, m, (base + own) if answer_kl else ()))
+    return plan
+
+
+def compare(model, adapters, heldout, budgets, answer_kl=False, window=32, done=None):
+    """Held-out metrics of each (label, module) in `adapters` (the first: the untrained module) on one
+    ground truth: the prompt-only baselines' answer KL once (with the first), each adapter's rows always
+    (compare_plan). Prompt by prompt: every module is measured on a prompt (its baselines' prefills made once,
+    in its runs), then the prompt's runs are let go, so one prompt's runs are in memory at a time. (A module by
+    module loop kept every prompt's runs, ~7.5 KB a prompt token, between the passes, and the process grew
+    ~90 MiB a prompt, to 6.3 GiB at ~4K x 48: the runs ~16-23 MiB of it, the rest freed heap that glibc kept
+    around them (malloc_trim gave it back); RESULTS 5.1.) done: {label: heldout_metrics' done} of a run that
+    resumes. Returns [(label, module, metrics)] for tables()."""
+    rows = compared_rows([m for _, m in adapters])
+    done = {label: {} for label, _ in adapters} if done is None else done
+    plan = compare_plan(adapters, rows, answer_kl)
     for i in tqdm(range(len(heldout)), desc="held-out metrics", leave=False, disable=len(heldout) < 8):
         todo = [(label, m, kl_rows) for label, m, kl_rows in plan if i not in done[label]]
         if not todo:  # measured by a run this one resumes: not read from disk
@@ -311,11 +322,13 @@ def tables(table, budgets, n):
 
         lines += [f"\n| {title} ({n} held-out; gap closed) | " + " | ".join(f"C={C}" for C in budgets)
                   + " | KL(gt ‖ pred) |", "|---" * (len(budgets) + 2) + "|"]
-        for row in BASELINES + (("snapkv-layered",) if f"{metric}_snapkv-layered@{budgets[0]}" in first else ()):
+        for row in BASELINES:
             lines.append(f"| {row} | {cells(first, row)} | |")
         for label, m, r in table:
             # every row says what it selects by and how many slots each layer gets
             own = "its per-layer budgets" if m.info.get("layer_weights") else "C in every layer"
+            if m.info.get("layer_weights") and f"{metric}_snapkv-layered@{budgets[0]}" in r:
+                lines.append(f"| snapkv, {label}'s per-layer budgets | {cells(r, 'snapkv-layered')} | |")
             # as shipped unless another row is it: no rule is the paper's max:7, "none" is the unpooled row
             if (m.info.get("rule") or "none") != "none":
                 lines.append(f"| {label}, as shipped ({m.info['rule']}, {own}) | {cells(r, 'lookahead')} "

@@ -3,6 +3,7 @@ prompt at a time (harness.OnDisk) gives the very numbers of the one kept in memo
 between calls; a --suite/--tasks run that adds a method to a results folder reuses FullKV's answers from it
 instead of decoding them again, and gives the rows of a run that made every method at once."""
 
+import copy
 import json
 
 import pytest
@@ -102,6 +103,26 @@ def test_compare_holds_one_prompts_runs_at_a_time(small, tmp_path, monkeypatch):
     assert calls == [0] * (2 + 3 + 3)
     assert reads == heldout.paths[1:]
     assert not any("runs" in extra for extra in heldout.extras)
+
+
+def test_snapkv_given_an_adapters_budgets_is_measured_with_that_adapter(small):
+    """snapkv-layered (SnapKV given an adapter's per-layer budgets) is measured with the module whose budgets
+    it takes, not with the untrained one, which has none (measured so, the row was plain SnapKV under another
+    name); the table prints it under that adapter."""
+    model, modules, rows = small
+    untrained, layered = modules[0][1], copy.deepcopy(modules[1][1])
+    layered.info = dict(layer_weights=[0.5] * (model.config.num_hidden_layers - 1) + [1.5])
+    heldout = harness.heldout_ground_truth(model, rows)
+    table = harness.compare(model, [("untrained", untrained), ("layered", layered)], heldout, budgets=(8, 16),
+                            answer_kl=True, window=4)
+    first, second = table[0][2], table[1][2]
+    assert not any("snapkv-layered" in k for k in first if k.startswith("answer_kl"))
+    for C in (8, 16):
+        assert f"answer_kl_snapkv-layered@{C}" in second
+    assert any(second[f"answer_kl_snapkv-layered@{C}"] != first[f"answer_kl_snapkv@{C}"] for C in (8, 16))
+    assert any(second[f"recall_snapkv-layered@{C}"] != first[f"recall_snapkv@{C}"] for C in (8, 16))
+    text = harness.tables(table, (8, 16), len(rows))
+    assert text.count("| snapkv, layered's per-layer budgets | ") == 2  # answer KL and recall
 
 
 def test_unreadable_file_is_made_again(small, tmp_path, capsys):
