@@ -831,10 +831,10 @@ def heldout_log(out, args, budgets, model, rows, adapters):
     folder = cli.resolve_model(args.model)
     weights = files.weights_identity(folder, cache_dir=out)  # the same config, other tensors: another model, whose
     files.keep_identity(folder, out, weights)  # prompts are measured again
-    run = digest(model.config.fingerprint(), weights, budgets, args.answer_kl, args.window,
-                 list(harness.compared_rows([m for _, m in adapters])))
+    compared = harness.compared_rows([m for _, m in adapters])
+    run = digest(model.config.fingerprint(), weights, budgets, args.answer_kl, args.window, list(compared))
     ids = [digest(r["prompt_ids"], r["response_ids"]) for r in rows]
-    plan = harness.compare_plan(adapters, harness.compared_rows([m for _, m in adapters]), args.answer_kl)
+    plan = harness.compare_plan(adapters, compared, args.answer_kl)
     logs = {label: PromptLog(path, digest(run, list(kl_rows), m.info, *[v for _, v in sorted(m.state_dict().items())]),
                              ids) for label, m, kl_rows in plan}
     by_key, index = {log.key: log for log in logs.values()}, {d: i for i, d in enumerate(ids)}
