@@ -341,8 +341,8 @@ def describe(model, args, module=None, scorers=None, note=None):
     print(f"\n{model.config.name}  {args.device} {str(dt)[6:]}  threads {torch.get_num_threads()}  budget {args.budget}"
           f"  window {args.window}  repeats {args.repeats}  clock {args.clock.__name__}  torch {torch.__version__}")
     if KEPT_MEMORY and torch.device(args.device).type == "cpu":
-        print("allocator: freed memory kept for reuse (glibc mallopt), as CUDA's caching allocator does; "
-              "peak GiB includes what is kept")
+        kept = "" if args.mode == "prefill-vs-hf" else "; peak GiB includes what is kept"  # its peaks: a process apart
+        print(f"allocator: freed memory kept for reuse (glibc mallopt), as CUDA's caching allocator does{kept}")
     if module is not None:
         kind = ("untrained LookaheadModule" if module.source == "untrained" else f"adapter {module.source}")
         print(f"lookahead rows: {kind} (M={module.n_tokens}, LoRA {','.join(module.targets)} r={module.rank})")
@@ -468,36 +468,68 @@ def run_decode(model, module, scorers, args, lengths, emit):
 @torch.inference_mode()
 def run_prefill_vs_hf(args, lengths, emit):
     try:
-        from transformers import AutoModelForCausalLM
+        import transformers  # noqa: F401 (load_hf uses it; a missing one is said before any model loads)
     except ImportError:
         raise ValueError("--mode prefill-vs-hf needs transformers (pip install transformers), "
                          "a test/bench dependency only") from None
-    with tempfile.TemporaryDirectory(prefix="bench-random-") as tmp:
+    cuda = torch.device(args.device).type == "cuda"
+    with tempfile.TemporaryDirectory(prefix="bench-random-") as tmp:  # held to the end: the memory calls load it
         if args.random_init:  # the same random weights on both sides: ours, saved once as an HF folder
             ours = random_model(args.random_init, args.device, torch.float32)
             folder = save_hf_folder(ours, args.random_init, Path(tmp))
         else:
             folder = cli.resolve_model(args.model)
             ours = cli.load(folder, args.device, torch.float32, tokenizer=False)[0]
-        theirs = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").to(args.device).float().eval()
-    full = row_scorer("full", args)
-    describe(ours, args, note="both float32, torch.inference_mode, same threads, last token's logits only "
-             "(transformers: logits_to_keep=1), each building its KV cache; peak: the process's peak memory "
-             "during one more call of each, alone (both models' weights included), and added: that less what the "
-             "process held before it")
-    for S in lengths:
-        ids = random_ids(ours, 1, S)
-        fns = dict(ours=lambda: compress(ours, ids, full)[1],
-                   transformers=lambda: theirs(input_ids=ids, logits_to_keep=1).logits[:, -1])
-        times, _, out = time_rounds(fns, args.repeats, args.device, f"prefill S={S}", args.clock)
-        t_ours, t_hf = med(times["ours"]), med(times["transformers"])
-        # memory in calls of their own, after the timed rounds: there the memory one call freed is kept for the
-        # next (keep_freed_memory), so a call's peak would be the largest of any call before it
-        (ours_peak, ours_added), (hf_peak, hf_added) = (call_memory(fns[n], args.device) for n in fns)
-        emit(dict(mode="prefill-vs-hf", model=ours.config.name, S=S, ours_ms=t_ours, hf_ms=t_hf, ratio=t_ours / t_hf,
-                  logits_diff=(out["ours"] - out["transformers"]).abs().max().item(),
-                  ours_peak_gib=ours_peak, hf_peak_gib=hf_peak, ours_added_gib=ours_added, hf_added_gib=hf_added,
-                  rounds_ms=times["ours"], hf_rounds_ms=times["transformers"]))
+        theirs = load_hf(folder, args.device)
+        full = row_scorer("full", args)
+        where = ("this process, the allocator's own counters" if cuda else
+                 "a fresh process of its own per side, which loads that side's model alone, each tensor of 128 KiB or "
+                 "more its own mapping (measure_one_call)")
+        describe(ours, args, note="both float32, torch.inference_mode, same threads, last token's logits only "
+                 "(transformers: logits_to_keep=1), each building its KV cache; peak: the peak memory during one "
+                 f"more call of each side, after one unmeasured, in {where}; added: that less what was held before "
+                 "the call")
+        for S in lengths:
+            ids = random_ids(ours, 1, S)
+            fns = dict(ours=prefill_call(ours, ids, full), transformers=prefill_call(theirs, ids))
+            times, _, out = time_rounds(fns, args.repeats, args.device, f"prefill S={S}", args.clock)
+            t_ours, t_hf = med(times["ours"]), med(times["transformers"])
+            if cuda:
+                (ours_peak, ours_added), (hf_peak, hf_added) = (cuda_memory(fns[n]) for n in fns)
+            else:  # not here: after the timing rounds, this process's heap decides what a call adds (child_memory)
+                (ours_peak, ours_added), (hf_peak, hf_added) = (
+                    child_memory(prefill_side, n, folder, ids.cpu(), full, args.threads) for n in fns)
+            emit(dict(mode="prefill-vs-hf", model=ours.config.name, S=S, ours_ms=t_ours, hf_ms=t_hf,
+                      ratio=t_ours / t_hf, logits_diff=(out["ours"] - out["transformers"]).abs().max().item(),
+                      ours_peak_gib=ours_peak, hf_peak_gib=hf_peak, ours_added_gib=ours_added,
+                      hf_added_gib=hf_added, rounds_ms=times["ours"], hf_rounds_ms=times["transformers"]))
+
+
+def load_hf(folder, device):
+    """transformers' model of an HF folder, float32, its SDPA attention."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # a bar per tensor: hundreds of lines in the table
+    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").to(device).float().eval()
+
+
+def prefill_call(model, ids, full=None):
+    """One prefill of ids as a call returning the last token's logits: ours (a Transformer, with FullKV's scorer
+    `full`: compress() keeps every slot) or transformers' (logits_to_keep=1); each builds its KV cache."""
+    if isinstance(model, Transformer):
+        return torch.inference_mode()(lambda: compress(model, ids, full)[1])
+    return torch.inference_mode()(lambda: model(input_ids=ids, logits_to_keep=1).logits[:, -1])
+
+
+def prefill_side(side, folder, ids, full, threads):
+    """child_memory's maker: side ("ours" or "transformers")'s model loaded from folder on the CPU, and its
+    prefill of ids as a call."""
+    if threads:
+        torch.set_num_threads(threads)
+    if side == "ours":
+        return prefill_call(cli.load(folder, "cpu", torch.float32, tokenizer=False)[0], ids, full)
+    return prefill_call(load_hf(folder, "cpu"), ids)
 
 
 def save_hf_folder(model, config_path, folder):
@@ -517,47 +549,65 @@ def save_hf_folder(model, config_path, folder):
     return folder
 
 
-def call_memory(fn, device):
-    """(peak, added): the process's peak memory during one call of fn and that less what it held before, in GiB
-    (CPU, Linux: resident memory, with the memory freed before the call given back to the system first, glibc's
-    malloc_trim, and large tensors given back when freed: see mmap_threshold; CUDA: the allocator's).
-    (None, None) where /proc cannot say."""
+def cuda_memory(fn):
+    """(peak, added) in GiB: the CUDA allocator's peak during one call of fn, and that less what it held before."""
     import gc
 
     gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        fn()
-        peak = torch.cuda.max_memory_allocated()
-        return peak / 2**30, (peak - before) / 2**30
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    peak = torch.cuda.max_memory_allocated()
+    return peak / 2**30, (peak - before) / 2**30
+
+
+def child_memory(make, *make_args):
+    """(peak, added) in GiB on the CPU: a fresh process (spawned) builds fn = make(*make_args) (loads a model),
+    then reads its peak resident memory (VmHWM) over one call of fn (measure_one_call), and that less its
+    resident memory just before the call (VmRSS). (None, None) where /proc cannot say (not Linux).
+
+    Why a process of its own: in the timing process, after its rounds, the very same 8K prefill read 0.60 and
+    1.04 GiB added in two runs (2026-12-07): what a call adds there depends on how the rounds left the heap.
+    Spawn imports the caller's main module again: a script that calls this keeps its work under
+    `if __name__ == "__main__"` (bench.py does)."""
+    import concurrent.futures
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")  # not fork: a forked child would inherit this heap
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        return pool.submit(measure_one_call, make, make_args).result()
+
+
+def measure_one_call(make, make_args):
+    """child_memory's child: (peak, added) in GiB over one call of make(*make_args), after one call unmeasured
+    (as the timing rounds' warm-up: transformers leaves its weights mapped from the file, read in by the first
+    call, and SmolLM2's 0.5 GiB would count as the call's own).
+
+    Every allocation of 128 KiB or more gets a mapping of its own, given back when freed (glibc's
+    M_MMAP_THRESHOLD at its starting value, held there), so the peak counts the tensors alive at once, not how
+    the allocator reuses freed blocks. With glibc's defaults the threshold rises as large blocks are freed, and
+    what the heap then keeps depends on the address layout the process was given (ASLR): our 4K prefill
+    read 0.417, 0.445 and 0.481 GiB added in three fresh processes, 0.417 every time with ASLR off (setarch -R),
+    and 0.284 every time at the held threshold (2026-12-07)."""
+    import gc
+
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD (glibc's malloc.h); set, it no longer rises
     except OSError:
-        pass
+        libc = None
+    fn = make(*make_args)
+    fn()
+    gc.collect()
+    if libc is not None:
+        libc.malloc_trim(0)  # what the load and the first call freed is not held
     if not peak_rss_reset():
         return None, None
-    if KEPT_MEMORY:  # measured as a user's process runs: each large tensor its own mapping, given back when freed
-        mmap_threshold(128 << 10)
     before = resident_gib()
     fn()
     peak = peak_rss_gib()
-    if KEPT_MEMORY:
-        keep_freed_memory()  # the timing rounds' setting again
     return peak, peak - before
-
-
-def mmap_threshold(nbytes):
-    """glibc: allocations of nbytes or more get a mapping of their own, unmapped when freed (128 KiB is glibc's
-    starting value). With freed memory kept (keep_freed_memory), a call's peak resident memory depends on how
-    earlier calls left the heap: at 4K (SmolLM2, 2026-12-07) two calls of each side read 0.435-0.530 GiB
-    added, the order deciding which side looked larger; at this threshold every call read 0.286 (ours) and
-    0.284 (transformers') GiB."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD, glibc's malloc.h
-    except OSError:
-        pass
 
 
 def resident_gib():
