@@ -562,7 +562,7 @@ def cuda_memory(fn):
     return peak / 2**30, (peak - before) / 2**30
 
 
-def child_memory(make, *make_args):
+def child_memory(make, *make_args, held=True):
     """(peak, added) in GiB on the CPU: a fresh process (spawned) builds fn = make(*make_args) (loads a model),
     then reads its peak resident memory (VmHWM) over one call of fn (measure_one_call), and that less its
     resident memory just before the call (VmRSS). (None, None) where /proc cannot say (not Linux).
@@ -576,27 +576,28 @@ def child_memory(make, *make_args):
 
     spawn = multiprocessing.get_context("spawn")  # not fork: a forked child would inherit this heap
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        return pool.submit(measure_one_call, make, make_args).result()
+        return pool.submit(measure_one_call, make, make_args, held).result()
 
 
-def measure_one_call(make, make_args):
+def measure_one_call(make, make_args, held=True):
     """child_memory's child: (peak, added) in GiB over one call of make(*make_args), after one call unmeasured
     (as the timing rounds' warm-up: transformers leaves its weights mapped from the file, read in by the first
     call, and SmolLM2's 0.5 GiB would count as the call's own).
 
-    Every allocation of 128 KiB or more gets a mapping of its own, given back when freed (glibc's
+    held: every allocation of 128 KiB or more gets a mapping of its own, given back when freed (glibc's
     M_MMAP_THRESHOLD at its starting value, held there), so the peak counts the tensors alive at once, not how
     the allocator reuses freed blocks. With glibc's defaults the threshold rises as large blocks are freed, and
     what the heap then keeps depends on the address layout the process was given (ASLR): our 4K prefill
     read 0.417, 0.445 and 0.481 GiB added in three fresh processes, 0.417 every time with ASLR off (setarch -R),
-    and 0.284 every time at the held threshold (2026-12-07)."""
+    and 0.284 every time at the held threshold (2026-12-07; research/long_prompts/memory_probe.py)."""
     import gc
 
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD (glibc's malloc.h); set, it no longer rises
     except OSError:
         libc = None
+    if libc is not None and held:
+        libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD (glibc's malloc.h); set, it no longer rises
     fn = make(*make_args)
     fn()
     gc.collect()
