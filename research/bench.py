@@ -587,9 +587,9 @@ def measure_one_call(make, make_args, held=True):
     held: every allocation of 128 KiB or more gets a mapping of its own, given back when freed (glibc's
     M_MMAP_THRESHOLD at its starting value, held there), so the peak counts the tensors alive at once, not how
     the allocator reuses freed blocks. With glibc's defaults the threshold rises as large blocks are freed, and
-    what the heap then keeps depends on the address layout the process was given (ASLR): our 4K prefill
-    read 0.417, 0.445 and 0.481 GiB added in three fresh processes, 0.417 every time with ASLR off (setarch -R),
-    and 0.284 every time at the held threshold (2026-12-07; research/long_prompts/memory_probe.py)."""
+    what the heap then keeps around the tensors differs from process to process, on both sides: at 4K ours read
+    0.417-0.471 GiB added in three fresh processes, transformers' 0.416-0.561; at the held threshold 0.283-0.284
+    every time, both sides (2026-12-08, research/long_prompts/memory_probe.py)."""
     import gc
 
     try:
